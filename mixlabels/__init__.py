@@ -1,0 +1,26 @@
+"""mixlabels: mixing augmentations whose labels follow the tokens through vision transformers.
+
+The typed core shared by the mixers (``strategies``) and the backbone adapters
+(``backbones``): the label map of a mixed batch, the soft-target losses and the
+configuration base.
+"""
+
+from mixlabels._config import Config
+from mixlabels._label_map import TokenLabelMap, check_labels, class_distributions
+from mixlabels._loss import (
+    SoftTargetCrossEntropy,
+    TokenSoftTargetCrossEntropy,
+    soft_target_cross_entropy,
+    token_soft_target_cross_entropy,
+)
+
+__all__ = [
+    "Config",
+    "TokenLabelMap",
+    "check_labels",
+    "class_distributions",
+    "SoftTargetCrossEntropy",
+    "TokenSoftTargetCrossEntropy",
+    "soft_target_cross_entropy",
+    "token_soft_target_cross_entropy",
+]

@@ -1,0 +1,403 @@
+"""TokenLabelMap: which batch element every region of a mixed batch comes from.
+
+A mixed sample is a convex combination of K *sources* (K = 2 for pairwise mixing;
+source 0 is always the sample itself, the un-permuted batch element). The map keeps
+
+- ``sources``       ``(b, k)``          batch index of each source,
+- ``mask``          ``(b, k, mh, mw)``  weight of each source in every mask cell,
+- ``image_weights`` ``(b, k)``          image-level weight (lambda) of each source,
+- the class targets of the un-mixed batch (integer or soft labels),
+
+and derives from them, exactly, the weights of any token grid that divides the
+image, and the class distributions those weights stand for. Everything stays
+compact: labels travel through a network as ``(b, n, k)`` weights and become
+``(b, n, c)`` class distributions only at the end (see ``targets``).
+
+Shapes, named once: ``b`` batch, ``k`` sources, ``mh mw`` mask cells, ``h w`` a
+token grid, ``n = h * w`` tokens, ``c`` classes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from einops import rearrange, reduce, repeat
+from torch import Tensor
+
+__all__ = ["TokenLabelMap", "class_distributions", "check_labels"]
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def check_labels(labels: Tensor, num_classes: int) -> None:
+    """Raise a clear error unless ``labels`` are valid class targets for ``num_classes``.
+
+    Integer labels ``(b,)`` must lie in ``[0, num_classes)``; soft labels
+    ``(b, c)`` must be finite, non-negative rows summing to 1. One host sync.
+    """
+    if num_classes < 1:
+        _fail(f"num_classes must be >= 1, got {num_classes}")
+    if labels.is_floating_point():
+        if labels.ndim != 2 or labels.shape[1] != num_classes:
+            _fail(
+                f"soft labels must have shape (batch, num_classes=({num_classes}), got "
+                f"{tuple(labels.shape)}; pass integer class ids of shape (batch,) or "
+                f"probabilities of shape (batch, {num_classes})"
+            )
+        bad = (~torch.isfinite(labels)).any() | (labels < 0).any()
+        off_simplex = (labels.sum(dim=1) - 1).abs().max() > 1e-3
+        flags = torch.stack([bad, off_simplex]).tolist()
+        if flags[0]:
+            _fail("soft labels contain NaN, inf or negative values; each row must be a distribution")
+        if flags[1]:
+            _fail("soft label rows must sum to 1 (within 1e-3); normalise them or pass class ids")
+        return
+    if labels.dtype in (torch.bool, torch.complex64, torch.complex128):
+        _fail(f"labels must be integer class ids or float probabilities, got dtype {labels.dtype}")
+    if labels.ndim != 1:
+        _fail(
+            f"integer labels must have shape (batch,), got {tuple(labels.shape)}; "
+            "for one-hot or soft targets pass a float tensor of shape (batch, num_classes)"
+        )
+    if labels.numel() == 0:
+        return
+    lo, hi = torch.aminmax(labels)
+    lo_v, hi_v = int(lo), int(hi)
+    if lo_v < 0 or hi_v >= num_classes:
+        _fail(
+            f"labels out of range: found class ids in [{lo_v}, {hi_v}] but num_classes={num_classes}; "
+            f"ids must lie in [0, {num_classes - 1}]"
+        )
+
+
+def class_distributions(labels: Tensor, num_classes: int, label_smoothing: float = 0.0) -> Tensor:
+    """Class distributions ``(b, c)`` in fp32 for integer ``(b,)`` or soft ``(b, c)`` labels.
+
+    Label smoothing follows timm's ``one_hot``: off value ``s / c``, on value
+    ``1 - s + s / c``; soft labels are smoothed as ``(1 - s) y + s / c``.
+    """
+    off = label_smoothing / num_classes
+    if labels.is_floating_point():
+        return labels.float() * (1.0 - label_smoothing) + off
+    out = torch.full((labels.shape[0], num_classes), off, dtype=torch.float32, device=labels.device)
+    return out.scatter_(1, labels.long().unsqueeze(1), 1.0 - label_smoothing + off)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenLabelMap:
+    """A mixed batch's sources, their per-region weights and their class targets.
+
+    Construct it with ``from_mask`` (pairwise mixing), ``unmixed`` or, for K
+    sources, directly. Construction checks shapes and dtypes (no host sync);
+    ``from_mask`` and ``check`` also check values.
+
+    Args:
+        sources: ``(b, k)`` long, batch index of every source; column 0 is ``arange(b)``.
+        mask: ``(b, k, mh, mw)`` fp32, weight of each source in each mask cell.
+            A cell covers ``(H / mh, W / mw)`` pixels (a 1x1 mask is MixUp).
+        image_weights: ``(b, k)`` fp32, image-level weight of each source; column 0
+            is lambda in timm's convention (the weight of the un-permuted sample).
+        labels: class targets of the un-mixed batch: ``(b,)`` integer ids or
+            ``(b, c)`` probabilities. Never cast with the images, so ids stay exact.
+        num_classes: ``c``.
+        image_size: ``(H, W)`` of the mixed images in pixels.
+        label_smoothing: applied when class targets are expanded, in ``[0, 1)``.
+        token_space: the mix is to be applied to patch embeddings (MixToken), not
+            to pixels: the images were returned unmixed.
+
+    Example:
+        >>> import torch
+        >>> mask = torch.zeros(2, 4, 4); mask[:, :2] = 1.0  # top half from the sample itself
+        >>> lm = TokenLabelMap.from_mask(mask, torch.tensor([1, 0]), torch.tensor([3, 7]), num_classes=10)
+        >>> lm.image_weights[:, 0].tolist()
+        [0.5, 0.5]
+        >>> lm.token_weights((2, 2))[0, :, 0].tolist()
+        [1.0, 1.0, 0.0, 0.0]
+        >>> lm.targets(lm.image_weights)[0, [3, 7]].tolist()
+        [0.5, 0.5]
+    """
+
+    sources: Tensor
+    mask: Tensor
+    image_weights: Tensor
+    labels: Tensor
+    num_classes: int
+    image_size: tuple[int, int]
+    label_smoothing: float = 0.0
+    token_space: bool = False
+
+    def __post_init__(self) -> None:
+        b = self.sources.shape[0] if self.sources.ndim == 2 else -1
+        if self.sources.ndim != 2 or self.sources.dtype != torch.long:
+            _fail(f"sources must be a (batch, k) long tensor, got {tuple(self.sources.shape)} {self.sources.dtype}")
+        k = self.sources.shape[1]
+        if self.mask.ndim != 4 or self.mask.shape[:2] != (b, k):
+            _fail(f"mask must have shape (batch={b}, k={k}, mh, mw), got {tuple(self.mask.shape)}")
+        if self.mask.dtype != torch.float32 or self.image_weights.dtype != torch.float32:
+            _fail(
+                f"mask and image_weights must be float32 (labels are kept in fp32 whatever the image dtype), "
+                f"got {self.mask.dtype} and {self.image_weights.dtype}"
+            )
+        if self.image_weights.shape != (b, k):
+            _fail(f"image_weights must have shape (batch={b}, k={k}), got {tuple(self.image_weights.shape)}")
+        if self.labels.shape[0] != b:
+            _fail(f"labels have batch size {self.labels.shape[0]} but the mask has {b}; they must match")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            _fail(f"label_smoothing must lie in [0, 1), got {self.label_smoothing}")
+        if self.num_classes < 1:
+            _fail(f"num_classes must be >= 1, got {self.num_classes}")
+        if self.labels.is_floating_point():
+            if self.labels.ndim != 2 or self.labels.shape[1] != self.num_classes:
+                _fail(
+                    f"soft labels must have shape (batch, num_classes={self.num_classes}), "
+                    f"got {tuple(self.labels.shape)}"
+                )
+        elif self.labels.ndim != 1 or self.labels.dtype == torch.bool:
+            _fail(
+                f"labels must be integer class ids (batch,) or float probabilities (batch, num_classes), "
+                f"got {tuple(self.labels.shape)} {self.labels.dtype}"
+            )
+        hh, ww = self.image_size
+        mh, mw = self.mask.shape[2:]
+        if hh % mh or ww % mw:
+            _fail(
+                f"mask cells ({mh}x{mw}) must tile the image ({hh}x{ww}) exactly: "
+                "choose a mask resolution that divides the image size"
+            )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_mask(
+        cls,
+        mask: Tensor,
+        partner: Tensor,
+        labels: Tensor,
+        num_classes: int,
+        label_smoothing: float = 0.0,
+        image_size: tuple[int, int] | None = None,
+        token_space: bool = False,
+        validate: bool = True,
+    ) -> TokenLabelMap:
+        """Pairwise map from the per-cell weight of source 0 and the batch index of source 1.
+
+        Args:
+            mask: ``(b, mh, mw)`` or ``(b, 1, mh, mw)`` weight in ``[0, 1]`` of the sample
+                itself in every cell (bool or float; 1 keeps the sample's own pixel).
+            partner: ``(b,)`` long, batch index of source 1.
+            labels: ``(b,)`` class ids or ``(b, c)`` probabilities of the un-mixed batch.
+            num_classes: ``c``.
+            label_smoothing: in ``[0, 1)``.
+            image_size: ``(H, W)``; defaults to the mask size (a per-pixel mask).
+            token_space: mark the map for mixing patch embeddings (MixToken).
+            validate: check values (ranges, NaN, label ids): one host sync.
+
+        Returns:
+            A map with ``k = 2`` whose image weights are the mask's area means.
+        """
+        if mask.ndim == 4:
+            if mask.shape[1] != 1:
+                _fail(f"a 4-d mask must have one channel (b, 1, mh, mw), got {tuple(mask.shape)}")
+            mask = mask[:, 0]
+        if mask.ndim != 3:
+            _fail(f"mask must have shape (batch, mh, mw), got {tuple(mask.shape)}")
+        if not (mask.is_floating_point() or mask.dtype == torch.bool):
+            _fail(f"mask must be float (weights in [0, 1]) or bool, got {mask.dtype}")
+        if partner.ndim != 1 or partner.dtype not in (torch.long, torch.int32, torch.int64):
+            _fail(f"partner must be a (batch,) integer tensor of batch indices, got {tuple(partner.shape)} {partner.dtype}")
+        b = mask.shape[0]
+        if partner.shape[0] != b:
+            _fail(f"partner has batch size {partner.shape[0]} but the mask has {b}; they must match")
+        if labels.shape[0] != b:
+            _fail(f"labels have batch size {labels.shape[0]} but the mask has {b}; they must match")
+        if validate:
+            check_labels(labels, num_classes)
+            if b:
+                m = mask.float()
+                flags = torch.stack(
+                    [torch.isnan(m).any(), (m < 0).any() | (m > 1).any(), (partner < 0).any() | (partner >= b).any()]
+                ).tolist()
+                if flags[0]:
+                    _fail("mask contains NaN; every cell needs a weight in [0, 1]")
+                if flags[1]:
+                    _fail("mask weights must lie in [0, 1] (the weight of the sample itself); found values outside")
+                if flags[2]:
+                    _fail(f"partner indices must lie in [0, {b - 1}] (batch indices of the mixed-in samples)")
+        w0 = mask.float()
+        size = image_size if image_size is not None else (int(mask.shape[1]), int(mask.shape[2]))
+        own = torch.arange(b, device=partner.device, dtype=torch.long)
+        sources = torch.stack([own, partner.long()], dim=1)
+        cells = torch.stack([w0, 1.0 - w0], dim=1)
+        lam = reduce(w0, "b mh mw -> b", "mean")
+        return cls(
+            sources=sources,
+            mask=cells,
+            image_weights=torch.stack([lam, 1.0 - lam], dim=1),
+            labels=labels,
+            num_classes=num_classes,
+            image_size=(int(size[0]), int(size[1])),
+            label_smoothing=float(label_smoothing),
+            token_space=token_space,
+        )
+
+    @classmethod
+    def unmixed(
+        cls,
+        labels: Tensor,
+        num_classes: int,
+        image_size: tuple[int, int],
+        label_smoothing: float = 0.0,
+    ) -> TokenLabelMap:
+        """The identity map (k = 1): every token belongs to its own sample."""
+        b = labels.shape[0]
+        dev = labels.device
+        return cls(
+            sources=torch.arange(b, device=dev, dtype=torch.long).unsqueeze(1),
+            mask=torch.ones(b, 1, 1, 1, device=dev),
+            image_weights=torch.ones(b, 1, device=dev),
+            labels=labels,
+            num_classes=num_classes,
+            image_size=image_size,
+            label_smoothing=float(label_smoothing),
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def batch_size(self) -> int:
+        return int(self.sources.shape[0])
+
+    @property
+    def num_sources(self) -> int:
+        return int(self.sources.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.sources.device
+
+    def to(self, device: torch.device | str) -> TokenLabelMap:
+        """The same map on another device."""
+        return replace(
+            self,
+            sources=self.sources.to(device),
+            mask=self.mask.to(device),
+            image_weights=self.image_weights.to(device),
+            labels=self.labels.to(device),
+        )
+
+    def check(self) -> None:
+        """Check values (one host sync): labels in range, weights in [0, 1] summing to 1 over k."""
+        check_labels(self.labels, self.num_classes)
+        b = self.batch_size
+        if b == 0:
+            return
+        total = reduce(self.mask, "b k mh mw -> b mh mw", "sum")
+        flags = torch.stack(
+            [
+                ~torch.isfinite(self.mask).all() | ~torch.isfinite(self.image_weights).all(),
+                (self.mask < 0).any() | (self.mask > 1).any() | (self.image_weights < 0).any(),
+                (total - 1).abs().max() > 1e-5,
+                (self.image_weights.sum(1) - 1).abs().max() > 1e-5,
+                (self.sources < 0).any() | (self.sources >= b).any(),
+            ]
+        ).tolist()
+        messages = [
+            "mask or image_weights contain NaN or inf",
+            "mask and image weights must lie in [0, 1]",
+            "mask weights must sum to 1 over the sources in every cell",
+            "image weights must sum to 1 over the sources",
+            f"sources must be batch indices in [0, {b - 1}]",
+        ]
+        for flag, message in zip(flags, messages):
+            if flag:
+                _fail(message)
+
+    # ------------------------------------------------------------------ weights
+    def token_weights(self, grid: tuple[int, int]) -> Tensor:
+        """Exact area fraction of every source inside every cell of a token grid.
+
+        Args:
+            grid: ``(h, w)`` tokens; ``h`` must divide the image height and ``w`` its width.
+
+        Returns:
+            ``(b, h*w, k)`` fp32 weights, row-major over the grid, summing to 1 over ``k``.
+        """
+        h, w = grid
+        hh, ww = self.image_size
+        if h < 1 or w < 1 or hh % h or ww % w:
+            _fail(
+                f"token grid {h}x{w} does not divide the image {hh}x{ww}: each token must cover a whole "
+                "number of pixels (resize the image or pick a patch size that divides it)"
+            )
+        mh, mw = self.mask.shape[2:]
+        # The finest grid both tilings align to divides the image, so upsampling the
+        # mask to it by repetition and averaging back down gives exact pixel fractions.
+        lh, lw = math.lcm(mh, h), math.lcm(mw, w)
+        m = self.mask
+        if lh != mh or lw != mw:
+            m = repeat(m, "b k mh mw -> b k (mh rh) (mw rw)", rh=lh // mh, rw=lw // mw)
+        return reduce(m, "b k (h ph) (w pw) -> b (h w) k", "mean", h=h, w=w)
+
+    def pixel_weights(self) -> Tensor:
+        """Per-pixel weights ``(b, k, H, W)`` (the mask at image resolution)."""
+        hh, ww = self.image_size
+        mh, mw = self.mask.shape[2:]
+        if (mh, mw) == (hh, ww):
+            return self.mask
+        return repeat(self.mask, "b k mh mw -> b k (mh rh) (mw rw)", rh=hh // mh, rw=ww // mw)
+
+    # ------------------------------------------------------------------ targets
+    def source_targets(self) -> Tensor:
+        """Class distribution of every source, ``(b, k, c)`` fp32, smoothing applied."""
+        per_sample = class_distributions(self.labels, self.num_classes, self.label_smoothing)
+        return per_sample[self.sources]
+
+    def targets(self, weights: Tensor) -> Tensor:
+        """Expand source weights ``(b, ..., k)`` into class distributions ``(b, ..., c)``.
+
+        Alignment is linear and keeps convex combinations, so aligning compact
+        ``(b, n, k)`` weights and expanding here equals aligning dense labels.
+        """
+        if weights.shape[0] != self.batch_size or weights.shape[-1] != self.num_sources:
+            _fail(
+                f"weights must have shape (batch={self.batch_size}, ..., k={self.num_sources}), "
+                f"got {tuple(weights.shape)}"
+            )
+        return torch.einsum("b...k,bkc->b...c", weights.float(), self.source_targets())
+
+    def image_targets(self) -> Tensor:
+        """The image-level soft targets ``(b, c)``: the CutMix/MixUp target."""
+        return self.targets(self.image_weights)
+
+    # ------------------------------------------------------------------ applying
+    def mix_pixels(self, images: Tensor) -> Tensor:
+        """Mask-weighted sum of the sources' pixels, ``(b, ch, H, W)``, in the images' dtype."""
+        if images.ndim != 4 or images.shape[0] != self.batch_size or tuple(images.shape[2:]) != self.image_size:
+            _fail(
+                f"images must have shape (batch={self.batch_size}, channels, {self.image_size[0]}, "
+                f"{self.image_size[1]}), got {tuple(images.shape)}"
+            )
+        weights = self.pixel_weights().to(images.dtype)
+        out = images[self.sources[:, 0]] * weights[:, :1]
+        for s in range(1, self.num_sources):
+            out = out + images[self.sources[:, s]] * weights[:, s : s + 1]
+        return out
+
+    def mix_tokens(self, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
+        """Mix patch embeddings ``(b, n, d)`` with this map's token weights (MixToken).
+
+        Returns the weighted sum over sources of each source's token at the same
+        position, in the tokens' dtype; gradients flow to every source.
+        """
+        n = grid[0] * grid[1]
+        if tokens.ndim != 3 or tokens.shape[0] != self.batch_size or tokens.shape[1] != n:
+            _fail(f"tokens must have shape (batch={self.batch_size}, n={n}, dim), got {tuple(tokens.shape)}")
+        weights = self.token_weights(grid).to(tokens.dtype)  # b n k
+        gathered = tokens[self.sources]  # b k n d
+        return torch.einsum("bknd,bnk->bnd", gathered, weights)
+
+    def dense_pixel_targets(self) -> Tensor:
+        """Per-pixel class distributions ``(b, c, H, W)``; for pictures and tests, not hot paths."""
+        return rearrange(self.targets(rearrange(self.pixel_weights(), "b k h w -> b h w k")), "b h w c -> b c h w")

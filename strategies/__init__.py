@@ -1,0 +1,1 @@
+"""strategies package."""

@@ -1,0 +1,261 @@
+"""TokenLabelMap: invariants (property-based), parity with timm, and the catalogue of bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from timm.data.mixup import mixup_target
+from torch.testing import assert_close
+
+from mixlabels import TokenLabelMap, class_distributions
+
+SIZES = [8, 12, 16, 24, 32]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def box_case(draw: st.DrawFn) -> tuple[int, int, list[tuple[int, int, int, int]], tuple[int, int]]:
+    """An image size, one random box per sample, and a grid that divides the image."""
+    hh = draw(st.sampled_from(SIZES))
+    ww = draw(st.sampled_from(SIZES))
+    b = draw(st.integers(1, 4))
+    boxes = []
+    for _ in range(b):
+        y0 = draw(st.integers(0, hh))
+        y1 = draw(st.integers(y0, hh))
+        x0 = draw(st.integers(0, ww))
+        x1 = draw(st.integers(x0, ww))
+        boxes.append((y0, y1, x0, x1))
+    grid = (draw(st.sampled_from(divisors(hh))), draw(st.sampled_from(divisors(ww))))
+    return hh, ww, boxes, grid
+
+
+def box_map(hh: int, ww: int, boxes: list[tuple[int, int, int, int]], num_classes: int = 10) -> TokenLabelMap:
+    b = len(boxes)
+    mask = torch.ones(b, hh, ww)
+    for i, (y0, y1, x0, x1) in enumerate(boxes):
+        mask[i, y0:y1, x0:x1] = 0.0  # the box is pasted from the partner
+    partner = torch.arange(b).flip(0)
+    labels = torch.arange(b) % num_classes
+    return TokenLabelMap.from_mask(mask, partner, labels, num_classes=num_classes)
+
+
+@given(box_case())
+def test_token_weights_equal_brute_force_pixel_count(case: tuple[int, int, list[tuple[int, int, int, int]], tuple[int, int]]) -> None:
+    hh, ww, boxes, (h, w) = case
+    lm = box_map(hh, ww, boxes)
+    got = lm.token_weights((h, w))
+    ph, pw = hh // h, ww // w
+    for i, (y0, y1, x0, x1) in enumerate(boxes):
+        for r in range(h):
+            for c in range(w):
+                # Count the partner's pixels inside the token cell by intersecting intervals.
+                oy = max(0, min(y1, (r + 1) * ph) - max(y0, r * ph))
+                ox = max(0, min(x1, (c + 1) * pw) - max(x0, c * pw))
+                frac = oy * ox / (ph * pw)
+                assert math.isclose(got[i, r * w + c, 1].item(), frac, abs_tol=1e-6)
+                assert math.isclose(got[i, r * w + c, 0].item(), 1 - frac, abs_tol=1e-6)
+
+
+@given(box_case())
+def test_weights_are_convex_and_regridding_preserves_image_weight(case: tuple[int, int, list[tuple[int, int, int, int]], tuple[int, int]]) -> None:
+    hh, ww, boxes, grid = case
+    lm = box_map(hh, ww, boxes)
+    tw = lm.token_weights(grid)
+    assert (tw >= 0).all()
+    assert_close(tw.sum(-1), torch.ones(tw.shape[:2]))
+    # The image weight is the area mean of the token weights on every grid.
+    assert_close(tw.mean(1), lm.image_weights)
+    for i, (y0, y1, x0, x1) in enumerate(boxes):
+        assert math.isclose(lm.image_weights[i, 1].item(), (y1 - y0) * (x1 - x0) / (hh * ww), abs_tol=1e-6)
+
+
+@given(
+    st.sampled_from([3, 4, 6, 8, 12]),
+    st.sampled_from(divisors(48)),
+    st.integers(1, 3),
+    st.integers(0, 2**31 - 1),
+)
+def test_cell_masks_regrid_to_finer_and_coarser_grids(mcells: int, g: int, b: int, seed: int) -> None:
+    """A cell-level mask (RandomPatchMix) re-grids exactly to grids finer and coarser than its cells."""
+    size = 48  # divisible by every mask resolution and every grid drawn
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(b, mcells, mcells, generator=gen).round()
+    lm = TokenLabelMap.from_mask(mask, torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), 3, image_size=(size, size))
+    pix = mask.repeat_interleave(size // mcells, 1).repeat_interleave(size // mcells, 2)
+    expected = torch.nn.functional.avg_pool2d(pix[:, None], size // g).flatten(1)
+    assert_close(lm.token_weights((g, g))[..., 0], expected)
+    assert_close(lm.token_weights((g, g)).mean(1), lm.image_weights)
+
+
+@given(
+    st.integers(1, 6),
+    st.integers(2, 700),
+    st.floats(0.0, 0.95),
+    st.floats(0.0, 1.0),
+    st.integers(0, 2**31 - 1),
+)
+def test_targets_match_timm_mixup_target(b: int, num_classes: int, smoothing: float, lam: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, num_classes, (b,), generator=gen)
+    mask = torch.full((b, 1, 1), lam)
+    lm = TokenLabelMap.from_mask(mask, torch.arange(b).flip(0), labels, num_classes, label_smoothing=smoothing)
+    got = lm.image_targets()
+    ref = mixup_target(labels, num_classes, lam=lam, smoothing=smoothing)
+    assert_close(got, ref)
+    assert_close(got.sum(-1), torch.ones(b))
+
+
+@given(st.integers(1, 5), st.integers(2, 50), st.floats(0.0, 0.9), st.integers(0, 2**31 - 1))
+def test_targets_rows_sum_to_one_for_soft_labels_and_any_weights(b: int, c: int, smoothing: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    soft = torch.rand(b, c, generator=gen).softmax(-1)
+    mask = torch.rand(b, 4, 4, generator=gen)
+    lm = TokenLabelMap.from_mask(mask, torch.randint(0, b, (b,), generator=gen), soft, c, label_smoothing=smoothing, image_size=(16, 16))
+    t = lm.targets(lm.token_weights((8, 8)))
+    assert t.shape == (b, 64, c)
+    assert (t >= 0).all()
+    assert_close(t.sum(-1), torch.ones(b, 64))
+
+
+def test_class_ids_above_256_survive_a_bf16_image_pipeline() -> None:
+    labels = torch.tensor([257, 999, 513, 1000 - 1])
+    images = torch.rand(4, 3, 8, 8).to(torch.bfloat16)
+    mask = torch.ones(4, 8, 8)
+    mask[:, :4] = 0
+    lm = TokenLabelMap.from_mask(mask, torch.tensor([1, 0, 3, 2]), labels, num_classes=1000)
+    mixed = lm.mix_pixels(images)
+    assert mixed.dtype == torch.bfloat16
+    assert lm.mask.dtype == torch.float32 and lm.image_weights.dtype == torch.float32
+    t = lm.image_targets()
+    assert t.dtype == torch.float32
+    assert t[0, 257].item() == 0.5 and t[0, 999].item() == 0.5
+    assert torch.equal(lm.labels, labels)
+
+
+def test_mix_pixels_and_tokens_are_the_weighted_sources() -> None:
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(3, 2, 8, 8, generator=gen)
+    mask = torch.rand(3, 2, 2, generator=gen)
+    partner = torch.tensor([2, 0, 1])
+    lm = TokenLabelMap.from_mask(mask, partner, torch.tensor([0, 1, 2]), 3, image_size=(8, 8))
+    mixed = lm.mix_pixels(images)
+    for i in range(3):
+        m = mask[i].repeat_interleave(4, 0).repeat_interleave(4, 1)
+        assert_close(mixed[i], images[i] * m + images[partner[i]] * (1 - m))
+    tokens = torch.randn(3, 4, 5, generator=gen)
+    mt = lm.mix_tokens(tokens, (2, 2))
+    for i in range(3):
+        w = mask[i].flatten()[:, None]
+        assert_close(mt[i], tokens[i] * w + tokens[partner[i]] * (1 - w))
+
+
+def test_unmixed_map_is_the_identity() -> None:
+    labels = torch.tensor([1, 2, 0])
+    lm = TokenLabelMap.unmixed(labels, 3, (8, 8), label_smoothing=0.1)
+    assert_close(lm.image_targets(), class_distributions(labels, 3, 0.1))
+    assert_close(lm.token_weights((4, 4)), torch.ones(3, 16, 1))
+    lm.check()
+
+
+def test_to_device_keeps_values() -> None:
+    lm = box_map(8, 8, [(0, 4, 0, 4), (2, 8, 2, 8)])
+    moved = lm.to("cpu")
+    assert_close(moved.token_weights((2, 2)), lm.token_weights((2, 2)))
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def good() -> dict[str, object]:
+    return dict(
+        mask=torch.ones(2, 4, 4),
+        partner=torch.tensor([1, 0]),
+        labels=torch.tensor([0, 1]),
+        num_classes=3,
+    )
+
+
+BAD = [
+    ("mask/label batch mismatch", dict(labels=torch.tensor([0, 1, 2])), "batch size"),
+    ("partner batch mismatch", dict(partner=torch.tensor([1])), "partner has batch size"),
+    ("labels out of range", dict(labels=torch.tensor([0, 3])), "out of range"),
+    ("negative labels", dict(labels=torch.tensor([-1, 0])), "out of range"),
+    ("negative weights", dict(mask=-torch.ones(2, 4, 4)), r"\[0, 1\]"),
+    ("weights above one", dict(mask=2 * torch.ones(2, 4, 4)), r"\[0, 1\]"),
+    ("NaN weights", dict(mask=torch.full((2, 4, 4), float("nan"))), "NaN"),
+    ("integer mask", dict(mask=torch.ones(2, 4, 4, dtype=torch.long)), "float"),
+    ("float partner", dict(partner=torch.tensor([1.0, 0.0])), "integer"),
+    ("partner out of range", dict(partner=torch.tensor([2, 0])), "partner indices"),
+    ("bool labels", dict(labels=torch.tensor([True, False])), "dtype"),
+    ("2-d integer labels", dict(labels=torch.tensor([[0], [1]])), r"shape \(batch,\)"),
+    ("soft labels of the wrong width", dict(labels=torch.ones(2, 4) / 4), "num_classes"),
+    ("soft labels off the simplex", dict(labels=torch.ones(2, 3)), "sum to 1"),
+    ("soft labels with NaN", dict(labels=torch.full((2, 3), float("nan"))), "NaN"),
+    ("mask of the wrong rank", dict(mask=torch.ones(2, 4)), "shape"),
+    ("mask with two channels", dict(mask=torch.ones(2, 2, 4, 4)), "one channel"),
+    ("smoothing of one", dict(label_smoothing=1.0), "label_smoothing"),
+    ("negative smoothing", dict(label_smoothing=-0.1), "label_smoothing"),
+    ("zero classes", dict(num_classes=0), "num_classes"),
+    ("mask cells that do not tile the image", dict(image_size=(10, 10)), "tile the image"),
+]
+
+
+@pytest.mark.parametrize("name,override,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_are_refused_clearly(name: str, override: dict[str, object], match: str) -> None:
+    kwargs = good() | override
+    with pytest.raises(ValueError, match=match):
+        TokenLabelMap.from_mask(**kwargs)  # type: ignore[arg-type]
+
+
+def test_grid_that_does_not_divide_the_image_is_refused() -> None:
+    lm = TokenLabelMap.from_mask(**good())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not divide the image"):
+        lm.token_weights((3, 3))
+
+
+def test_weights_of_the_wrong_shape_are_refused() -> None:
+    lm = TokenLabelMap.from_mask(**good())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k=2"):
+        lm.targets(torch.ones(2, 5, 3))
+
+
+def test_direct_construction_checks_dtypes_and_shapes() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        TokenLabelMap(
+            sources=torch.zeros(2, 1, dtype=torch.long),
+            mask=torch.ones(2, 1, 1, 1, dtype=torch.float16),
+            image_weights=torch.ones(2, 1),
+            labels=torch.zeros(2, dtype=torch.long),
+            num_classes=2,
+            image_size=(4, 4),
+        )
+    with pytest.raises(ValueError, match="sources"):
+        TokenLabelMap(
+            sources=torch.zeros(2, 1),
+            mask=torch.ones(2, 1, 1, 1),
+            image_weights=torch.ones(2, 1),
+            labels=torch.zeros(2, dtype=torch.long),
+            num_classes=2,
+            image_size=(4, 4),
+        )
+
+
+def test_check_catches_weights_that_do_not_sum_to_one() -> None:
+    lm = TokenLabelMap(
+        sources=torch.zeros(1, 2, dtype=torch.long),
+        mask=torch.full((1, 2, 1, 1), 0.3),
+        image_weights=torch.full((1, 2), 0.5),
+        labels=torch.zeros(1, dtype=torch.long),
+        num_classes=2,
+        image_size=(4, 4),
+    )
+    with pytest.raises(ValueError, match="sum to 1 over the sources"):
+        lm.check()
