@@ -1,1 +1,27 @@
-"""backbones package."""
+"""backbones: adapters that let timm models carry mixed labels along their tokens.
+
+``adapt(model, scheme)`` wraps a timm model (parameters shared, never copied):
+called on images it returns exactly what the model returns; called with a
+``mixlabels.TokenLabelMap`` it returns a ``mixlabels.AlignedOutput`` with the
+logits, the scheme's stop-gradient targets and ``.loss()``.
+
+Example:
+    >>> import timm, torch, mixlabels, backbones
+    >>> model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+    ...                           embed_dim=32, depth=2, num_heads=2, num_classes=10)
+    >>> aligned = backbones.adapt(model, mixlabels.TLAlign())
+    >>> images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    >>> mask = torch.zeros(4, 32, 32); mask[:, :, :16] = 1.0  # CutMix: left half from the sample itself
+    >>> lm = mixlabels.TokenLabelMap.from_mask(mask, labels.flip(0), labels, num_classes=10)
+    >>> out = aligned(lm.mix_pixels(images), lm)
+    >>> out.loss().backward()
+    >>> out.target.shape, aligned.model is model
+    (torch.Size([4, 10]), True)
+"""
+
+from backbones._adapt import SUPPORTED, adapt
+from backbones._attention import attention_with_labels
+from backbones._vit import AdaptedViT
+from backbones._vit_reference import reference_forward
+
+__all__ = ["adapt", "SUPPORTED", "AdaptedViT", "reference_forward", "attention_with_labels"]

@@ -5,6 +5,7 @@ The typed core shared by the mixers (``strategies``) and the backbone adapters
 configuration base.
 """
 
+from mixlabels._align import AlignedOutput, AlignedTargets, LabelTracker, Readout, Scheme, TokenLayout
 from mixlabels._config import Config
 from mixlabels._label_map import TokenLabelMap, check_labels, class_distributions
 from mixlabels._loss import (
@@ -13,6 +14,8 @@ from mixlabels._loss import (
     soft_target_cross_entropy,
     token_soft_target_cross_entropy,
 )
+from mixlabels._scheme_config import NoAlignConfig, SchemeConfig, TLAlignConfig, TokenLabelingConfig, TransMixConfig
+from mixlabels._schemes import NoAlign, TLAlign, TokenAnnotator, TokenLabeling, TransMix
 
 __all__ = [
     "Config",
@@ -23,4 +26,21 @@ __all__ = [
     "TokenSoftTargetCrossEntropy",
     "soft_target_cross_entropy",
     "token_soft_target_cross_entropy",
+    # alignment: the event protocol, the schemes and their configs
+    "TokenLayout",
+    "LabelTracker",
+    "Scheme",
+    "Readout",
+    "AlignedTargets",
+    "AlignedOutput",
+    "NoAlign",
+    "TransMix",
+    "TLAlign",
+    "TokenLabeling",
+    "TokenAnnotator",
+    "SchemeConfig",
+    "NoAlignConfig",
+    "TransMixConfig",
+    "TLAlignConfig",
+    "TokenLabelingConfig",
 ]

@@ -1,1 +1,60 @@
-"""strategies package."""
+"""strategies: mixing augmentations (kornia modules) whose output carries a ``TokenLabelMap``.
+
+Replacing timm's ``mixup_fn`` in a training loop::
+
+    # before: mixup_fn = timm.data.Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=1000)
+    #         images, targets = mixup_fn(images, labels)
+    mixer = Switch([MixUp(1000, alpha=0.8, label_smoothing=0.1), CutMix(1000, alpha=1.0, label_smoothing=0.1)])
+    images, label_map = mixer(images, labels)        # labels: (b,) ids or (b, c) probabilities
+    targets = label_map.image_targets()              # (b, c): timm's mixed target
+    loss = mixlabels.soft_target_cross_entropy(model(images), targets)
+
+With kornia: ``seq = AugmentationSequential(K.RandomHorizontalFlip(), mixer, data_keys=["input"])``;
+``images = seq(images)``; ``label_map = sequential_label_map(seq, labels)``.
+"""
+
+from strategies._base import MixParams, Mixer, PairMixer, mix_images
+from strategies._config import (
+    BlockwiseMixConfig,
+    CutMixConfig,
+    MixerConfig,
+    MixTokenConfig,
+    MixUpConfig,
+    RandomPatchMixConfig,
+    SwitchConfig,
+)
+from strategies._cutmix import BoxParams, CutMix, cutmix_boxes
+from strategies._mixtoken import MixToken
+from strategies._mixup import MixUp, MixUpParams
+from strategies._patch import BlockwiseMix, CellParams, RandomPatchMix
+from strategies._sampling import Mode, Pairing
+from strategies._sequential import sequential_label_map
+from strategies._switch import Switch, SwitchParams
+
+__all__ = [
+    "CutMix",
+    "MixUp",
+    "RandomPatchMix",
+    "BlockwiseMix",
+    "MixToken",
+    "Switch",
+    "Mixer",
+    "PairMixer",
+    "MixParams",
+    "BoxParams",
+    "MixUpParams",
+    "CellParams",
+    "SwitchParams",
+    "Mode",
+    "Pairing",
+    "mix_images",
+    "cutmix_boxes",
+    "sequential_label_map",
+    "CutMixConfig",
+    "MixUpConfig",
+    "RandomPatchMixConfig",
+    "BlockwiseMixConfig",
+    "MixTokenConfig",
+    "SwitchConfig",
+    "MixerConfig",
+]

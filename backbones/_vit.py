@@ -1,0 +1,160 @@
+"""Adapter for timm's VisionTransformer family: runs timm's own modules and emits alignment events.
+
+Shapes: ``b`` batch, ``n`` tokens (prefix + patches), ``p`` prefix tokens, ``h`` heads,
+``d`` head dim, ``k`` sources, ``c`` classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, overload
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, reduce
+from timm.layers.attention import Attention
+from timm.layers.drop import DropPath
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import Tensor, nn
+
+from backbones._attention import attention_with_labels, class_attention, drop_path_with_keep
+from backbones._checks import check_batch
+from backbones._vit_reference import reference_forward
+from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
+
+__all__ = ["AdaptedViT", "VIT_FAMILY", "vit_refusal"]
+
+VIT_FAMILY = (
+    "timm VisionTransformer (ViT/DeiT with a class token; VisionTransformerDistilled with its distillation "
+    "token; register tokens; class_token=False with global_pool='avg'; qk_norm; layer scale (init_values); "
+    "stochastic depth (drop_path_rate)) built from timm Block + Attention"
+)
+
+
+def vit_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be adapted as a ViT (``None`` if it can)."""
+    if not isinstance(model, VisionTransformer):
+        return f"{type(model).__name__} is not a timm VisionTransformer"
+    for i, blk in enumerate(model.blocks):
+        if type(blk) is not Block or type(blk.attn) is not Attention:
+            return (
+                f"block {i} is {type(blk).__name__} with {type(getattr(blk, 'attn', None)).__name__}; "
+                "only timm's pre-norm Block with its Attention is supported"
+            )
+    if model.attn_pool is not None or model.global_pool not in ("token", "avg"):
+        return f"global_pool={model.global_pool!r} has no label readout; use 'token' or 'avg'"
+    if not isinstance(model.patch_drop, nn.Identity):
+        return "patch dropout (patch_drop_rate > 0) drops tokens the labels cannot follow; set patch_drop_rate=0"
+    if getattr(model.patch_embed, "dynamic_img_pad", False):
+        return "dynamic_img_pad pads images, so patches no longer tile the label map; disable it"
+    return None
+
+
+class AdaptedViT(nn.Module):
+    """A timm ViT/DeiT whose forward also returns the scheme's aligned targets.
+
+    ``adapted(images)`` is exactly ``model(images)``. ``adapted(images, label_map)``
+    runs the same modules block by block, emits the alignment events, and returns an
+    ``AlignedOutput``. Parameters are the model's own (``adapted.model is model``).
+    A label map is accepted in eval mode too (targets without stochastic depth).
+    """
+
+    def __init__(self, model: nn.Module, scheme: Scheme, reference: bool = False) -> None:
+        super().__init__()
+        why = vit_refusal(model)
+        if why is not None:
+            raise TypeError(f"cannot adapt this model: {why}. Supported: {VIT_FAMILY}")
+        self.model = model
+        self.scheme = scheme
+        self.reference = reference
+
+    @overload
+    def forward(self, images: Tensor) -> Any: ...
+
+    @overload
+    def forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput: ...
+
+    def forward(self, images: Tensor, label_map: TokenLabelMap | None = None) -> Any:
+        if label_map is None:
+            return self.model(images)
+        grid = self._check(images, label_map)
+        if self.reference:
+            return reference_forward(self.model, self.scheme, images, label_map)
+        return self._aligned_forward(images, label_map, grid)
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, images: Tensor, label_map: TokenLabelMap) -> tuple[int, int]:
+        m: Any = self.model
+        if m.grad_checkpointing:
+            raise RuntimeError(
+                "gradient checkpointing re-runs block forwards, which would update the labels twice; "
+                "call model.set_grad_checkpointing(False) before training with a label map"
+            )
+        return check_batch(images, label_map, tuple(m.patch_embed.patch_size))
+
+    # ------------------------------------------------------------------ fast path
+    def _aligned_forward(self, images: Tensor, label_map: TokenLabelMap, grid: tuple[int, int]) -> AlignedOutput:
+        m: Any = self.model  # timm is untyped
+        x = m.patch_embed(images)  # b n d (or b h w d with dynamic_img_size)
+        if label_map.token_space:  # MixToken: mix the patch embeddings, not the pixels
+            if x.ndim == 4:
+                flat = label_map.mix_tokens(rearrange(x, "b h w d -> b (h w) d"), grid)
+                x = rearrange(flat, "b (h w) d -> b h w d", h=grid[0])
+            else:
+                x = label_map.mix_tokens(x, grid)
+        x = m._pos_embed(x)  # b n d, prefix tokens first
+        x = m.norm_pre(m.patch_drop(x))
+        p = m.num_prefix_tokens
+        head_reads_token = m.global_pool == "token"
+        layout = TokenLayout(grid=grid, num_prefix=p, depth=len(m.blocks), class_token=head_reads_token)
+        tracker = self.scheme.start(label_map, layout)
+        for layer, blk in enumerate(m.blocks):
+            x = self._block(blk, x, layer, tracker)
+        x = m.norm(x)
+        tracker.pool("token", 0) if head_reads_token else tracker.pool("mean", 0 if m.pool_include_prefix else p)
+        output = m.forward_head(x)  # timm's own head: a tensor, or (cls, dist) when training distilled
+        logits = output[0] if isinstance(output, tuple) else output
+        token_logits = None
+        if self.scheme.needs_token_logits:  # LV-ViT: the classifier on every normalised patch token
+            token_logits = m.head(m.head_drop(m.fc_norm(x[:, p:])))  # b n c
+        t = tracker.finish()
+        return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        branch, keep = _drop_path(blk.drop_path1, blk.ls1(self._attention(blk.attn, blk.norm1(x), layer, tracker)))
+        tracker.residual(layer, keep)
+        x = x + branch
+        branch, keep = _drop_path(blk.drop_path2, blk.ls2(blk.mlp(blk.norm2(x))))
+        tracker.residual(layer, keep)  # channel mixing: labels unchanged
+        return x + branch
+
+    def _attention(self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
+        q, k, v = rearrange(attn.qkv(x), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        dropout_p = attn.attn_drop.p if attn.training else 0.0
+        if tracker.wants_class_attention(layer):
+            tracker.class_attention(layer, class_attention(q, k, attn.scale))  # b n, from q_cls only
+        if not attn.fused_attn:
+            # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
+            a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # b h n n
+            if tracker.wants_labels(layer):
+                mean = reduce(a.detach().float(), "b h n m -> b n m", "mean")
+                with torch.autocast(device_type=mean.device.type, enabled=False):  # labels stay fp32
+                    tracker.spatial_mix(layer, mean @ tracker.labels())
+            out = attn.attn_drop(a) @ v
+        elif tracker.wants_labels(layer):
+            out, mixed = attention_with_labels(q, k, v, tracker.labels(), attn.scale, dropout_p)
+            tracker.spatial_mix(layer, mixed)  # b n l
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        out = rearrange(out, "b h n d -> b n (h d)")
+        out = attn.norm(out) if hasattr(attn, "norm") else out
+        if gate is not None:
+            out = out * gate
+        return attn.proj_drop(attn.proj(out))  # type: ignore[no-any-return]
+
+
+def _drop_path(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    if isinstance(module, DropPath):
+        return drop_path_with_keep(x, module.drop_prob, module.training, module.scale_by_keep)
+    return module(x), None

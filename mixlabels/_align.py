@@ -1,0 +1,195 @@
+"""The alignment event protocol: how a backbone tells a scheme what happened to its tokens.
+
+A backbone adapter runs a model's own modules and, at every operation that moves
+information between tokens, emits an *event* to a ``LabelTracker`` that a
+``Scheme`` started for this batch. The tracker decides what the event does to the
+labels (TL-Align's Table 10), so one scheme serves every backbone and one adapter
+serves every scheme.
+
+Events, in the order a pre-norm transformer block emits them (``layer`` counts the
+spatial-mixing layers the adapter announced in ``TokenLayout.depth``, from 0):
+
+- ``wants_labels(layer)``: should the adapter compute the spatial mix of the
+  labels at this layer? If not it runs its ordinary (fastest) kernel.
+- ``labels()``: the current labels ``(b, n, l)`` fp32 (``l`` = sources ``k``, or
+  classes ``c`` for dense labels) to push through the spatial mix.
+- ``spatial_mix(layer, mixed)``: ``mixed = mean_h(A_h) @ labels()`` ``(b, n, l)``,
+  the head-mean attention (or normalised kernel) applied to the labels.
+- ``wants_class_attention(layer)`` / ``class_attention(layer, weights)``: the head
+  mean of the class token's attention row ``(b, n)`` (TransMix).
+- ``residual(layer, keep)``: a residual ``Z <- Z + g(Z)`` was added. If a spatial
+  mix arrived since the last residual, ``g``'s labels are the mixed labels, else
+  ``g`` was channel mixing and its labels equal the input's. ``keep`` ``(b,)`` bool
+  says which samples kept the branch under stochastic depth (``None``: all).
+- ``aggregate(merge)``: tokens were merged (patch merging, strided conv);
+  ``merge`` maps labels ``(b, n, l) -> (b, n', l)`` by summing the merged tokens,
+  and the tracker renormalises. Also for a change of token layout (cyclic shift).
+- ``pool(how, first)``: the readout: ``"token"`` reads token ``first`` (the class
+  token), ``"mean"`` averages tokens ``first:`` (global average pooling).
+- ``finish()``: the stop-gradient targets.
+
+Example (a tiny single-head "model" adapted by hand; see ``backbones`` for timm):
+    >>> import torch
+    >>> from mixlabels import TLAlign, TokenLabelMap, TokenLayout
+    >>> mask = torch.zeros(2, 2, 2); mask[:, :, :1] = 1.0  # left half from the sample itself
+    >>> lm = TokenLabelMap.from_mask(mask, torch.tensor([1, 0]), torch.tensor([0, 1]), num_classes=2)
+    >>> tracker = TLAlign().start(lm, TokenLayout(grid=(2, 2), num_prefix=1, depth=1, class_token=True))
+    >>> attn = torch.full((2, 5, 5), 0.2)  # (b, n, n): uniform attention, rows sum to 1
+    >>> if tracker.wants_labels(0):
+    ...     tracker.spatial_mix(0, attn @ tracker.labels())
+    >>> tracker.residual(0, keep=None)  # Z <- Z + attention(Z)
+    >>> tracker.residual(0, keep=None)  # Z <- Z + mlp(Z): channel mixing, labels unchanged
+    >>> tracker.pool("token", 0)
+    >>> tracker.finish().target.tolist()
+    [[0.5, 0.5], [0.5, 0.5]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from mixlabels._label_map import TokenLabelMap
+from mixlabels._loss import soft_target_cross_entropy, token_soft_target_cross_entropy
+
+__all__ = ["TokenLayout", "LabelTracker", "Scheme", "AlignedTargets", "AlignedOutput", "Readout"]
+
+Readout = Literal["token", "mean"]
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How an adapter lays out the tokens of a batch at the start of the network.
+
+    Args:
+        grid: ``(h, w)`` patch-token grid; tokens ``num_prefix:`` are row-major over it.
+        num_prefix: tokens before the patch tokens (class, distillation, register).
+        depth: number of spatial-mixing layers the adapter will announce (``layer``
+            runs over ``range(depth)``); schemes resolve layer choices against it.
+        class_token: token 0 is a class token that the head reads.
+    """
+
+    grid: tuple[int, int]
+    num_prefix: int
+    depth: int
+    class_token: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix + self.grid[0] * self.grid[1]
+
+
+@dataclass(frozen=True, eq=False)
+class AlignedTargets:
+    """What a scheme hands back: stop-gradient targets.
+
+    Args:
+        target: ``(b, c)`` class distributions for the image-level logits.
+        weights: ``(b, k)`` the same target as source weights (compact labels), or ``None``
+            when the labels were dense.
+        token_target: ``(b, n, c)`` per-patch-token distributions, when the scheme needs them.
+        token_loss_weight: factor of the dense token loss (token labeling's beta).
+    """
+
+    target: Tensor
+    weights: Tensor | None = None
+    token_target: Tensor | None = None
+    token_loss_weight: float = 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class AlignedOutput:
+    """An adapted model's result on a mixed batch: logits, targets and the scheme's loss.
+
+    Args:
+        output: exactly what the bare model returns for the images (a tensor, or the
+            distilled DeiT's ``(logits, dist_logits)`` tuple when it trains distilled).
+        logits: ``(b, c)`` the class-head logits the loss uses.
+        target: ``(b, c)`` stop-gradient soft targets.
+        weights: ``(b, k)`` the target as source weights (``None`` for dense labels).
+        token_logits: ``(b, n, c)`` per-patch-token logits when the scheme trains on them.
+        token_target: ``(b, n, c)`` per-patch-token targets, likewise.
+        token_loss_weight: beta of ``loss = CE(logits, target) + beta * CE_tokens``.
+    """
+
+    output: Tensor | tuple[Tensor, ...]
+    logits: Tensor
+    target: Tensor
+    weights: Tensor | None = None
+    token_logits: Tensor | None = None
+    token_target: Tensor | None = None
+    token_loss_weight: float = 0.0
+
+    def loss(self) -> Tensor:
+        """The scheme's training loss (token labeling Eq. 3: class loss + beta * token loss)."""
+        loss = soft_target_cross_entropy(self.logits, self.target)
+        if self.token_target is not None and self.token_logits is not None:
+            loss = loss + self.token_loss_weight * token_soft_target_cross_entropy(self.token_logits, self.token_target)
+        return loss
+
+
+class LabelTracker(Protocol):
+    """The labels of one batch while a backbone runs; receives the adapter's events."""
+
+    def wants_labels(self, layer: int) -> bool:
+        """Whether the adapter must compute ``mean_h(A_h) @ labels()`` at ``layer``."""
+        ...
+
+    def labels(self) -> Tensor:
+        """Current labels ``(b, n, l)`` fp32, no grad."""
+        ...
+
+    def spatial_mix(self, layer: int, mixed: Tensor) -> None:
+        """The spatially mixed labels ``(b, n, l)`` of ``layer`` (its residual branch's labels)."""
+        ...
+
+    def wants_class_attention(self, layer: int) -> bool:
+        """Whether the adapter must report the class token's head-mean attention row at ``layer``."""
+        ...
+
+    def class_attention(self, layer: int, weights: Tensor) -> None:
+        """The head-mean attention row of the class token ``(b, n)`` over all tokens."""
+        ...
+
+    def residual(self, layer: int, keep: Tensor | None) -> None:
+        """A residual branch was added; ``keep`` ``(b,)`` bool marks samples that kept it."""
+        ...
+
+    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
+        """Tokens were merged; ``merge`` sums labels ``(b, n, l) -> (b, n', l)``."""
+        ...
+
+    def pool(self, how: Readout, first: int) -> None:
+        """The readout: token ``first`` (``"token"``) or the mean of tokens ``first:``."""
+        ...
+
+    def finish(self) -> AlignedTargets:
+        """The stop-gradient targets of the batch."""
+        ...
+
+
+class Scheme(Protocol):
+    """An alignment scheme: starts one ``LabelTracker`` per batch."""
+
+    @property
+    def needs_token_logits(self) -> bool:
+        """Whether the adapter must also return per-patch-token logits (token labeling)."""
+        ...
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        """A tracker for one forward pass of a batch mixed as ``label_map``."""
+        ...
+
+
+def initial_weights(label_map: TokenLabelMap, layout: TokenLayout) -> Tensor:
+    """Eq. 5: prefix tokens get the image weights, patch tokens their exact area fractions.
+
+    Returns:
+        ``(b, num_prefix + h*w, k)`` fp32.
+    """
+    patches = label_map.token_weights(layout.grid)  # b n k
+    prefix = label_map.image_weights.unsqueeze(1).expand(-1, layout.num_prefix, -1)  # b p k
+    return torch.cat([prefix, patches], dim=1)

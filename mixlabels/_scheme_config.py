@@ -1,0 +1,67 @@
+"""Pydantic configurations of the alignment schemes, keyed by a ``kind`` literal.
+
+Example:
+    >>> from pydantic import TypeAdapter
+    >>> TypeAdapter(SchemeConfig).validate_python({"kind": "tl_align", "layers": [1, 3, 5, 7]}).build()
+    TLAlign(layers=(1, 3, 5, 7), normalize=True)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field
+
+from mixlabels._config import Config
+from mixlabels._schemes import NoAlign, TLAlign, TokenLabeling, TransMix
+
+__all__ = ["NoAlignConfig", "TransMixConfig", "TLAlignConfig", "TokenLabelingConfig", "SchemeConfig"]
+
+
+class NoAlignConfig(Config[NoAlign]):
+    """The image-level mix (CutMix/MixUp baseline)."""
+
+    kind: Literal["none"] = "none"
+
+    def build(self) -> NoAlign:
+        return NoAlign()
+
+
+class TransMixConfig(Config[TransMix]):
+    """TransMix: last-layer class attention averaged with the area lambda."""
+
+    kind: Literal["transmix"] = "transmix"
+
+    def build(self) -> TransMix:
+        return TransMix()
+
+
+class TLAlignConfig(Config[TLAlign]):
+    """TL-Align; ``layers`` and ``normalize`` give Table 8's ablations."""
+
+    kind: Literal["tl_align"] = "tl_align"
+    layers: Annotated[
+        tuple[int, ...] | None,
+        Field(description="0-based aligned layers (negative from the end); None aligns all"),
+    ] = None
+    normalize: Annotated[bool, Field(description="False: Table 8's 'Normalization Disabled'")] = True
+
+    def build(self) -> TLAlign:
+        return TLAlign(layers=self.layers, normalize=self.normalize)
+
+
+class TokenLabelingConfig(Config[TokenLabeling]):
+    """Token labeling: class loss plus beta times the dense token loss."""
+
+    kind: Literal["token_labeling"] = "token_labeling"
+    beta: Annotated[float, Field(ge=0.0, description="weight of the dense token loss")] = 0.5
+    aligned: Annotated[bool, Field(description="align token targets through the layers")] = False
+
+    def build(self) -> TokenLabeling:
+        return TokenLabeling(beta=self.beta, aligned=self.aligned)
+
+
+SchemeConfig = Annotated[
+    Union[NoAlignConfig, TransMixConfig, TLAlignConfig, TokenLabelingConfig],
+    Field(discriminator="kind"),
+]

@@ -1,0 +1,384 @@
+"""The mixer base: typed params, the pure pixel mix, and the kornia mix-augmentation module.
+
+Every mixer is a ``kornia.augmentation.MixAugmentationBaseV2``: it samples
+frozen params (``sample``), then applies them purely (``mix``), and is called as
+``mixed, label_map = mixer(images, labels)``. Inside a kornia
+``AugmentationSequential`` it mixes the images only (kornia refuses class labels
+for mix augmentations) and ``sequential_label_map`` recovers the map afterwards.
+
+Shapes: ``b`` batch, ``c`` channels, ``H W`` image, ``mh mw`` mask cells.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Generic, Sequence, TypeVar, Union, overload
+
+import torch
+from einops import rearrange
+from kornia.augmentation import MixAugmentationBaseV2
+from kornia.constants import DataKey
+from torch import Tensor
+
+from mixlabels import TokenLabelMap, check_labels
+from strategies._sampling import MixSampler
+
+__all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "pair_label_map"]
+
+P = TypeVar("P")
+PP = TypeVar("PP", bound="MixParams")
+D = TypeVar("D", bound="MixParams")
+
+# Key under which the typed params travel in kornia's per-module params dict
+# (``AugmentationSequential`` records one dict per module and hands it back on replay).
+PARAMS_KEY = "mix_params"
+
+DataKeys = Sequence[Union[str, int, DataKey]]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class MixParams:
+    """The random draws of one pairwise mix, frozen; subclasses add the kind's draws.
+
+    Attributes:
+        partner: ``(b,)`` long, batch index of source 1 (the sample mixed in).
+        applied: ``(b,)`` bool, the sample is mixed; unmixed samples have weight 1 for source 0.
+        image_size: ``(H, W)`` the params were drawn for.
+        token_space: the mix applies to patch embeddings, not pixels (MixToken).
+    """
+
+    partner: Tensor
+    applied: Tensor
+    image_size: tuple[int, int]
+    token_space: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.partner.shape[0])
+
+    def source_weight(self) -> Tensor:
+        """Weight of source 0 (the sample itself) in every mask cell, ``(b, mh, mw)`` fp32."""
+        raise NotImplementedError
+
+    def image_weight(self) -> Tensor:
+        """Lambda (timm convention: weight of source 0) of every sample, ``(b,)`` fp32: the mask mean."""
+        return self.source_weight().mean(dim=(1, 2))
+
+    def to(self: D, device: torch.device | str) -> D:
+        """The same params with every tensor on ``device``."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **moved)
+
+
+def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
+    """Mix every image with its partner cell by cell: ``w * x + (1 - w) * x[partner]``.
+
+    Pure (never in place). Half-precision images are mixed in fp32 and rounded once,
+    so pixels follow the fp32 weights the labels use.
+
+    Args:
+        images: ``(b, c, H, W)`` floating point.
+        partner: ``(b,)`` long batch indices.
+        weight: ``(b, mh, mw)`` fp32 weight of the image itself; ``mh | H``, ``mw | W``.
+
+    Returns:
+        ``(b, c, H, W)`` in the images' dtype.
+
+    Example:
+        >>> x = torch.arange(8.0).view(2, 1, 2, 2)
+        >>> mix_images(x, torch.tensor([1, 0]), torch.tensor([[[1.0, 0.0]], [[0.5, 0.5]]]))[0, 0].tolist()
+        [[0.0, 5.0], [2.0, 7.0]]
+    """
+    compute = torch.float32 if images.dtype in (torch.float16, torch.bfloat16) else images.dtype
+    w0 = weight.to(device=images.device, dtype=torch.float32)
+    w1 = (1.0 - w0).to(compute)  # in fp32 first, as TokenLabelMap does, so both paths agree bit for bit
+    w0 = w0.to(compute)
+    mh, mw = int(weight.shape[1]), int(weight.shape[2])
+    own = rearrange(images.to(compute), "b c (mh ph) (mw pw) -> b c mh ph mw pw", mh=mh, mw=mw)
+    other = own.index_select(0, partner.to(images.device))
+    out = own * rearrange(w0, "b mh mw -> b 1 mh 1 mw 1") + other * rearrange(w1, "b mh mw -> b 1 mh 1 mw 1")
+    return rearrange(out, "b c mh ph mw pw -> b c (mh ph) (mw pw)").to(images.dtype)
+
+
+def pair_label_map(
+    params: MixParams,
+    labels: Tensor,
+    num_classes: int,
+    label_smoothing: float,
+) -> TokenLabelMap:
+    """The ``k = 2`` label map of pairwise params, on the labels' device (no host sync).
+
+    Args:
+        params: sampled params; ``source_weight`` gives the mask, ``image_weight`` lambda.
+        labels: ``(b,)`` ids or ``(b, c)`` probabilities of the un-mixed batch.
+        num_classes: ``c``.
+        label_smoothing: in ``[0, 1)``.
+
+    Returns:
+        A map whose mask is the params' cell mask and whose image weights are ``[lam, 1 - lam]``.
+    """
+    p = params.to(labels.device)
+    w0 = p.source_weight().float()
+    lam = p.image_weight().float()
+    own = torch.arange(p.batch_size, device=labels.device)
+    return TokenLabelMap(
+        sources=torch.stack([own, p.partner.long()], dim=1),
+        mask=torch.stack([w0, 1.0 - w0], dim=1),
+        image_weights=torch.stack([lam, 1.0 - lam], dim=1),
+        labels=labels,
+        num_classes=num_classes,
+        image_size=p.image_size,
+        label_smoothing=label_smoothing,
+        token_space=p.token_space,
+    )
+
+
+def check_images(images: Tensor) -> None:
+    """Raise a clear error unless ``images`` is a floating ``(b, c, H, W)`` batch."""
+    if not isinstance(images, Tensor) or images.ndim != 4:
+        shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
+        raise ValueError(
+            f"images must be a (batch, channels, height, width) tensor, got {shape}; "
+            "add a batch dimension with images.unsqueeze(0)"
+        )
+    if not images.is_floating_point():
+        raise ValueError(
+            f"images must be floating point (float16, bfloat16, float32 or float64), got {images.dtype}; "
+            "convert them first, e.g. images.float() / 255"
+        )
+
+
+class Mixer(MixAugmentationBaseV2, Generic[P]):
+    """Base of every mixer: a kornia mix augmentation with typed, replayable params.
+
+    Subclasses implement ``sample``, ``apply_images``, ``label_map_from`` and ``params_batch_size``;
+    ``mix`` applies params purely.
+
+    Args:
+        num_classes: ``c``, for the label map and label checks.
+        label_smoothing: applied when the map expands targets, in ``[0, 1)``.
+        generator: default source of randomness (also used inside ``AugmentationSequential``);
+            a ``generator`` given to a call takes precedence. ``None`` uses torch's global RNG.
+    """
+
+    def __init__(self, num_classes: int, label_smoothing: float = 0.0, generator: torch.Generator | None = None) -> None:
+        super().__init__(p=1.0, p_batch=1.0, same_on_batch=False, keepdim=False, data_keys=["input", "class"])
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing}")
+        self.num_classes = int(num_classes)
+        self.label_smoothing = float(label_smoothing)
+        self.generator = generator
+        self.last_params: P | None = None
+
+    # ---------------------------------------------------------------- to implement
+    def sample(
+        self,
+        batch_shape: Sequence[int],
+        *,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> P:
+        """Draw params for a batch of shape ``(b, c, H, W)`` (on the generator's device if given)."""
+        raise NotImplementedError
+
+    def apply_images(self, images: Tensor, params: P) -> Tensor:
+        """Mix ``(b, c, H, W)`` images with ``params``; pure."""
+        raise NotImplementedError
+
+    def label_map_from(self, params: P, labels: Tensor) -> TokenLabelMap:
+        """The label map of ``params`` for ``labels``; pure, no host sync."""
+        raise NotImplementedError
+
+    def params_batch_size(self, params: P) -> tuple[int, tuple[int, int]]:
+        """Batch size and image size the params were drawn for."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared
+    def mix(self, images: Tensor, labels: Tensor, params: P) -> tuple[Tensor, TokenLabelMap]:
+        """Apply ``params``: mix ``images`` and build the label map; pure, replayable, compilable.
+
+        (Not named ``apply``: ``nn.Module.apply(fn)`` recurses into children and must keep working.)
+        """
+        return self.apply_images(images, params), self.label_map_from(params, labels.to(images.device))
+
+    def forward_parameters(self, batch_shape: tuple[int, ...]) -> dict[str, Any]:
+        """Kornia hook (``AugmentationSequential``): sample with ``self.generator``, wrapped for kornia."""
+        params = self.sample(tuple(batch_shape), generator=self.generator)
+        return self._kornia_params(params, int(batch_shape[0]), tuple(batch_shape))
+
+    def _kornia_params(self, params: P, b: int, shape: Sequence[int]) -> dict[str, Any]:
+        return {
+            "batch_prob": torch.ones(b, dtype=torch.bool),
+            "forward_input_shape": torch.tensor(tuple(shape), dtype=torch.long),
+            PARAMS_KEY: params,
+        }
+
+    def _unwrap(self, params: P | dict[str, Any]) -> P:
+        if isinstance(params, dict):
+            if PARAMS_KEY not in params:
+                raise ValueError(
+                    f"kornia params for {type(self).__name__} must hold the sampled params under {PARAMS_KEY!r}; "
+                    "pass the params this mixer (or its AugmentationSequential) recorded"
+                )
+            inner: P = params[PARAMS_KEY]
+            return inner
+        return params
+
+    def label_map(self, labels: Tensor, params: P | dict[str, Any] | None = None) -> TokenLabelMap:
+        """The label map of the last call (or of ``params``) for ``labels``, after checking them.
+
+        Use it after ``AugmentationSequential`` has mixed the images, or see
+        ``sequential_label_map``.
+        """
+        if params is None:
+            if self.last_params is None:
+                raise ValueError(f"{type(self).__name__} has not mixed a batch yet: call it first or pass params")
+            typed = self.last_params
+        else:
+            typed = self._unwrap(params)
+        b, _ = self.params_batch_size(typed)
+        self._check_labels(labels, b)
+        return self.label_map_from(typed, labels)
+
+    def _check_labels(self, labels: Tensor, batch: int) -> None:
+        if not isinstance(labels, Tensor):
+            raise ValueError(f"labels must be a tensor of class ids (batch,) or probabilities (batch, c), got {type(labels).__name__}")
+        if labels.ndim == 0 or labels.shape[0] != batch:
+            raise ValueError(
+                f"labels have batch size {labels.shape[0] if labels.ndim else 'none (a scalar)'} but the images "
+                f"have {batch}; pass one label per image"
+            )
+        check_labels(labels, self.num_classes)
+
+    @overload  # type: ignore[override]  # kornia's forward takes *inputs and returns tensors only
+    def forward(
+        self,
+        images: Tensor,
+        labels: None = None,
+        *,
+        params: P | dict[str, Any] | None = None,
+        data_keys: DataKeys | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        images: Tensor,
+        labels: Tensor,
+        *,
+        params: P | dict[str, Any] | None = None,
+        data_keys: DataKeys | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, TokenLabelMap]: ...
+
+    def forward(
+        self,
+        images: Tensor,
+        labels: Tensor | None = None,
+        *,
+        params: P | dict[str, Any] | None = None,
+        data_keys: DataKeys | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | tuple[Tensor, TokenLabelMap]:
+        """Mix a batch: ``mixed, label_map = mixer(images, labels)``; ``mixer(images)`` returns the images.
+
+        Args:
+            images: ``(b, c, H, W)`` floating point.
+            labels: ``(b,)`` class ids or ``(b, c)`` probabilities, or ``None`` (kornia's
+                ``AugmentationSequential`` passes the images only).
+            params: replay these params (typed, or the dict kornia recorded) instead of sampling.
+            data_keys: kornia's data keys for this call: ``["input"]`` or ``["input", "class"]``.
+            generator: source of randomness for this call (default: ``self.generator``).
+
+        Returns:
+            The mixed images, and the label map when labels are given.
+        """
+        if data_keys is not None:
+            keys = [DataKey.get(k) for k in data_keys]
+            if keys not in ([DataKey.INPUT], [DataKey.INPUT, DataKey.CLASS]):
+                raise ValueError(f"{type(self).__name__} accepts data_keys ['input'] or ['input', 'class'], got {data_keys}")
+            if keys == [DataKey.INPUT] and labels is not None:
+                raise ValueError("labels were given but data_keys is ['input']; drop the labels or add 'class'")
+        check_images(images)
+        if params is None:
+            gen = generator if generator is not None else self.generator
+            typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else images.device)
+        else:
+            typed = self._unwrap(params)
+        b, size = self.params_batch_size(typed)
+        if b != images.shape[0] or size != tuple(images.shape[2:]):
+            raise ValueError(
+                f"params were drawn for {b} images of size {size} but got {images.shape[0]} images of size "
+                f"{tuple(images.shape[2:])}; sample new params for this batch"
+            )
+        if labels is not None:
+            self._check_labels(labels, b)
+        self.last_params = typed
+        self._params = self._kornia_params(typed, b, tuple(images.shape))
+        mixed = self.apply_images(images, typed)
+        if labels is None:
+            return mixed
+        return mixed, self.label_map_from(typed, labels.to(images.device))
+
+
+class PairMixer(Mixer[PP]):
+    """A pairwise mixer (k = 2) whose params come from a ``MixSampler``.
+
+    Args:
+        sampler: the kornia random generator drawing this kind's params.
+        num_classes: ``c``.
+        label_smoothing: in ``[0, 1)``.
+        generator: default source of randomness.
+    """
+
+    def __init__(
+        self,
+        sampler: MixSampler[PP],
+        num_classes: int,
+        label_smoothing: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(num_classes, label_smoothing, generator)
+        self._param_generator = sampler
+        self.sampler = sampler
+        self.same_on_batch = sampler.mode == "batch"  # kornia's name for one draw per batch
+
+    def sample(
+        self,
+        batch_shape: Sequence[int],
+        *,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> PP:
+        """Draw params for a batch of shape ``(b, c, H, W)``.
+
+        Args:
+            batch_shape: ``(b, c, H, W)``.
+            generator: source of randomness; params are drawn on its device.
+            device: where to draw when no generator is given (default: kornia's rng device, CPU).
+
+        Returns:
+            Frozen params; the same generator state gives the same params.
+        """
+        if len(batch_shape) != 4:
+            raise ValueError(f"batch_shape must be (batch, channels, height, width), got {tuple(batch_shape)}")
+        dev = torch.device(device) if device is not None else None
+        params: PP = self.sampler(tuple(int(s) for s in batch_shape), generator=generator, device=dev)
+        return params
+
+    def params_batch_size(self, params: PP) -> tuple[int, tuple[int, int]]:
+        return params.batch_size, params.image_size
+
+    def apply_images(self, images: Tensor, params: PP) -> Tensor:
+        """Mix ``(b, c, H, W)`` images cell by cell with the params' mask; pure."""
+        if params.token_space:
+            return images  # the backbone mixes the patch embeddings instead
+        return mix_images(images, params.partner, params.source_weight())
+
+    def label_map_from(self, params: PP, labels: Tensor) -> TokenLabelMap:
+        """The ``k = 2`` label map of ``params`` for ``labels``; pure."""
+        return pair_label_map(params, labels, self.num_classes, self.label_smoothing)

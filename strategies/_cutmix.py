@@ -1,0 +1,238 @@
+"""CutMix: a box pasted from the partner, sampled exactly as timm samples it.
+
+The box lives on a grid of cells: pixels (free CutMix, the mask is per pixel) or
+``patch_size`` cells (the box snapped to the token grid, as the official TL-Align
+code does, so no token is cut). Boxes are half-open ``[y0, y1) x [x0, x1)`` in cells.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from strategies._base import MixParams, PairMixer
+from strategies._mixup import check_alpha
+from strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
+
+__all__ = ["CutMix", "BoxParams", "BoxSampler", "cutmix_boxes", "minmax_boxes", "box_mask", "grid_of"]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class BoxParams(MixParams):
+    """CutMix draws: a box per sample on a cell grid, filled from the partner.
+
+    Attributes:
+        boxes: ``(b, 4)`` long ``(y0, y1, x0, x1)`` in cells, half-open; empty where unmixed.
+        lam: ``(b,)`` fp32 lambda drawn from Beta (before timm's correction); 1 where unmixed.
+        grid: ``(gh, gw)`` cells; a cell covers ``(H / gh, W / gw)`` pixels.
+        correct_lam: the label weight is the box's true area (timm's ``correct_lam``);
+            otherwise it is the drawn ``lam`` (timm's legacy, which the pixels do not follow).
+    """
+
+    boxes: Tensor
+    lam: Tensor
+    grid: tuple[int, int]
+    correct_lam: bool = True
+
+    def source_weight(self) -> Tensor:
+        return box_mask(self.boxes, self.grid)
+
+    def image_weight(self) -> Tensor:
+        if self.correct_lam:
+            return self.source_weight().mean(dim=(1, 2))
+        return self.lam.float()
+
+
+def box_mask(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Weight of the sample itself on the grid: 0 inside each box, 1 outside, ``(b, gh, gw)`` fp32."""
+    gh, gw = grid
+    rows = torch.arange(gh, device=boxes.device)
+    cols = torch.arange(gw, device=boxes.device)
+    in_rows = (rows >= boxes[:, 0:1]) & (rows < boxes[:, 1:2])  # b gh
+    in_cols = (cols >= boxes[:, 2:3]) & (cols < boxes[:, 3:4])  # b gw
+    inside = in_rows[:, :, None] & in_cols[:, None, :]
+    return (~inside).float()
+
+
+def cutmix_boxes(lam: Tensor, cy: Tensor, cx: Tensor, grid: tuple[int, int]) -> Tensor:
+    """timm's ``rand_bbox`` for given lambdas and centres, batched: ``(n, 4)`` long.
+
+    The side is ``int(g * sqrt(1 - lam))``, the centre any cell, and the box is
+    clipped to the grid, so boxes reach every edge and clipping shrinks them (hence
+    timm's lambda correction).
+
+    Args:
+        lam: ``(n,)`` lambdas in ``[0, 1]``.
+        cy: ``(n,)`` long centre rows in ``[0, gh)``.
+        cx: ``(n,)`` long centre columns in ``[0, gw)``.
+        grid: ``(gh, gw)``.
+
+    Returns:
+        ``(n, 4)`` boxes ``(y0, y1, x0, x1)``.
+
+    Example:
+        >>> cutmix_boxes(torch.tensor([0.75]), torch.tensor([0]), torch.tensor([7]), (8, 8)).tolist()
+        [[0, 2, 5, 8]]
+    """
+    gh, gw = grid
+    ratio = torch.sqrt(1.0 - lam.double())  # float64 like numpy, so int() truncates the same values
+    cut_h = torch.floor(gh * ratio).long()
+    cut_w = torch.floor(gw * ratio).long()
+    y0 = (cy - cut_h // 2).clamp(0, gh)
+    y1 = (cy + (cut_h + 1) // 2).clamp(0, gh)
+    x0 = (cx - cut_w // 2).clamp(0, gw)
+    x1 = (cx + (cut_w + 1) // 2).clamp(0, gw)
+    return torch.stack([y0, y1, x0, x1], dim=1)
+
+
+def minmax_boxes(
+    minmax: tuple[float, float], grid: tuple[int, int], n: int, generator: torch.Generator | None, device: torch.device
+) -> Tensor:
+    """timm's ``rand_bbox_minmax``, batched: side ratios uniform in ``minmax``, box inside the grid.
+
+    Returns:
+        ``(n, 4)`` long boxes ``(y0, y1, x0, x1)``.
+    """
+    gh, gw = grid
+    lo_h, hi_h = int(gh * minmax[0]), int(gh * minmax[1])
+    lo_w, hi_w = int(gw * minmax[0]), int(gw * minmax[1])
+    if lo_h >= hi_h or lo_w >= hi_w:
+        raise ValueError(
+            f"minmax={minmax} gives no box size on a {gh}x{gw} grid (sides in [{lo_h}, {hi_h}) x [{lo_w}, {hi_w})); "
+            "widen minmax or use larger images"
+        )
+    u = sample_uniform((n, 4), generator, device)
+    cut_h = lo_h + torch.floor(u[:, 0] * (hi_h - lo_h)).long().clamp(max=hi_h - lo_h - 1)
+    cut_w = lo_w + torch.floor(u[:, 1] * (hi_w - lo_w)).long().clamp(max=hi_w - lo_w - 1)
+    y0 = torch.minimum(torch.floor(u[:, 2] * (gh - cut_h + 1)).long(), gh - cut_h)
+    x0 = torch.minimum(torch.floor(u[:, 3] * (gw - cut_w + 1)).long(), gw - cut_w)
+    return torch.stack([y0, y0 + cut_h, x0, x0 + cut_w], dim=1)
+
+
+def grid_of(image_size: tuple[int, int], cell: int | None, what: str) -> tuple[int, int]:
+    """The cell grid of an image, or a clear error if ``cell`` does not divide it."""
+    hh, ww = image_size
+    if cell is None:
+        return hh, ww
+    if hh % cell or ww % cell:
+        raise ValueError(
+            f"{what}={cell} does not divide the image size {hh}x{ww}; resize or crop the images to a "
+            f"multiple of {cell}, or pick a {what} that divides both sides"
+        )
+    return hh // cell, ww // cell
+
+
+class BoxSampler(MixSampler[BoxParams]):
+    """Draws timm CutMix boxes (Beta lambda, or ``minmax`` ratios) on a pixel or cell grid.
+
+    Args:
+        alpha: Beta(alpha, alpha) concentration, > 0.
+        minmax: ``(min, max)`` side ratios; when set, boxes ignore lambda and the label uses the box area.
+        correct_lam: use the clipped box area as lambda (timm's default).
+        cell: cell size in pixels the box snaps to; ``None`` for pixels.
+        token_space: params are for mixing patch embeddings (MixToken).
+        mode, pairing, prob: see ``MixSampler``.
+    """
+
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        minmax: tuple[float, float] | None = None,
+        correct_lam: bool = True,
+        cell: int | None = None,
+        token_space: bool = False,
+        mode: Mode = "batch",
+        pairing: Pairing = "flip",
+        prob: float = 1.0,
+    ) -> None:
+        check_alpha(alpha)
+        if minmax is not None:
+            lo, hi = minmax
+            if not (0.0 <= lo < hi <= 1.0):
+                raise ValueError(f"minmax must satisfy 0 <= min < max <= 1 (box side ratios), got {minmax}")
+        if cell is not None and cell < 1:
+            raise ValueError(f"patch_size must be a positive number of pixels, got {cell}")
+        super().__init__(mode, pairing, prob)
+        self.alpha = float(alpha)
+        self.minmax = None if minmax is None else (float(minmax[0]), float(minmax[1]))
+        self.correct_lam = bool(correct_lam) or minmax is not None  # timm always corrects with minmax
+        self.cell = cell
+        self.token_space = token_space
+
+    def __repr__(self) -> str:
+        return f"alpha={self.alpha}, minmax={self.minmax}, correct_lam={self.correct_lam}, cell={self.cell}, {super().__repr__()}"
+
+    def check_image_size(self, image_size: tuple[int, int]) -> None:
+        super().check_image_size(image_size)
+        grid_of(image_size, self.cell, "patch_size")
+
+    def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> BoxParams:
+        grid = grid_of(image_size, self.cell, "patch_size")
+        g = pairs.num_groups
+        lam = sample_beta(self.alpha, g, generator, device)
+        if self.minmax is not None:
+            boxes = minmax_boxes(self.minmax, grid, g, generator, device)
+        else:
+            cy = torch.randint(0, grid[0], (g,), generator=generator, device=device)
+            cx = torch.randint(0, grid[1], (g,), generator=generator, device=device)
+            boxes = cutmix_boxes(lam, cy, cx, grid)
+        boxes, lam = boxes[pairs.group], lam[pairs.group]
+        boxes = torch.where(pairs.applied[:, None], boxes, torch.zeros_like(boxes))  # empty box: unmixed
+        lam = torch.where(pairs.applied, lam, torch.ones_like(lam))
+        return BoxParams(
+            partner=pairs.partner,
+            applied=pairs.applied,
+            image_size=image_size,
+            token_space=self.token_space,
+            boxes=boxes,
+            lam=lam,
+            grid=grid,
+            correct_lam=self.correct_lam,
+        )
+
+
+class CutMix(PairMixer[BoxParams]):
+    """CutMix as a kornia augmentation producing a ``TokenLabelMap``, timm-compatible.
+
+    The map's mask is per pixel (free boxes) or per ``patch_size`` cell (snapped boxes):
+    the coarsest resolution at which it is exact.
+
+    Args:
+        num_classes: ``c``.
+        alpha: Beta(alpha, alpha) concentration (timm's ``cutmix_alpha``).
+        minmax: timm's ``cutmix_minmax`` side ratios; overrides ``alpha`` for the box.
+        correct_lam: lambda is the box's true (clipped) area, as timm's default; with
+            ``False`` the label keeps the drawn lambda (timm's legacy), and the image
+            weight then differs from the mask mean.
+        patch_size: snap boxes to this cell size (the token grid); ``None`` for pixel boxes.
+        label_smoothing: in ``[0, 1)``.
+        prob: probability of mixing, per batch, pair or sample according to ``mode``.
+        mode: ``"batch"``, ``"pair"`` or ``"elem"``, as timm.
+        pairing: ``"flip"`` or ``"derangement"``.
+        generator: default source of randomness.
+
+    Example:
+        >>> cutmix = CutMix(num_classes=10, patch_size=4, generator=torch.Generator().manual_seed(0))
+        >>> mixed, lm = cutmix(torch.rand(2, 3, 16, 16), torch.tensor([3, 7]))
+        >>> lm.mask.shape, bool((lm.image_weights[:, 0] == lm.mask[:, 0].mean((1, 2))).all())
+        (torch.Size([2, 2, 4, 4]), True)
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        alpha: float = 1.0,
+        minmax: tuple[float, float] | None = None,
+        correct_lam: bool = True,
+        patch_size: int | None = None,
+        label_smoothing: float = 0.0,
+        prob: float = 1.0,
+        mode: Mode = "batch",
+        pairing: Pairing = "flip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        sampler = BoxSampler(alpha, minmax, correct_lam, patch_size, False, mode, pairing, prob)
+        super().__init__(sampler, num_classes, label_smoothing, generator)
+

@@ -1,0 +1,93 @@
+"""MixUp: every pixel is ``lam * x + (1 - lam) * x[partner]``, ``lam ~ Beta(alpha, alpha)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from strategies._base import MixParams, PairMixer
+from strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
+
+__all__ = ["MixUp", "MixUpParams", "MixUpSampler", "check_alpha"]
+
+
+def check_alpha(alpha: float) -> None:
+    """Raise unless ``alpha`` is a valid Beta concentration."""
+    if not alpha > 0.0 or alpha != alpha or alpha == float("inf"):
+        raise ValueError(f"alpha must be a finite number > 0 (the Beta(alpha, alpha) concentration), got {alpha}")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class MixUpParams(MixParams):
+    """MixUp draws: one lambda per sample (1 where unmixed).
+
+    Attributes:
+        lam: ``(b,)`` fp32 weight of the sample itself (timm's lambda).
+    """
+
+    lam: Tensor
+
+    def source_weight(self) -> Tensor:
+        return rearrange(self.lam.float(), "b -> b 1 1")  # a 1x1 mask: the coarsest exact resolution
+
+    def image_weight(self) -> Tensor:
+        return self.lam.float()
+
+
+class MixUpSampler(MixSampler[MixUpParams]):
+    """Draws Beta(alpha, alpha) lambdas, one per group.
+
+    Args:
+        alpha: Beta concentration, > 0.
+        mode: ``"batch"``, ``"pair"`` or ``"elem"``.
+        pairing: ``"flip"`` or ``"derangement"``.
+        prob: probability of mixing per group.
+    """
+
+    def __init__(self, alpha: float = 0.8, mode: Mode = "batch", pairing: Pairing = "flip", prob: float = 1.0) -> None:
+        check_alpha(alpha)
+        super().__init__(mode, pairing, prob)
+        self.alpha = float(alpha)
+
+    def __repr__(self) -> str:
+        return f"alpha={self.alpha}, {super().__repr__()}"
+
+    def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> MixUpParams:
+        lam = sample_beta(self.alpha, pairs.num_groups, generator, device)[pairs.group]
+        lam = torch.where(pairs.applied, lam, torch.ones_like(lam))
+        return MixUpParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, lam=lam)
+
+
+class MixUp(PairMixer[MixUpParams]):
+    """MixUp as a kornia augmentation producing a ``TokenLabelMap`` with a 1x1 mask.
+
+    Args:
+        num_classes: ``c``.
+        alpha: Beta(alpha, alpha) concentration (timm's ``mixup_alpha``, DeiT uses 0.8).
+        label_smoothing: in ``[0, 1)``, applied when the map expands targets.
+        prob: probability of mixing, per batch, pair or sample according to ``mode``.
+        mode: ``"batch"`` (one lambda), ``"pair"`` or ``"elem"``, as timm.
+        pairing: ``"flip"`` (sample ``i`` with ``b - 1 - i``, timm) or ``"derangement"``.
+        generator: default source of randomness.
+
+    Example:
+        >>> mixup = MixUp(num_classes=10, generator=torch.Generator().manual_seed(0))
+        >>> mixed, lm = mixup(torch.rand(4, 3, 8, 8), torch.tensor([1, 2, 3, 4]))
+        >>> mixed.shape, lm.mask.shape, lm.image_targets().shape
+        (torch.Size([4, 3, 8, 8]), torch.Size([4, 2, 1, 1]), torch.Size([4, 10]))
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        alpha: float = 0.8,
+        label_smoothing: float = 0.0,
+        prob: float = 1.0,
+        mode: Mode = "batch",
+        pairing: Pairing = "flip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(MixUpSampler(alpha, mode, pairing, prob), num_classes, label_smoothing, generator)

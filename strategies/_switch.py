@@ -1,0 +1,108 @@
+"""Switch: draw one of several mixers per batch (timm's ``switch_prob`` between MixUp and CutMix)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from mixlabels import TokenLabelMap
+from strategies._base import Mixer
+from strategies._sampling import sample_uniform
+
+__all__ = ["Switch", "SwitchParams"]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class SwitchParams:
+    """Which mixer a batch drew, and that mixer's params.
+
+    Attributes:
+        choice: index of the mixer in ``Switch.mixers``.
+        params: the chosen mixer's params.
+    """
+
+    choice: int
+    params: Any
+
+
+class Switch(Mixer[SwitchParams]):
+    """Draw one mixer per batch with the given probabilities, then mix with it.
+
+    timm's ``Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5)`` is
+    ``Switch([MixUp(c, 0.8), CutMix(c, 1.0)], probs=[0.5, 0.5])``. The choice is per
+    batch: timm's per-element switching in ``elem`` mode is not reproduced (a batch
+    mixes with one kind; each child keeps its own ``mode`` and ``prob``).
+
+    Args:
+        mixers: two or more mixers with the same ``num_classes``.
+        probs: probability of each mixer (normalised); default uniform.
+        generator: default source of randomness for the choice and the chosen mixer.
+
+    Example:
+        >>> from strategies import CutMix, MixUp
+        >>> switch = Switch([MixUp(10), CutMix(10)], probs=[0.5, 0.5], generator=torch.Generator().manual_seed(0))
+        >>> mixed, lm = switch(torch.rand(4, 3, 8, 8), torch.tensor([1, 2, 3, 4]))
+        >>> switch.last_params.choice in (0, 1), lm.image_targets().shape
+        (True, torch.Size([4, 10]))
+    """
+
+    def __init__(
+        self,
+        mixers: Sequence[Mixer[Any]],
+        probs: Sequence[float] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if len(mixers) < 1:
+            raise ValueError("Switch needs at least one mixer")
+        classes = {m.num_classes for m in mixers}
+        if len(classes) != 1:
+            raise ValueError(f"all mixers of a Switch must have the same num_classes, got {sorted(classes)}")
+        weights = [1.0] * len(mixers) if probs is None else [float(p) for p in probs]
+        if len(weights) != len(mixers) or any(not p >= 0 for p in weights) or sum(weights) <= 0:
+            raise ValueError(
+                f"probs must hold one non-negative number per mixer ({len(mixers)}) with a positive sum, got {probs}"
+            )
+        super().__init__(mixers[0].num_classes, 0.0, generator)
+        self.mixers = nn.ModuleList(mixers)
+        total = sum(weights)
+        self.probs = tuple(p / total for p in weights)
+
+    def _child(self, i: int) -> Mixer[Any]:
+        child = self.mixers[i]
+        assert isinstance(child, Mixer)
+        return child
+
+    def sample(
+        self,
+        batch_shape: Sequence[int],
+        *,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> SwitchParams:
+        """Draw the mixer, then its params, from the same generator."""
+        dev = generator.device if generator is not None else torch.device(device if device is not None else "cpu")
+        u = float(sample_uniform((1,), generator, dev).item())  # the choice picks Python code: one host read
+        cumulative, choice = 0.0, len(self.probs) - 1
+        for i, p in enumerate(self.probs):
+            cumulative += p
+            if u < cumulative:
+                choice = i
+                break
+        params = self._child(choice).sample(batch_shape, generator=generator, device=device)
+        return SwitchParams(choice=choice, params=params)
+
+    def params_batch_size(self, params: SwitchParams) -> tuple[int, tuple[int, int]]:
+        return self._child(params.choice).params_batch_size(params.params)
+
+    def apply_images(self, images: Tensor, params: SwitchParams) -> Tensor:
+        return self._child(params.choice).apply_images(images, params.params)
+
+    def label_map_from(self, params: SwitchParams, labels: Tensor) -> TokenLabelMap:
+        return self._child(params.choice).label_map_from(params.params, labels)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{p:.3g}: {m!r}" for p, m in zip(self.probs, self.mixers))
+        return f"Switch({inner})"

@@ -1,0 +1,179 @@
+"""Schemes and the event protocol: hand-checkable alignment cases, configs, losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import TypeAdapter, ValidationError
+from timm.models.vision_transformer import VisionTransformer
+from torch.testing import assert_close
+
+import backbones
+from backbones import attention_with_labels
+from mixlabels import (
+    AlignedOutput,
+    NoAlign,
+    SchemeConfig,
+    TLAlign,
+    TokenLabeling,
+    TokenLabelMap,
+    TokenLayout,
+    TransMix,
+    soft_target_cross_entropy,
+    token_soft_target_cross_entropy,
+)
+
+GRID, P = (2, 2), 1
+LAYOUT = TokenLayout(grid=GRID, num_prefix=P, depth=3, class_token=True)
+
+
+def left_half_map(b: int = 2) -> TokenLabelMap:
+    mask = torch.zeros(b, 4, 4)
+    mask[:, :, :1] = 1.0  # a quarter of the image from the sample itself: lambda = 0.25
+    return TokenLabelMap.from_mask(mask, torch.arange(b).roll(1), torch.arange(b), num_classes=4)
+
+
+def qk_for(attention: str, n: int, h: int = 2, d: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (1, h, n, d) giving identity (one-hot, large) or uniform (zero q) attention."""
+    eye = torch.eye(n, d).expand(1, h, n, d)
+    q = 50.0 * eye if attention == "identity" else torch.zeros(1, h, n, d)
+    return q, eye.clone(), torch.randn(1, h, n, d)
+
+
+def run_tracker(scheme: TLAlign, lm: TokenLabelMap, attention: str) -> torch.Tensor:
+    """Drive a tracker with real fused attention for every layer; return the final labels (b, n, k)."""
+    tracker = scheme.start(lm, LAYOUT)
+    n = LAYOUT.num_tokens
+    for layer in range(LAYOUT.depth):
+        if tracker.wants_labels(layer):
+            y = tracker.labels()
+            q, k, v = (t.expand(y.shape[0], -1, -1, -1) for t in qk_for(attention, n))
+            _, mixed = attention_with_labels(q, k, v, y, scale=8**-0.5)
+            tracker.spatial_mix(layer, mixed)
+        tracker.residual(layer, keep=None)
+        tracker.residual(layer, keep=None)
+    return tracker.labels()
+
+
+# ---------------------------------------------------------------------------- hand-checkable
+@pytest.mark.parametrize("normalize", [True, False])
+def test_identity_attention_leaves_labels_unchanged(normalize: bool) -> None:
+    lm = left_half_map()
+    start = TLAlign().start(lm, LAYOUT).labels()
+    assert_close(run_tracker(TLAlign(normalize=normalize), lm, "identity"), start)
+
+
+def test_uniform_attention_drives_tokens_to_the_image_mean() -> None:
+    lm = left_half_map()
+    start = TLAlign().start(lm, LAYOUT).labels()  # b n k
+    mean = start.mean(dim=1, keepdim=True)
+    assert_close(mean[:, 0], lm.image_weights)  # class token = area mean, so the token mean is lambda
+    got = run_tracker(TLAlign(), lm, "uniform")
+    assert_close(got, mean + (start - mean) / 2**LAYOUT.depth)  # halves the distance each layer
+    assert_close(run_tracker(TLAlign(normalize=False), lm, "uniform"), mean.expand_as(start))  # at once
+
+
+def test_mixup_maps_are_unchanged_by_tl_align() -> None:
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5)
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.qkv.weight[:64] *= 8.0  # peaked attention: it would move CutMix labels
+    lam = torch.tensor([0.3, 0.7, 0.55, 0.1])
+    mixup = TokenLabelMap.from_mask(
+        lam.view(4, 1, 1), torch.arange(4).flip(0), torch.tensor([0, 1, 2, 3]), 5, image_size=(32, 32)
+    )
+    images = mixup.mix_pixels(torch.randn(4, 3, 32, 32))
+    for scheme in (TLAlign(), TLAlign(normalize=False), TokenLabeling(aligned=True), TransMix()):
+        out = backbones.adapt(model, scheme)(images, mixup)
+        assert_close(out.target, mixup.image_targets(), rtol=0, atol=1e-6)
+
+
+def test_transmix_hand_checked() -> None:
+    lm = left_half_map(b=1)  # tokens 0 and 2 (left column) half from the sample itself
+    tracker = TransMix().start(lm, LAYOUT)
+    assert [tracker.wants_class_attention(i) for i in range(3)] == [False, False, True]
+    attn = torch.tensor([[0.6, 0.4, 0.0, 0.0, 0.0]])  # class token: itself and patch token 0 only
+    tracker.class_attention(2, attn)
+    tracker.pool("token", 0)
+    out = tracker.finish()
+    lam_attn = lm.token_weights(GRID)[:, 0]  # all renormalised patch attention on patch 0: (0.5, 0.5)
+    assert out.weights is not None
+    assert_close(out.weights, (lam_attn + lm.image_weights) / 2)
+    with pytest.raises(ValueError, match="no class token"):
+        TransMix().start(lm, TokenLayout(GRID, 0, 3, class_token=False))
+
+
+def test_dropped_branch_keeps_labels_and_layers_select() -> None:
+    lm = left_half_map()
+    tracker = TLAlign(layers=(1,)).start(lm, LAYOUT)
+    assert [tracker.wants_labels(i) for i in range(3)] == [False, True, False]
+    start = tracker.labels()
+    uniform = start.mean(dim=1, keepdim=True).expand_as(start)
+    tracker.spatial_mix(1, uniform)
+    tracker.residual(1, keep=torch.tensor([True, False]))
+    assert_close(tracker.labels()[0], (start[0] + uniform[0]) / 2)
+    assert_close(tracker.labels()[1], start[1])  # dropped by stochastic depth: unchanged
+    with pytest.raises(ValueError, match="out of range"):
+        TLAlign(layers=(3,)).start(lm, LAYOUT)
+    assert TLAlign(layers=(-1,)).start(lm, LAYOUT).wants_labels(2)
+
+
+def test_aggregate_sums_and_renormalises() -> None:
+    lm = left_half_map()
+    tracker = TLAlign().start(lm, TokenLayout(GRID, 0, 1, class_token=False))
+    tracker.aggregate(lambda y: y.sum(dim=1, keepdim=True))  # merge all four tokens into one
+    assert_close(tracker.labels()[:, 0], lm.image_weights)
+    tracker.pool("mean", 0)
+    assert_close(tracker.finish().target, lm.image_targets())
+
+
+def test_noalign_and_unaligned_token_labeling_targets() -> None:
+    lm = left_half_map()
+    t = NoAlign().start(lm, LAYOUT).finish()
+    assert_close(t.target, lm.image_targets())
+    assert t.token_target is None
+    t = TokenLabeling(beta=0.25).start(lm, LAYOUT).finish()
+    assert_close(t.target, lm.image_targets())
+    assert t.token_target is not None
+    assert_close(t.token_target, lm.targets(lm.token_weights(GRID)))
+    assert t.token_loss_weight == 0.25
+
+
+def test_annotator_hook_gives_dense_token_targets() -> None:
+    lm = left_half_map()
+    dense = torch.softmax(torch.randn(2, 4, 4), dim=-1)  # b n c, from a (fake) annotator
+
+    def annotator(label_map: TokenLabelMap, grid: tuple[int, int]) -> torch.Tensor:
+        return dense
+
+    t = TokenLabeling(annotator=annotator).start(lm, LAYOUT).finish()
+    assert t.token_target is not None
+    assert_close(t.token_target, dense)
+
+
+def test_loss_is_class_plus_beta_tokens() -> None:
+    logits, tok = torch.randn(2, 4, requires_grad=True), torch.randn(2, 3, 4)
+    target, tok_target = torch.softmax(torch.randn(2, 4), -1), torch.softmax(torch.randn(2, 3, 4), -1)
+    out = AlignedOutput(logits, logits, target, None, tok, tok_target, 0.5)
+    expected = soft_target_cross_entropy(logits, target) + 0.5 * token_soft_target_cross_entropy(tok, tok_target)
+    assert_close(out.loss(), expected)
+    assert_close(AlignedOutput(logits, logits, target).loss(), soft_target_cross_entropy(logits, target))
+
+
+# ---------------------------------------------------------------------------- configs
+def test_scheme_configs_build_each_scheme() -> None:
+    adapter: TypeAdapter[SchemeConfig] = TypeAdapter(SchemeConfig)
+    assert adapter.validate_python({"kind": "none"}).build() == NoAlign()
+    assert adapter.validate_python({"kind": "transmix"}).build() == TransMix()
+    built = adapter.validate_python({"kind": "tl_align", "layers": [1, 3, 5, 7], "normalize": False}).build()
+    assert built == TLAlign(layers=[1, 3, 5, 7], normalize=False)
+    assert adapter.validate_python({"kind": "token_labeling", "beta": 1.0, "aligned": True}).build() == TokenLabeling(
+        1.0, True
+    )
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"kind": "token_labeling", "beta": -1.0})
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"kind": "tl_align", "typo": 1})
+    with pytest.raises(ValueError, match="beta"):
+        TokenLabeling(beta=-0.1)
