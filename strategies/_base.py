@@ -24,7 +24,7 @@ from torch import Tensor
 from mixlabels import TokenLabelMap, check_labels
 from strategies._sampling import MixSampler
 
-__all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "pair_label_map"]
+__all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "select_images", "paste_box", "pair_label_map"]
 
 P = TypeVar("P")
 PP = TypeVar("PP", bound="MixParams")
@@ -61,6 +61,25 @@ class MixParams:
         """Weight of source 0 (the sample itself) in every mask cell, ``(b, mh, mw)`` fp32."""
         raise NotImplementedError
 
+    def shared_box(self) -> tuple[int, int, int, int] | None:
+        """One pixel box ``(y0, y1, x0, x1)`` that every sample takes from its partner, if there is one.
+
+        Samples whose partner is themselves may be included: pasting from oneself changes nothing.
+        """
+        return None
+
+    def keep_cells(self) -> Tensor | None:
+        """``(b, mh, mw)`` bool, True where a cell is the sample's own, when the mask is binary; else ``None``.
+
+        Binary masks (boxes, cells) mix pixels by selection, which is exact and cheaper.
+        """
+        return None
+
+    @property
+    def lambda_is_mask_mean(self) -> bool:
+        """``image_weight()`` is the mean of ``source_weight()`` (false for timm's uncorrected CutMix lambda)."""
+        return True
+
     def image_weight(self) -> Tensor:
         """Lambda (timm convention: weight of source 0) of every sample, ``(b,)`` fp32: the mask mean."""
         return self.source_weight().mean(dim=(1, 2))
@@ -95,10 +114,79 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
     w1 = (1.0 - w0).to(compute)  # in fp32 first, as TokenLabelMap does, so both paths agree bit for bit
     w0 = w0.to(compute)
     mh, mw = int(weight.shape[1]), int(weight.shape[2])
-    own = rearrange(images.to(compute), "b c (mh ph) (mw pw) -> b c mh ph mw pw", mh=mh, mw=mw)
+    # Gather the partners on the contiguous 4-d batch: gathering a 6-d cell view is ~10x slower on CPU.
+    own = images.to(compute)
     other = own.index_select(0, partner.to(images.device))
-    out = own * rearrange(w0, "b mh mw -> b 1 mh 1 mw 1") + other * rearrange(w1, "b mh mw -> b 1 mh 1 mw 1")
+    if mh == mw == 1:  # one weight per image (MixUp): plain broadcasting, no cell view
+        # Same roundings as timm (x * lam + x[partner] * (1 - lam)); the temporaries are ours,
+        # so the products are formed in place (fresh CPU allocations cost page faults).
+        if other is images:
+            other = other.clone()
+        out = own * rearrange(w0, "b 1 1 -> b 1 1 1")
+        out.add_(other.mul_(rearrange(w1, "b 1 1 -> b 1 1 1")))
+        return out.to(images.dtype)
+    cells = "b c (mh ph) (mw pw) -> b c mh ph mw pw"
+    own6 = rearrange(own, cells, mh=mh, mw=mw)
+    other6 = rearrange(other, cells, mh=mh, mw=mw)
+    out = own6 * rearrange(w0, "b mh mw -> b 1 mh 1 mw 1") + other6 * rearrange(w1, "b mh mw -> b 1 mh 1 mw 1")
     return rearrange(out, "b c mh ph mw pw -> b c (mh ph) (mw pw)").to(images.dtype)
+
+
+def select_images(images: Tensor, partner: Tensor, keep: Tensor) -> Tensor:
+    """``mix_images`` for a binary mask: each cell is the image's own or its partner's, copied exactly.
+
+    Equal to ``mix_images(images, partner, keep.float())`` for finite pixels, without
+    the arithmetic: one gather and one select, in the images' own dtype.
+
+    Args:
+        images: ``(b, c, H, W)`` floating point.
+        partner: ``(b,)`` long batch indices.
+        keep: ``(b, mh, mw)`` bool, True where the cell keeps the image's own pixels.
+
+    Example:
+        >>> x = torch.arange(8.0).view(2, 1, 2, 2)
+        >>> select_images(x, torch.tensor([1, 0]), torch.tensor([[[True, False]], [[False, True]]]))[0, 0].tolist()
+        [[0.0, 5.0], [2.0, 7.0]]
+    """
+    mh, mw = int(keep.shape[1]), int(keep.shape[2])
+    other = images.index_select(0, partner.to(images.device))
+    keep = keep.to(images.device)
+    # The gathered partners are ours: the select writes into them (no second full-size allocation),
+    # unless autograd must see the select (out= is not differentiable).
+    in_place = not (torch.is_grad_enabled() and images.requires_grad) and not torch.compiler.is_compiling()
+    if (mh, mw) == tuple(images.shape[2:]):  # per-pixel mask: broadcasting over channels only is much faster
+        keep4 = rearrange(keep, "b h w -> b 1 h w")
+        return torch.where(keep4, images, other, out=other) if in_place else torch.where(keep4, images, other)
+    cells = "b c (mh ph) (mw pw) -> b c mh ph mw pw"
+    keep6 = rearrange(keep, "b mh mw -> b 1 mh 1 mw 1")
+    own6, other6 = rearrange(images, cells, mh=mh, mw=mw), rearrange(other, cells, mh=mh, mw=mw)
+    if in_place:
+        torch.where(keep6, own6, other6, out=other6)
+        return other
+    return rearrange(torch.where(keep6, own6, other6), "b c mh ph mw pw -> b c (mh ph) (mw pw)")
+
+
+def paste_box(images: Tensor, partner: Tensor, box: tuple[int, int, int, int]) -> Tensor:
+    """``select_images`` for one box shared by the whole batch (CutMix in batch mode), by slicing.
+
+    Copies the batch and gathers only the box from the partners, as timm's in-place
+    CutMix does, but without touching the input.
+
+    Args:
+        images: ``(b, c, H, W)``.
+        partner: ``(b,)`` long batch indices.
+        box: ``(y0, y1, x0, x1)`` in pixels, half-open.
+
+    Example:
+        >>> x = torch.arange(8.0).view(2, 1, 2, 2)
+        >>> paste_box(x, torch.tensor([1, 0]), (0, 2, 1, 2))[0, 0].tolist()
+        [[0.0, 5.0], [2.0, 7.0]]
+    """
+    y0, y1, x0, x1 = box
+    out = images.clone()
+    if y1 > y0 and x1 > x0:
+        out[:, :, y0:y1, x0:x1] = images[:, :, y0:y1, x0:x1].index_select(0, partner.to(images.device))
+    return out
 
 
 def pair_label_map(
@@ -120,11 +208,14 @@ def pair_label_map(
     """
     p = params.to(labels.device)
     w0 = p.source_weight().float()
-    lam = p.image_weight().float()
+    lam = w0.mean(dim=(1, 2)) if p.lambda_is_mask_mean else p.image_weight().float()  # the mask once, not twice
     own = torch.arange(p.batch_size, device=labels.device)
+    mask = torch.empty((p.batch_size, 2, *w0.shape[1:]), dtype=torch.float32, device=w0.device)
+    mask[:, 0] = w0
+    mask[:, 1].fill_(1.0).sub_(w0)  # written in place: no stacked copy of a per-pixel mask
     return TokenLabelMap(
         sources=torch.stack([own, p.partner.long()], dim=1),
-        mask=torch.stack([w0, 1.0 - w0], dim=1),
+        mask=mask,
         image_weights=torch.stack([lam, 1.0 - lam], dim=1),
         labels=labels,
         num_classes=num_classes,
@@ -377,6 +468,12 @@ class PairMixer(Mixer[PP]):
         """Mix ``(b, c, H, W)`` images cell by cell with the params' mask; pure."""
         if params.token_space:
             return images  # the backbone mixes the patch embeddings instead
+        box = params.shared_box()
+        if box is not None:
+            return paste_box(images, params.partner, box)
+        keep = params.keep_cells()
+        if keep is not None:
+            return select_images(images, params.partner, keep)
         return mix_images(images, params.partner, params.source_weight())
 
     def label_map_from(self, params: PP, labels: Tensor) -> TokenLabelMap:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from strategies._base import MixParams, PairMixer
@@ -29,15 +30,33 @@ class BoxParams(MixParams):
         grid: ``(gh, gw)`` cells; a cell covers ``(H / gh, W / gw)`` pixels.
         correct_lam: the label weight is the box's true area (timm's ``correct_lam``);
             otherwise it is the drawn ``lam`` (timm's legacy, which the pixels do not follow).
+        shared: every mixed sample has the same box (``mode="batch"``).
     """
 
     boxes: Tensor
     lam: Tensor
     grid: tuple[int, int]
     correct_lam: bool = True
+    shared: bool = False  # one box for the whole batch (mode "batch"); unmixed samples hold empty boxes
 
     def source_weight(self) -> Tensor:
         return box_mask(self.boxes, self.grid)
+
+    def keep_cells(self) -> Tensor:
+        return ~box_inside(self.boxes, self.grid)
+
+    def shared_box(self) -> tuple[int, int, int, int] | None:
+        # Only when the params live on the CPU (the default generator's device): reading the
+        # box is then free, whereas on an accelerator it would stall the stream.
+        if not self.shared or self.token_space or self.boxes.device.type != "cpu":
+            return None
+        ch, cw = self.image_size[0] // self.grid[0], self.image_size[1] // self.grid[1]
+        y0, y1, x0, x1 = (int(v) for v in self.boxes.amax(dim=0).tolist())  # the empty boxes are all zeros
+        return y0 * ch, y1 * ch, x0 * cw, x1 * cw
+
+    @property
+    def lambda_is_mask_mean(self) -> bool:
+        return self.correct_lam
 
     def image_weight(self) -> Tensor:
         if self.correct_lam:
@@ -45,15 +64,19 @@ class BoxParams(MixParams):
         return self.lam.float()
 
 
-def box_mask(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Weight of the sample itself on the grid: 0 inside each box, 1 outside, ``(b, gh, gw)`` fp32."""
+def box_inside(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Cells inside each box, ``(b, gh, gw)`` bool."""
     gh, gw = grid
     rows = torch.arange(gh, device=boxes.device)
     cols = torch.arange(gw, device=boxes.device)
     in_rows = (rows >= boxes[:, 0:1]) & (rows < boxes[:, 1:2])  # b gh
     in_cols = (cols >= boxes[:, 2:3]) & (cols < boxes[:, 3:4])  # b gw
-    inside = in_rows[:, :, None] & in_cols[:, None, :]
-    return (~inside).float()
+    return rearrange(in_rows, "b gh -> b gh 1") & rearrange(in_cols, "b gw -> b 1 gw")
+
+
+def box_mask(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Weight of the sample itself on the grid: 0 inside each box, 1 outside, ``(b, gh, gw)`` fp32."""
+    return (~box_inside(boxes, grid)).float()
 
 
 def cutmix_boxes(lam: Tensor, cy: Tensor, cx: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -190,6 +213,7 @@ class BoxSampler(MixSampler[BoxParams]):
             lam=lam,
             grid=grid,
             correct_lam=self.correct_lam,
+            shared=self.mode == "batch",
         )
 
 

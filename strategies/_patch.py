@@ -42,6 +42,9 @@ class CellParams(MixParams):
     def source_weight(self) -> Tensor:
         return (~self.cells).float()
 
+    def keep_cells(self) -> Tensor:
+        return ~self.cells
+
 
 class _CellSampler(MixSampler[CellParams]):
     """Shared part: the cell grid and the number of partner cells per group."""

@@ -1,0 +1,157 @@
+"""The ablation's configuration: data, model, recipe, one run, and the whole job.
+
+Everything that changes a result lives in ``RunConfig`` and is hashed into the
+run's key (``run_key``); what only changes where or how fast it runs (cache
+directory, workers, output directory, progress bars, threads) lives in
+``AblationConfig`` and is not hashed, so a rerun with other paths still resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from mixlabels import Config
+from mixlabels._scheme_config import SchemeConfig
+from strategies import MixerConfig
+
+__all__ = ["DataConfig", "ModelConfig", "RecipeConfig", "RunConfig", "AblationConfig", "run_key"]
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class DataConfig(Config[None]):
+    """Which images, which subset, and how they are loaded."""
+
+    source: Annotated[
+        str,
+        Field(description="'cifar10', 'imagenette', or a path to an ImageFolder directory or a .tar/.tar.gz of one"),
+    ] = "cifar10"
+    loader: Annotated[
+        Literal["tensor", "folder"],
+        Field(description="tensor: decode once into a uint8 tensor cache and augment whole batches "
+              "(small images); folder: a DataLoader with timm transforms and workers"),
+    ] = "tensor"
+    img_size: Annotated[int, Field(ge=8, description="side of the (square) training and test images")] = 32
+    subset: Annotated[int | None, Field(ge=2, description="train on this many images (a fixed random subset)")] = 7500
+    test_subset: Annotated[int | None, Field(ge=1, description="evaluate on this many images (fixed subset)")] = 2000
+    crop_padding: Annotated[int, Field(ge=0, description="tensor loader: random crop after zero padding by this")] = 4
+    hflip: Annotated[float, Field(ge=0.0, le=1.0, description="probability of a horizontal flip")] = 0.5
+    auto_augment: Annotated[str | None, Field(description="folder loader: timm auto-augment policy")] = None
+    mean: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
+    std: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
+
+
+class ModelConfig(Config[nn.Module]):
+    """A timm model (``pretrained=False``); unset fields keep the timm factory's values."""
+
+    name: Annotated[str, Field(description="timm model name")] = "deit_tiny_patch16_224"
+    img_size: int | None = 32
+    patch_size: int | None = 4
+    embed_dim: int | None = 64
+    depth: int | None = 6
+    num_heads: int | None = 2
+    mlp_ratio: float | None = None
+    drop_path: Annotated[float, Field(ge=0.0, lt=1.0, description="stochastic depth rate")] = 0.1
+
+    def build(self, num_classes: int) -> nn.Module:
+        """The timm model with ``num_classes`` outputs, randomly initialised (``pretrained=False``)."""
+        import timm  # imports torchvision: keep it off the import path of the CLI's --help
+
+        overrides: dict[str, Any] = {
+            k: v
+            for k, v in {
+                "img_size": self.img_size,
+                "patch_size": self.patch_size,
+                "embed_dim": self.embed_dim,
+                "depth": self.depth,
+                "num_heads": self.num_heads,
+                "mlp_ratio": self.mlp_ratio,
+            }.items()
+            if v is not None
+        }
+        model: nn.Module = timm.create_model(
+            self.name, pretrained=False, num_classes=num_classes, drop_path_rate=self.drop_path, **overrides
+        )
+        return model
+
+    def resolved_depth(self) -> int:
+        """The number of transformer blocks the built model has."""
+        if self.depth is not None:
+            return self.depth
+        model = self.build(num_classes=2)
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, nn.Sequential):
+            raise ValueError(f"cannot tell the depth of {self.name}: no 'blocks'; set ModelConfig.depth")
+        return len(blocks)
+
+
+class RecipeConfig(Config[None]):
+    """DeiT's recipe, built through timm's factories; schedules are counted in steps."""
+
+    epochs: Annotated[float, Field(gt=0.0, description="passes over the (sub)set; fractions allowed")] = 2.0
+    max_steps: Annotated[int | None, Field(ge=1, description="cap the number of optimizer steps")] = None
+    batch_size: Annotated[int, Field(ge=2, description="global batch size (split over ranks)")] = 64
+    opt: Annotated[str, Field(description="timm optimizer name")] = "adamw"
+    lr: Annotated[float, Field(gt=0.0, description="peak learning rate (absolute, not scaled)")] = 1e-3
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.05
+    warmup: Annotated[float, Field(ge=0.0, lt=1.0, description="fraction of the steps in linear warmup")] = 0.05
+    warmup_lr: Annotated[float, Field(ge=0.0)] = 1e-6
+    min_lr: Annotated[float, Field(ge=0.0)] = 1e-5
+    clip_grad: Annotated[float | None, Field(gt=0.0, description="clip the gradient norm to this")] = None
+    label_smoothing: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    reprob: Annotated[float, Field(ge=0.0, le=1.0, description="random erasing probability")] = 0.25
+    remode: Literal["const", "rand", "pixel"] = "pixel"
+    mix_prob: Annotated[float, Field(ge=0.0, le=1.0, description="probability that a batch is mixed")] = 1.0
+
+
+class RunConfig(Config[None]):
+    """One training run: everything its result depends on (the run's key hashes it)."""
+
+    data: DataConfig
+    model: ModelConfig
+    recipe: RecipeConfig
+    mixer: Annotated[MixerConfig | None, Field(description="None: no mixing, plain label-smoothed CE")] = None
+    scheme: Annotated[SchemeConfig | None, Field(description="alignment scheme for mixed batches")] = None
+    seed: int = 0
+    device_type: Annotated[str, Field(description="'cpu' or 'cuda' (bf16 autocast changes numerics)")] = "cpu"
+    bf16: bool = False
+
+
+def run_key(run: RunConfig) -> str:
+    """A short stable hash of a run's configuration: the name of its result file."""
+    canonical = json.dumps(run.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class AblationConfig(Config[None]):
+    """The whole job: which table, which seeds, and every run's shared settings."""
+
+    table: Literal[7, 8] = 7
+    rows: Annotated[tuple[str, ...] | None, Field(description="only these row ids (default: all)")] = None
+    seeds: Annotated[tuple[int, ...], Field(min_length=1, description="one run per seed and cell")] = (0, 1)
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    recipe: RecipeConfig = RecipeConfig()
+    device: Annotated[str, Field(description="'cpu', 'cuda' or 'cuda:N'; under torchrun cuda uses LOCAL_RANK")] = "cpu"
+    bf16: Annotated[bool | None, Field(description="bf16 autocast; default: on for cuda, off for cpu")] = None
+    out: Annotated[str | None, Field(description="output directory (default runs/ablation/table<N>-<data>-<model>)")] = None
+    data_root: Annotated[
+        str | None, Field(description="directory holding the named archives (default <project>/../shared/data)")
+    ] = None
+    cache_dir: Annotated[str | None, Field(description="extraction cache (default $MIXLABELS_CACHE or ~/.cache/mixlabels)")] = None
+    workers: Annotated[int, Field(ge=0, description="folder loader: DataLoader workers per rank")] = 4
+    threads: Annotated[
+        int | None, Field(ge=1, description="torch threads per rank (default: the idle cores, from the load average)")
+    ] = None
+    eval_batch_size: PositiveInt = 500
+    quiet: bool = False
+
+    def use_bf16(self) -> bool:
+        """bf16 autocast as asked, else on for CUDA and off for the CPU."""
+        return self.bf16 if self.bf16 is not None else torch.device(self.device).type == "cuda"

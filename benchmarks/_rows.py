@@ -1,0 +1,130 @@
+"""The rows of the paper's Table 7 (mixers x TL-Align) and Table 8 (TL-Align operations), as configs.
+
+Table 7 (DeiT-S, ImageNet): no mixing; CutMix; MixUp+CutMix switching (timm's
+``switch_prob=0.5``, MixUp alpha 0.8, CutMix alpha 1.0); random patch mixing;
+block-wise mixing; each mixer without and with TL-Align. The paper's random and
+block-wise mixers use 16x16 cells on 224 px images (a 14x14 grid, one cell per
+token). Here a cell is one patch of the model (4x4 px on 32 px CIFAR: an 8x8
+grid), and BEiT's smallest block of 16 of 196 cells is scaled by area to the grid
+(5 of 64 cells at 8x8).
+
+Table 8 (all with CutMix): none; TL-Align at layer 12 only (the last layer); at
+layers 2, 4, 6, 8 of 12; normalisation disabled; full TL-Align. For a model of
+depth ``d`` the paper's 1-based layer ``l`` of 12 becomes the 0-based layer
+``round(l * d / 12) - 1``: layers 0, 1, 2, 3 for the default depth 6 (the first
+two thirds of the network, as in the paper); 1, 3, 5, 7 for depth 12.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mixlabels import NoAlignConfig, TLAlignConfig
+from mixlabels._scheme_config import SchemeConfig
+from strategies import BlockwiseMixConfig, CutMixConfig, MixUpConfig, RandomPatchMixConfig, SwitchConfig
+from strategies import MixerConfig
+
+__all__ = ["Cell", "MixerFlags", "table_cells", "paper_layers", "ROW_IDS"]
+
+ROW_IDS = {
+    7: ("none", "cutmix", "mixup+cutmix", "random", "blockwise"),
+    8: ("none", "layer-last", "layers-2468", "no-norm", "tl-align"),
+}
+
+
+@dataclass(frozen=True)
+class MixerFlags:
+    """The check marks of Table 7's mixer columns."""
+
+    mixup: bool = False
+    cutmix: bool = False
+    random: bool = False
+    blockwise: bool = False
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (row, column) of a table: a mixer and a scheme; ``aligned`` picks the TL-Align column."""
+
+    row: str
+    label: str
+    flags: MixerFlags
+    aligned: bool
+    mixer: MixerConfig | None
+    scheme: SchemeConfig | None
+
+
+def paper_layers(depth: int, layers: tuple[int, ...] = (2, 4, 6, 8), paper_depth: int = 12) -> tuple[int, ...]:
+    """The paper's 1-based layers of a depth-12 DeiT, scaled to ``depth``, 0-based and deduplicated.
+
+    Example:
+        >>> paper_layers(6), paper_layers(12)
+        ((0, 1, 2, 3), (1, 3, 5, 7))
+    """
+    scaled = (max(1, round(layer * depth / paper_depth)) - 1 for layer in layers)
+    return tuple(sorted(set(scaled)))
+
+
+def _mixers(num_classes: int, label_smoothing: float, prob: float, cell: int, grid_cells: int) -> dict[str, MixerConfig]:
+    """Table 7's mixers for ``num_classes`` classes on a grid of ``grid_cells`` cells of side ``cell``."""
+    n, ls, p = num_classes, label_smoothing, prob
+    # BEiT's smallest block (16 of 196 cells) scaled by area to this grid
+    min_cells = max(1, round(16 * grid_cells / 196))
+    return {
+        "cutmix": CutMixConfig(num_classes=n, label_smoothing=ls, prob=p, alpha=1.0),
+        "mixup+cutmix": SwitchConfig(
+            mixers=[
+                MixUpConfig(num_classes=n, label_smoothing=ls, prob=p, alpha=0.8),
+                CutMixConfig(num_classes=n, label_smoothing=ls, prob=p, alpha=1.0),
+            ],
+            probs=[0.5, 0.5],
+        ),
+        "random": RandomPatchMixConfig(num_classes=n, label_smoothing=ls, prob=p, cell_size=cell, alpha=1.0),
+        "blockwise": BlockwiseMixConfig(
+            num_classes=n, label_smoothing=ls, prob=p, cell_size=cell, alpha=1.0, min_cells=min_cells
+        ),
+    }
+
+
+_FLAGS = {
+    "none": MixerFlags(),
+    "cutmix": MixerFlags(cutmix=True),
+    "mixup+cutmix": MixerFlags(mixup=True, cutmix=True),
+    "random": MixerFlags(random=True),
+    "blockwise": MixerFlags(blockwise=True),
+}
+
+
+def table_cells(
+    table: int,
+    *,
+    num_classes: int,
+    label_smoothing: float,
+    prob: float,
+    patch_size: int,
+    img_size: int,
+    depth: int,
+) -> list[Cell]:
+    """Every cell of Table 7 or 8, in the paper's order."""
+    grid = img_size // patch_size
+    mixers = _mixers(num_classes, label_smoothing, prob, patch_size, grid * grid)
+    cutmix = mixers["cutmix"]
+    if table == 7:
+        cells = [Cell("none", "no mixing", _FLAGS["none"], False, None, None)]
+        for row in ROW_IDS[7][1:]:
+            cells.append(Cell(row, row, _FLAGS[row], False, mixers[row], NoAlignConfig()))
+            cells.append(Cell(row, row, _FLAGS[row], True, mixers[row], TLAlignConfig()))
+        return cells
+    if table == 8:
+        layers = paper_layers(depth)
+        one_based = ",".join(str(i + 1) for i in layers)
+        return [
+            Cell("none", "None (CutMix baseline)", _FLAGS["cutmix"], False, cutmix, NoAlignConfig()),
+            Cell("layer-last", f"TL-Align (layer {depth} only)", _FLAGS["cutmix"], True, cutmix,
+                 TLAlignConfig(layers=(depth - 1,))),
+            Cell("layers-2468", f"TL-Align (layers {one_based} of {depth}; paper: 2,4,6,8 of 12)", _FLAGS["cutmix"],
+                 True, cutmix, TLAlignConfig(layers=layers)),
+            Cell("no-norm", "Normalization disabled", _FLAGS["cutmix"], True, cutmix, TLAlignConfig(normalize=False)),
+            Cell("tl-align", "Default (TL-Align)", _FLAGS["cutmix"], True, cutmix, TLAlignConfig()),
+        ]
+    raise ValueError(f"table must be 7 or 8, got {table}")

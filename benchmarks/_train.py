@@ -1,0 +1,182 @@
+"""One run of the ablation: train with DeiT's recipe through timm's factories, then evaluate top-1.
+
+The loop is timm's (``train.py``) reduced to what the ablation varies: AdamW from
+``create_optimizer_v2`` (no weight decay on biases, norms, position embedding and
+class token), a per-step cosine schedule with linear warmup from
+``create_scheduler_v2``, bf16 autocast on CUDA. Where timm calls
+``mixup_fn(images, labels)`` and ``SoftTargetCrossEntropy``, a mixed run calls the
+mixer for ``(mixed, label_map)`` and the adapted model for ``AlignedOutput``, whose
+``loss()`` is the scheme's soft-target CE against stop-gradient targets. The
+un-mixed row uses plain label-smoothed CE, as DeiT does without mixing.
+
+Each rank mixes its own shard; DDP averages the gradients; top-1 counts are
+all-reduced, so every rank returns the same result.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from backbones import adapt
+from benchmarks._config import RunConfig
+from benchmarks._data import Batches, Shard
+from benchmarks._dist import all_reduce_sum
+from mixlabels import NoAlign
+
+__all__ = ["RunResult", "train_and_evaluate", "seed_everything"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one finished run measured (identical on every rank)."""
+
+    top1: float  # percent
+    correct: int
+    evaluated: int
+    train_loss: float  # mean over the last tenth of the steps and the ranks
+    steps: int
+    train_seconds: float
+    eval_seconds: float
+    images_per_second: float
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Same model init on every rank (DDP broadcasts it anyway); per-rank streams for augmentation."""
+    torch.manual_seed(seed)
+    random.seed(seed * 1_000_003 + rank)  # timm's RandomErasing draws from python's RNG
+
+
+def _schedule(run: RunConfig, steps_per_epoch: int) -> int:
+    if run.recipe.max_steps is not None:
+        return run.recipe.max_steps
+    if steps_per_epoch < 1:
+        raise ValueError("the training set is smaller than one global batch; lower --batch-size or raise --subset")
+    return max(1, math.ceil(run.recipe.epochs * steps_per_epoch))
+
+
+def train_and_evaluate(
+    run: RunConfig,
+    train: Batches,
+    test: Batches,
+    shard: Shard,
+    *,
+    num_classes: int,
+    progress: bool = False,
+    desc: str = "",
+) -> RunResult:
+    """Train ``run`` from scratch on ``train`` and return its top-1 on ``test``.
+
+    Args:
+        run: the run's configuration (model, recipe, mixer, scheme, seed).
+        train: this rank's training batches (augmented, random erasing applied).
+        test: this rank's evaluation shard.
+        shard: rank, world size and device.
+        num_classes: ``c``.
+        progress: show a tqdm bar (rank 0 on a TTY).
+        desc: the bar's label.
+    """
+    # the defining modules: timm's package __init__ files re-export without __all__, which mypy --strict refuses
+    from timm.optim._optim_factory import create_optimizer_v2
+    from timm.scheduler.scheduler_factory import create_scheduler_v2
+
+    seed_everything(run.seed, shard.rank)
+    recipe = run.recipe
+    model = run.model.build(num_classes).to(shard.device)
+    # same init on every rank (above); from here, per-rank streams so that stochastic depth differs across shards
+    torch.manual_seed(run.seed * 1_000_003 + shard.rank)
+    net: nn.Module = model
+    mixer = None
+    if run.mixer is not None:
+        mixer = run.mixer.build()
+        mixer.generator = torch.Generator().manual_seed(run.seed * 1_000_003 + 7919 * shard.rank + 1)
+        net = adapt(model, run.scheme.build() if run.scheme is not None else NoAlign())
+    if shard.world > 1:
+        net = DistributedDataParallel(net)  # device_ids=None: the label map is not a tensor DDP could scatter
+
+    total = _schedule(run, len(train))
+    optimizer = create_optimizer_v2(model, opt=recipe.opt, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    scheduler, _ = create_scheduler_v2(
+        optimizer,
+        sched="cosine",
+        num_epochs=total,
+        warmup_epochs=int(round(recipe.warmup * total)),
+        warmup_lr=recipe.warmup_lr,
+        min_lr=recipe.min_lr,
+        step_on_epochs=False,  # counted in optimizer steps: one "epoch" of the schedule is one update
+        updates_per_epoch=1,
+    )
+    autocast = torch.autocast(device_type=shard.device.type, dtype=torch.bfloat16, enabled=run.bf16)
+
+    losses: list[Tensor] = []
+    bar = tqdm(total=total, desc=desc, disable=not progress, leave=False, dynamic_ncols=True, position=1)
+    net.train()
+    step, epoch = 0, 0
+    start = time.perf_counter()
+    while step < total:
+        for images, labels in train.epoch(epoch):
+            if mixer is None:
+                with autocast:
+                    loss = F.cross_entropy(net(images), labels, label_smoothing=recipe.label_smoothing)
+            else:
+                mixed, label_map = mixer(images, labels)
+                with autocast:
+                    loss = net(mixed, label_map).loss()
+            optimizer.zero_grad(set_to_none=True)
+            torch.autograd.backward(loss)
+            if recipe.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad)
+            optimizer.step()
+            step += 1
+            scheduler.step_update(num_updates=step)
+            losses.append(loss.detach().float())
+            if step % 25 == 0 or step == total:
+                value = float(loss.detach())  # one host sync every 25 steps
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"{desc}: the training loss became {value} at step {step}")
+                bar.set_postfix(loss=f"{value:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}", refresh=False)
+            bar.update()
+            if step >= total:
+                break
+        epoch += 1
+    if shard.device.type == "cuda":
+        torch.cuda.synchronize(shard.device)
+    train_seconds = time.perf_counter() - start
+    bar.close()
+
+    tail = torch.stack(losses[-max(1, total // 10) :]).mean().view(1).double()
+    train_loss = float(all_reduce_sum(tail)) / shard.world
+    start = time.perf_counter()
+    correct, evaluated = evaluate(model, test, autocast)
+    eval_seconds = time.perf_counter() - start
+    return RunResult(
+        top1=100.0 * correct / max(1, evaluated),
+        correct=correct,
+        evaluated=evaluated,
+        train_loss=train_loss,
+        steps=total,
+        train_seconds=train_seconds,
+        eval_seconds=eval_seconds,
+        images_per_second=total * train.per_rank * shard.world / max(train_seconds, 1e-9),
+    )
+
+
+def evaluate(model: nn.Module, test: Batches, autocast: torch.autocast) -> tuple[int, int]:
+    """Top-1 counts ``(correct, evaluated)`` summed over every rank's disjoint shard."""
+    model.eval()
+    device = next(model.parameters()).device
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    with torch.inference_mode(), autocast:
+        for images, labels in test.epoch(0):
+            counts[0] += (model(images).argmax(dim=-1) == labels).sum()
+            counts[1] += labels.numel()
+    counts = all_reduce_sum(counts.clone())
+    return int(counts[0]), int(counts[1])

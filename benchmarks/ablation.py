@@ -1,0 +1,662 @@
+"""The paper's Table 7 (mixers x TL-Align) and Table 8 (TL-Align operations) on real data.
+
+Run from the repository root::
+
+    python benchmarks/ablation.py                       # Table 7, CIFAR-10, CPU, about 20 minutes
+    python benchmarks/ablation.py --table 8             # Table 8's rows
+    python benchmarks/ablation.py --data imagenette --model deit_small_patch16_224 --device cuda --epochs 100
+    torchrun --nproc-per-node 8 benchmarks/ablation.py --data imagenette --device cuda ...   # DDP
+
+Every cell of the table is trained and evaluated once per seed. Each finished
+run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
+run's whole configuration), so a rerun skips what is done and an interrupted job
+loses at most the run in progress. At the end the table is printed in the
+paper's shape and written as ``table.md``, ``runs.csv``, ``results.json`` (the
+resolved config and every run) and ``table.png``.
+
+Default sizing (CIFAR-10 on 2 CPU cores, about 20 minutes for Table 7's 9 cells x 2 seeds):
+
+    model   deit_tiny_patch16_224 through timm at 32 px, patch 4 (an 8x8 grid + class token),
+            width 64, depth 6, 2 heads: 0.3 M parameters
+    data    a fixed random 7,500-image training subset, a fixed 2,000-image test subset;
+            random crop (pad 4) + flip + random erasing 0.25 on uint8 tensors decoded once
+    recipe  DeiT's: AdamW lr 1e-3 at batch 64, wd 0.05, cosine with 5% warmup, label
+            smoothing 0.1, stochastic depth 0.1; 2 epochs = 234 steps of 64 per run
+    seeds   0 and 1: 9 cells x 2 seeds = 18 runs
+
+    Measured on this 2-core machine, one training step of batch 64 (forward, backward,
+    AdamW; CutMix and TL-Align included) took 0.17-0.19 s with 2 torch threads while the
+    cores were nearly idle (TL-Align within the noise of the plain step), and 0.4-0.9 s
+    with 1 thread while three other jobs shared the cores; evaluating 2,000 images takes
+    2-5 s. Planning at a conservative 0.25 s per step:
+        18 runs x (234 steps x 0.25 s + 3 s eval) = 18 x 61.5 s = 18.5 min,
+    plus about 15 s of start-up and, on the very first run only, about 25 s to decode
+    the archive into the cache. On idle cores it takes about 14 min; on cores shared with
+    other jobs it takes longer (about 3x at the contention measured above), and the run
+    files make an interrupted job resumable. In shortened trial runs, no mixing reached
+    23.7% top-1 after 30 steps of 128 and CutMix 21.9% after 120 steps of 64, so the full
+    runs land well above chance (10%); the spread over seeds is printed next to every mean, and differences
+    smaller than about two such spreads are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # ``python benchmarks/ablation.py``: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks._archive import (
+    REPO_ROOT,
+    cache_root,
+    default_data_root,
+    eval_split,
+    extract,
+    resolve_source,
+    tensor_cache,
+    train_split,
+)
+from benchmarks._config import AblationConfig, RunConfig, run_key
+from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
+from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
+from benchmarks._rows import ROW_IDS, Cell, table_cells
+
+__all__ = ["main", "resolve_config", "plan", "run_ablation", "Planned", "Report", "summarise", "render_markdown"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+_SIZE_FIELDS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+
+# Per-dataset defaults, below a config file and the flags. CIFAR-10's are the AblationConfig defaults;
+# Imagenette (or any other ImageFolder) is the paper's setting: DeiT at 224 px through timm's transforms.
+_IMAGENET_LIKE: dict[str, Any] = {
+    "data": {
+        "loader": "folder",
+        "img_size": 224,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
+        "auto_augment": "rand-m9-mstd0.5-inc1",
+        "subset": None,
+        "test_subset": None,
+    },
+    "model": {"name": "deit_small_patch16_224", **{k: None for k in _SIZE_FIELDS}},
+    "recipe": {"epochs": 100.0, "batch_size": 256, "lr": 1e-3, "warmup": 0.05},
+}
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every flag defaults to "not given" so that a config file's values survive."""
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/ablation.py",
+        description="Train and evaluate the paper's Table 7 (mixers x TL-Align) or Table 8 (TL-Align operations).",
+        argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", type=Path, help="AblationConfig as .json or .yaml; flags override it")
+    p.add_argument("--table", type=int, choices=(7, 8), help="which table (default 7)")
+    p.add_argument("--rows", type=_csv_list, help=f"only these rows, comma separated: table 7 {','.join(ROW_IDS[7])}; "
+                   f"table 8 {','.join(ROW_IDS[8])}")
+    p.add_argument("--seeds", type=_int_list, help="comma separated seeds (default 0,1)")
+    p.add_argument("--data", help="cifar10, imagenette, or a path to an ImageFolder directory or .tar/.tar.gz")
+    p.add_argument("--data-root", help="directory holding the named archives (default <project>/../shared/data)")
+    p.add_argument("--loader", choices=("tensor", "folder"), help="tensor: decode once, augment batches; folder: DataLoader")
+    p.add_argument("--img-size", type=int, help="image side in pixels")
+    p.add_argument("--subset", type=_optional_int, help="train on this many images (fixed subset); 'all' for all")
+    p.add_argument("--test-subset", type=_optional_int, help="evaluate on this many images; 'all' for all")
+    p.add_argument("--model", help="timm model name (pretrained=False); a new name drops the CIFAR size overrides")
+    p.add_argument("--patch-size", type=int)
+    p.add_argument("--embed-dim", type=int)
+    p.add_argument("--depth", type=int)
+    p.add_argument("--heads", type=int, dest="num_heads")
+    p.add_argument("--drop-path", type=float)
+    p.add_argument("--epochs", type=float, help="passes over the training (sub)set")
+    p.add_argument("--max-steps", type=int, help="cap every run at this many optimizer steps")
+    p.add_argument("--batch-size", type=int, help="global batch size, split over the ranks")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--warmup", type=float, help="fraction of the steps in linear warmup")
+    p.add_argument("--device", help="cpu, cuda or cuda:N")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: on for cuda)")
+    p.add_argument("--out", help="output directory (default runs/ablation/table<N>-<data>-<model>)")
+    p.add_argument("--cache-dir", help="data cache (default $MIXLABELS_CACHE or ~/.cache/mixlabels)")
+    p.add_argument("--workers", type=int, help="folder loader: DataLoader workers per rank")
+    p.add_argument("--threads", type=int, help="torch threads per rank")
+    p.add_argument("--eval-batch-size", type=int)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the runs, train nothing")
+    return p
+
+
+def _csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma separated integers, got {text!r}") from None
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("all", "none") else int(text)
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """The mapping in a ``.json`` or ``.yaml``/``.yml`` file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file at {path}")
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        loaded: Any = yaml.safe_load(text)
+    elif path.suffix.lower() == ".json":
+        loaded = json.loads(text)
+    else:
+        raise ValueError(f"config file {path} must end in .json, .yaml or .yml")
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config file {path} must hold a mapping of AblationConfig fields, got {type(loaded).__name__}")
+    return loaded
+
+
+def _flags_to_tree(flags: dict[str, Any]) -> dict[str, Any]:
+    """The given flags as a nested AblationConfig mapping."""
+    where = {
+        "data": ("data", "source"), "loader": ("data", "loader"), "img_size": ("data", "img_size"),
+        "subset": ("data", "subset"), "test_subset": ("data", "test_subset"),
+        "model": ("model", "name"), "patch_size": ("model", "patch_size"), "embed_dim": ("model", "embed_dim"),
+        "depth": ("model", "depth"), "num_heads": ("model", "num_heads"), "drop_path": ("model", "drop_path"),
+        "epochs": ("recipe", "epochs"), "max_steps": ("recipe", "max_steps"), "batch_size": ("recipe", "batch_size"),
+        "lr": ("recipe", "lr"), "weight_decay": ("recipe", "weight_decay"), "warmup": ("recipe", "warmup"),
+    }
+    tree: dict[str, Any] = {}
+    for name, value in flags.items():
+        if name in ("config", "dry_run"):
+            continue
+        if name in where:
+            section, field = where[name]
+            tree.setdefault(section, {})[field] = value
+        else:
+            tree[name] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_config(argv: Sequence[str] | None = None) -> tuple[AblationConfig, bool]:
+    """The job's config from defaults < the data set's preset < ``--config`` file < flags; and ``--dry-run``."""
+    args = vars(build_parser().parse_args(argv))
+    given = load_config_file(args["config"]) if "config" in args else {}
+    given = _merge(given, _flags_to_tree(args))
+    source = str(given.get("data", {}).get("source", "cifar10"))
+    preset: dict[str, Any] = {} if source == "cifar10" else _IMAGENET_LIKE
+    model = given.get("model", {})
+    if "name" in model and model["name"] != preset.get("model", {}).get("name", AblationConfig().model.name):
+        # another architecture: the CIFAR width/depth/patch overrides would silently shrink it
+        preset = _merge(preset, {"model": {k: None for k in _SIZE_FIELDS}})
+    tree = _merge(preset, given)
+    if "img_size" not in model:  # unless asked otherwise, the model is built for the images it gets
+        img = tree.get("data", {}).get("img_size", AblationConfig().data.img_size)
+        tree = _merge(tree, {"model": {"img_size": img}})
+    return AblationConfig.model_validate(tree), bool(args.get("dry_run", False))
+
+
+def default_out(cfg: AblationConfig) -> Path:
+    """``runs/ablation/table<N>-<data>-<model>`` under the repository root."""
+    data = cfg.data.source if cfg.data.source in ("cifar10", "imagenette") else Path(cfg.data.source).name.split(".")[0]
+    return REPO_ROOT / "runs" / "ablation" / f"table{cfg.table}-{data}-{cfg.model.name}"
+
+
+# ------------------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One run of the job: a table cell at a seed, its full config and key."""
+
+    cell: Cell
+    seed: int
+    run: RunConfig
+    key: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.cell.row}{' +TL-Align' if self.cell.aligned else ''} seed {self.seed}"
+
+
+def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planned]:
+    """Every (cell, seed) of the table in the paper's order, seeds innermost.
+
+    Raises:
+        ValueError: unknown row ids (the message lists the table's rows), no seeds, or a model the table cannot use.
+    """
+    if not cfg.seeds:
+        raise ValueError("no seeds: pass --seeds 0,1 (at least one)")
+    if len(set(cfg.seeds)) != len(cfg.seeds):
+        raise ValueError(f"seeds must be distinct, got {list(cfg.seeds)}")
+    known = ROW_IDS[cfg.table]
+    if cfg.rows is not None:
+        unknown = [r for r in cfg.rows if r not in known]
+        if unknown or not cfg.rows:
+            raise ValueError(f"unknown row id(s) {unknown} for table {cfg.table}; its rows are: {', '.join(known)}")
+    patch, img = _grid_of(cfg)
+    cells = table_cells(
+        cfg.table, num_classes=num_classes, label_smoothing=cfg.recipe.label_smoothing, prob=cfg.recipe.mix_prob,
+        patch_size=patch, img_size=img, depth=cfg.model.resolved_depth(),
+    )
+    if cfg.rows is not None:
+        cells = [c for c in cells if c.row in cfg.rows]
+    out = []
+    for cell in cells:
+        for seed in cfg.seeds:
+            run = RunConfig(data=cfg.data, model=cfg.model, recipe=cfg.recipe, mixer=cell.mixer, scheme=cell.scheme,
+                            seed=seed, device_type=device_type, bf16=cfg.use_bf16())
+            out.append(Planned(cell, seed, run, run_key(run)))
+    return out
+
+
+def _grid_of(cfg: AblationConfig) -> tuple[int, int]:
+    """``(patch size, image size)`` of the built model: the random and block-wise mixers use one cell per token."""
+    model = cfg.model.build(num_classes=2)
+    embed = getattr(model, "patch_embed", None)
+    patch = getattr(embed, "patch_size", None)
+    if not isinstance(patch, tuple) or patch[0] != patch[1]:
+        raise ValueError(f"{cfg.model.name}: the ablation needs a ViT with square patches (timm's patch_embed.patch_size)")
+    if cfg.data.img_size % patch[0]:
+        raise ValueError(f"image size {cfg.data.img_size} is not a multiple of the patch size {patch[0]}")
+    return int(patch[0]), cfg.data.img_size
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Data:
+    """The training split, the fixed test batches and the class count, for this rank."""
+
+    num_classes: int
+    make_train: Callable[[int], Batches]  # seed -> this run's training batches
+    test: Batches
+
+
+def load_data(cfg: AblationConfig, shard: Shard) -> Data:
+    """Open (decode or extract once) the configured data and shard it for this rank."""
+    from timm.data.random_erasing import RandomErasing
+    from timm.data.transforms_factory import create_transform
+
+    d, r = cfg.data, cfg.recipe
+    source = resolve_source(d.source, cfg.data_root)
+    root = cache_root(cfg.cache_dir)
+    train_name, test_name = train_split(source, root), eval_split(source, root)
+    if d.loader == "tensor":
+        train_split_ = tensor_cache(source, train_name, d.img_size, root)
+        test_split_ = tensor_cache(source, test_name, d.img_size, root)
+        if train_split_.classes != test_split_.classes:
+            raise ValueError(f"{source}: the train and {test_name} splits have different classes")
+        train_idx = subset_indices(len(train_split_.labels), d.subset)
+        test_idx = subset_indices(len(test_split_.labels), d.test_subset)
+        erasing = (RandomErasing(probability=r.reprob, mode=r.remode, device=str(shard.device))  # type: ignore[no-untyped-call]
+                   if r.reprob > 0 else None)
+        common: dict[str, Any] = {"shard": shard, "mean": d.mean, "std": d.std}
+
+        def make_tensor_train(seed: int) -> Batches:
+            return TensorBatches(train_split_, train_idx, r.batch_size, train=True, seed=seed,
+                                 crop_padding=d.crop_padding, hflip=d.hflip, erasing=erasing, **common)
+
+        test: Batches = TensorBatches(test_split_, test_idx, cfg.eval_batch_size, train=False, seed=0, **common)
+        num_classes = len(train_split_.classes)
+        make_train: Callable[[int], Batches] = make_tensor_train
+    else:
+        folder = extract(source, root)
+        classes = sorted(p.name for p in (folder / train_name).iterdir() if p.is_dir())
+        n_train, n_test = _count_images(folder / train_name), _count_images(folder / test_name)
+        train_tf = create_transform(
+            d.img_size, is_training=True, hflip=d.hflip, auto_augment=d.auto_augment, interpolation="bicubic",
+            mean=d.mean, std=d.std, re_prob=r.reprob, re_mode=r.remode, color_jitter=0.3,
+        )
+        test_tf = create_transform(d.img_size, is_training=False, interpolation="bicubic", mean=d.mean, std=d.std)
+        train_idx_f = subset_indices(n_train, d.subset) if d.subset is not None else None
+        test_idx_f = subset_indices(n_test, d.test_subset) if d.test_subset is not None else None
+
+        def make_folder_train(seed: int) -> Batches:
+            return FolderBatches(folder / train_name, train_idx_f, r.batch_size, shard, train=True, seed=seed,
+                                 transform=train_tf, workers=cfg.workers)
+
+        test = FolderBatches(folder / test_name, test_idx_f, cfg.eval_batch_size, shard, train=False, seed=0,
+                             transform=test_tf, workers=cfg.workers)
+        num_classes = len(classes)
+        make_train = make_folder_train
+    # fail before any training when the first run could not take a single step
+    if r.max_steps is None and len(make_train(0)) < 1:
+        raise ValueError(
+            f"the training set ({d.subset or 'all'} images) is smaller than one global batch of {r.batch_size}: "
+            "lower --batch-size or raise --subset"
+        )
+    return Data(num_classes=num_classes, make_train=make_train, test=test)
+
+
+def _count_images(split_dir: Path) -> int:
+    """Images under ``<split>/<class>/`` (what timm's ImageDataset will index), for the fixed subsets."""
+    from timm.data.readers.img_extensions import get_img_extensions
+
+    ext = tuple(get_img_extensions())  # type: ignore[no-untyped-call]
+    return sum(1 for c in split_dir.iterdir() if c.is_dir() for f in c.iterdir() if f.suffix.lower() in ext)
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a job did and found (rank 0; other ranks get ``trained``/``skipped`` only)."""
+
+    out: Path
+    trained: int
+    skipped: int
+    records: list[dict[str, Any]]
+    markdown: str
+
+
+def _read_done(runs_dir: Path, planned: Sequence[Planned]) -> dict[str, dict[str, Any]]:
+    """The finished run files among the planned keys; a file that does not match its config is ignored."""
+    done: dict[str, dict[str, Any]] = {}
+    for p in planned:
+        path = runs_dir / f"{p.key}.json"
+        if not path.is_file():
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a torn or foreign file: the run is redone and the file replaced
+        if record.get("key") == p.key and record.get("run") == p.run.model_dump(mode="json"):
+            done[p.key] = record
+    return done
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
+    """Train and evaluate every missing run of the table, then write and print the table (rank 0)."""
+    from tqdm import tqdm
+
+    from benchmarks._train import train_and_evaluate
+
+    shard = setup(cfg.device)
+    try:
+        threads = cfg.threads or _free_cores(shard)
+        torch.set_num_threads(threads)
+        lead = shard.rank == 0
+        out = Path(cfg.out).expanduser().resolve() if cfg.out else default_out(cfg)
+        if cfg.recipe.batch_size < shard.world:
+            raise ValueError(f"--batch-size {cfg.recipe.batch_size} is smaller than the number of ranks "
+                             f"({shard.world}): every rank needs at least 2 images to mix")
+        if lead:
+            print(f"resolved config ({shard.world} rank{'s' if shard.world > 1 else ''} on {shard.device}, "
+                  f"{threads} torch thread{'s' if threads > 1 else ''} per rank):")
+            print(cfg.model_dump_json(indent=2))
+            print(f"output: {out}", flush=True)
+        resolve_source(cfg.data.source, cfg.data_root)  # a missing archive fails now, also in a dry run
+        data = load_data(cfg, shard) if not dry_run else None
+        planned = plan(cfg, data.num_classes if data else _peek_classes(cfg), shard.device.type)
+        # rank 0 alone reads the run files: every rank takes the same decision even on node-local disks
+        done = broadcast_from_zero(_read_done(out / "runs", planned) if lead else {})
+        todo = [p for p in planned if p.key not in done]
+        if lead:
+            print(f"table {cfg.table}: {len(planned)} runs ({len(planned) - len(todo)} already done, "
+                  f"{len(todo)} to train)", flush=True)
+            if dry_run:
+                for p in planned:
+                    print(f"  {p.key}  {p.name}{'  (done)' if p.key in done else ''}")
+        if dry_run or data is None:
+            return Report(out, 0, len(planned) - len(todo), [], "")
+        progress = lead and not cfg.quiet
+        overall = tqdm(total=len(todo), desc=f"table {cfg.table}", disable=not progress, position=0, dynamic_ncols=True)
+        for i, p in enumerate(todo):
+            result = train_and_evaluate(p.run, data.make_train(p.seed), data.test, shard,
+                                        num_classes=data.num_classes, progress=progress, desc=p.name)
+            if lead:
+                record = {"key": p.key, "run": p.run.model_dump(mode="json"), "result": asdict(result),
+                          "world": shard.world, "device": str(shard.device), "finished": time.time()}
+                write_atomic(out / "runs" / f"{p.key}.json", json.dumps(record, indent=1))
+                done[p.key] = record
+                tqdm.write(f"[{i + 1}/{len(todo)}] {p.name}: top-1 {result.top1:.2f}% "
+                           f"({result.steps} steps, {result.train_seconds:.0f} s)")
+            overall.update()
+        overall.close()
+        barrier()
+        if not lead:
+            return Report(out, len(todo), len(planned) - len(todo), [], "")
+        records = [{"table": cfg.table, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned,
+                    "seed": p.seed, **done[p.key]} for p in planned]
+        markdown = render_markdown(cfg, planned, records)
+        write_outputs(out, cfg, planned, records, markdown)
+        print()
+        print(markdown, flush=True)
+        print(f"written: {out / 'table.md'}, runs.csv, results.json, table.png")
+        return Report(out, len(todo), len(planned) - len(todo), records, markdown)
+    finally:
+        teardown()
+
+
+def _free_cores(shard: Shard) -> int:
+    """Torch threads per rank when ``--threads`` is not given: the cores other processes leave idle.
+
+    On a CPU shared with other jobs, more OpenMP threads than idle cores make every
+    step wait at barriers for descheduled threads: on 2 busy cores a training step of
+    the default model took 2-5 s with 2 threads and 0.5-0.6 s with 1.
+    """
+    cores = os.cpu_count() or 1
+    if shard.device.type == "cuda":
+        return max(1, min(4, cores // max(1, shard.world)))  # only the input pipeline runs on the host
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # not every platform has a load average
+        busy = 0.0
+    per_rank = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", shard.world)))
+    return max(1, min(per_rank, round(cores - busy)))
+
+
+def _peek_classes(cfg: AblationConfig) -> int:
+    """The class count for a dry run without decoding: the named data sets have 10."""
+    return 10 if cfg.data.source in ("cifar10", "imagenette") else 1000
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and sample std over seeds of one cell (``std`` is None with one seed)."""
+
+    mean: float
+    std: float | None
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.mean:.2f}" if self.std is None else f"{self.mean:.2f} ± {self.std:.2f}"
+
+
+def _stat(values: Sequence[float]) -> Stat | None:
+    if not values:
+        return None
+    return Stat(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values))
+
+
+def _delta(base: dict[int, float], other: dict[int, float]) -> str:
+    """Mean of the per-seed differences (same seed, same data order) ± their std."""
+    seeds = sorted(set(base) & set(other))
+    stat = _stat([other[s] - base[s] for s in seeds])
+    if stat is None:
+        return "-"
+    return f"{stat.mean:+.2f}" if stat.std is None else f"{stat.mean:+.2f} ± {stat.std:.2f}"
+
+
+def summarise(records: Sequence[dict[str, Any]]) -> dict[tuple[str, bool], dict[int, float]]:
+    """``(row, aligned) -> {seed: top-1}``."""
+    by_cell: dict[tuple[str, bool], dict[int, float]] = {}
+    for rec in records:
+        by_cell.setdefault((rec["row"], rec["aligned"]), {})[rec["seed"]] = float(rec["result"]["top1"])
+    return by_cell
+
+
+def _fmt(values: dict[int, float] | None) -> str:
+    stat = _stat(list(values.values())) if values else None
+    return "-" if stat is None else str(stat)
+
+
+def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]]) -> str:
+    """The table in the paper's shape, with a caption saying what was run."""
+    cells = summarise(records)
+    rows: list[Cell] = []
+    for p in planned:
+        if all(p.cell.row != c.row or p.cell.aligned != c.aligned for c in rows):
+            rows.append(p.cell)
+    m = cfg.model
+    size = f"{m.name}" + (f" (dim {m.embed_dim}, depth {m.depth}, patch {m.patch_size})" if m.embed_dim else "")
+    steps = {int(r["result"]["steps"]) for r in records}
+    caption = (f"Table {cfg.table} on {cfg.data.source} ({cfg.data.subset or 'all'} train / "
+               f"{cfg.data.test_subset or 'all'} test images), {size}, {'/'.join(map(str, sorted(steps)))} steps of "
+               f"{cfg.recipe.batch_size}; top-1 (%) as mean ± std over seeds {', '.join(map(str, cfg.seeds))}; "
+               f"Δ = mean ± std of the per-seed differences.")
+    lines = [caption, ""]
+    mark = {True: "✓", False: "×"}
+    if cfg.table == 7:
+        lines += ["| MixUp | CutMix | Random | Block-wise | Top-1 (%) | +TL-Align Top-1 (%) | Δ |",
+                  "| :-: | :-: | :-: | :-: | --: | --: | --: |"]
+        for row in dict.fromkeys(c.row for c in rows):
+            flags = next(c.flags for c in rows if c.row == row)
+            base, aligned = cells.get((row, False)), cells.get((row, True))
+            has_aligned = any(c.row == row and c.aligned for c in rows)
+            lines.append(
+                f"| {mark[flags.mixup]} | {mark[flags.cutmix]} | {mark[flags.random]} | {mark[flags.blockwise]} "
+                f"| {_fmt(base)} | {_fmt(aligned) if has_aligned else '-'} "
+                f"| {_delta(base, aligned) if base and aligned else '-'} |"
+            )
+    else:
+        baseline = cells.get(("none", False))
+        lines += ["| Alignment | Top-1 (%) | Δ (%) |", "| :-- | --: | --: |"]
+        for c in rows:
+            values = cells.get((c.row, c.aligned))
+            delta = _delta(baseline, values) if baseline and values and c.row != "none" else "-"
+            lines.append(f"| {c.label} | {_fmt(values)} | {delta} |")
+    return "\n".join(lines) + "\n"
+
+
+_CSV_FIELDS = ("table", "row", "label", "aligned", "seed", "key", "mixer", "scheme", "top1", "correct", "evaluated",
+               "train_loss", "steps", "train_seconds", "eval_seconds", "images_per_second", "world", "device")
+
+
+def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
+                  markdown: str) -> None:
+    """``table.md``, ``runs.csv``, ``results.json`` and ``table.png`` in ``out``, each written atomically."""
+    write_atomic(out / "table.md", markdown)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS)
+    writer.writeheader()
+    for rec in records:
+        run = rec["run"]
+        writer.writerow({
+            **{k: rec[k] for k in ("table", "row", "label", "aligned", "seed", "key", "world", "device")},
+            "mixer": (run["mixer"] or {}).get("kind", "none"), "scheme": (run["scheme"] or {}).get("kind", "none"),
+            **{k: rec["result"][k] for k in _CSV_FIELDS if k in rec["result"]},
+        })
+    write_atomic(out / "runs.csv", buf.getvalue())
+    results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records)}
+    write_atomic(out / "results.json", json.dumps(results, indent=1))
+    plot(out / "table.png", cfg, planned, records)
+
+
+def plot(path: Path, cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]]) -> None:
+    """A bar chart of the table: mean top-1 per cell with the std over seeds as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: the chart goes to a file
+    import matplotlib.pyplot as plt
+
+    cells = summarise(records)
+    order = list(dict.fromkeys(p.cell.row for p in planned))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(order) + 1.5), 4.0), dpi=120)
+    columns = [(False, "baseline", "#9aa5b1"), (True, "+TL-Align", "#d1495b")] if cfg.table == 7 else [(None, "", "")]
+    width = 0.8 / len(columns)
+    lows: list[float] = []
+    for j, (aligned, name, color) in enumerate(columns):
+        xs, means, errs = [], [], []
+        for i, row in enumerate(order):
+            key = (row, aligned) if aligned is not None else next(k for k in cells if k[0] == row)
+            stat = _stat(list(cells.get(key, {}).values()))
+            if stat is None:
+                continue
+            xs.append(i + (j - (len(columns) - 1) / 2) * width)
+            means.append(stat.mean)
+            errs.append(stat.std or 0.0)
+            lows.append(stat.mean - (stat.std or 0.0))
+        kwargs: dict[str, Any] = {"label": name, "color": color} if name else {"color": "#3c6e71"}
+        ax.bar(xs, means, width=width, yerr=errs, capsize=4, **kwargs)
+    ax.set_xticks(range(len(order)))
+    ax.set_xticklabels(order, rotation=15)
+    ax.set_xlabel("mixing strategy" if cfg.table == 7 else "alignment")
+    ax.set_ylabel("top-1 accuracy (%)")
+    if lows:  # bars start near the data: at this scale the differences are a few points
+        ax.set_ylim(bottom=max(0.0, math.floor(min(lows) - 5)))
+    ax.set_title(f"Table {cfg.table}: {cfg.data.source}, {cfg.model.name}, seeds {','.join(map(str, cfg.seeds))}")
+    if cfg.table == 7:
+        ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------- cli
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line entry point; returns the exit status."""
+    try:
+        cfg, dry_run = resolve_config(argv)
+        run_ablation(cfg, dry_run=dry_run)
+    except (FileNotFoundError, ValueError) as err:
+        from pydantic import ValidationError
+
+        if isinstance(err, ValidationError):
+            print(f"ablation: invalid configuration:\n{err}", file=sys.stderr)
+        else:
+            print(f"ablation: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""The cost of alignment and of mixing, side by side, in one run.
+
+Two measurements, each printed as absolute figures and as ratios measured in the
+same run (the machine is noisy: variants are interleaved and repeated, and the
+median and spread over repeats are reported):
+
+1. **Training steps** (the paper's Table 2): img/s and peak memory of a full
+   training step (mixing, forward, loss, backward, AdamW) for: no mixing;
+   CutMix + NoAlign; + TransMix; + TL-Align (fast path: compact labels fused
+   into attention); + TL-Align reference path (explicit attention matrices and
+   dense class labels, the official implementation's approach). Every variant
+   runs in its own subprocess so that CPU peak memory is that process's peak
+   RSS; on CUDA it is ``torch.cuda.max_memory_allocated``.
+2. **Mixers**: time per batch of every mixer (building its ``TokenLabelMap`` and
+   the image targets included) against timm's ``Mixup`` (batch and elem
+   modes), kornia's ``RandomCutMixV2``/``RandomMixUpV2`` and torchvision's
+   ``v2.CutMix``/``v2.MixUp``.
+
+Usage::
+
+    python benchmarks/speed.py                       # CPU, tiny ViT, quick
+    python benchmarks/speed.py --model deit_small_patch16_224 --batch-size 16
+    python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import gc
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-reference")
+BASELINE = "cutmix"
+LABELS = {
+    "none": "no mixing",
+    "cutmix": "CutMix + NoAlign",
+    "transmix": "CutMix + TransMix",
+    "tlalign": "CutMix + TL-Align (fast)",
+    "tlalign-reference": "CutMix + TL-Align (reference)",
+}
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_model(name: str, num_classes: int) -> tuple[torch.nn.Module, int]:
+    """A random-init timm ViT and its input size."""
+    import timm
+
+    if name == "tiny":  # DeiT-Ti's widths (192 dims, 3 heads, 12 blocks) on 32 px images, patch 4: 64 tokens
+        model = timm.create_model(
+            "deit_tiny_patch16_224", pretrained=False, num_classes=num_classes, img_size=32, patch_size=4
+        )
+        return model, 32
+    model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    size: Any = getattr(model, "patch_embed").img_size
+    return model, int(size[0])
+
+
+def describe_device(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+# --------------------------------------------------------------------------- training steps
+
+
+class StepBench:
+    """Every step variant over ONE model and optimizer, so variants can be interleaved step by step.
+
+    The adapters share the model's parameters, so switching variant between steps
+    changes nothing about the work a step does; only the timings are interleaved.
+    """
+
+    def __init__(self, args: argparse.Namespace, variants: Sequence[str]) -> None:
+        import mixlabels
+        from backbones import adapt
+        from strategies import CutMix
+
+        torch.manual_seed(0)
+        self.device = torch.device(args.device)
+        model, size = build_model(args.model, args.num_classes)
+        self.model = model.to(self.device).train()
+        patch = int(model.patch_embed.patch_size[0])  # type: ignore[index, union-attr]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.images = torch.randn(args.batch_size, 3, size, size, generator=gen).to(self.device)
+        self.labels = torch.randint(0, args.num_classes, (args.batch_size,), generator=gen).to(self.device)
+        # Boxes snapped to the token grid, as the official TL-Align code does.
+        self.mixer = CutMix(num_classes=args.num_classes, label_smoothing=0.1, patch_size=patch)
+        schemes: dict[str, Any] = {
+            "cutmix": mixlabels.NoAlign(),
+            "transmix": mixlabels.TransMix(),
+            "tlalign": mixlabels.TLAlign(),
+            "tlalign-reference": mixlabels.TLAlign(),
+        }
+        self.adapted = {
+            v: adapt(model, schemes[v], reference=v == "tlalign-reference") for v in variants if v != "none"
+        }
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+        self.amp = self.device.type == "cuda" and bool(args.amp)
+
+    def step(self, variant: str) -> None:
+        """One full training step: mix, forward, loss, backward, AdamW."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            if variant == "none":
+                loss = F.cross_entropy(self.model(self.images), self.labels, label_smoothing=0.1)
+            else:
+                mixed, label_map = self.mixer(self.images, self.labels)
+                loss = self.adapted[variant](mixed, label_map).loss()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def measure_steps(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Step time of every variant, interleaved: ``repeats`` rounds, each running every variant's
+    block of ``steps`` steps back to back in a rotating order; ratios are paired per round."""
+    variants = list(args.variants)
+    bench = StepBench(args, variants)
+    for v in variants:  # warm-up: kernels, allocator, autotuning
+        for _ in range(args.warmup):
+            bench.step(v)
+    bench.sync()
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    order = list(variants)
+    for r in range(args.repeats):
+        progress(f"steps: round {r + 1}/{args.repeats}")
+        for v in order:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                bench.step(v)
+            bench.sync()
+            times[v].append((time.perf_counter() - t0) / args.steps)
+        order = order[1:] + order[:1]
+    memory = {v: measure_memory(v, args, progress) for v in variants}
+    summary: dict[str, Any] = {}
+    for v, ts in times.items():
+        summary[v] = {
+            "img_s": args.batch_size / statistics.median(ts),
+            "step_ms_median": 1000 * statistics.median(ts),
+            "step_ms_min": 1000 * min(ts),
+            "step_ms_max": 1000 * max(ts),
+            **memory[v],
+            "step_s_per_round": ts,
+        }
+    if BASELINE in summary:
+        base = summary[BASELINE]
+        for v, s in summary.items():
+            paired = [x / b for x, b in zip(times[v], times[BASELINE])]  # same round: same machine load
+            s["time_ratio"] = statistics.median(paired)
+            s["time_ratio_min"] = min(paired)
+            s["time_ratio_max"] = max(paired)
+            s["memory_ratio"] = s["peak_mb"] / base["peak_mb"]
+            s["step_memory_ratio"] = s["step_mb"] / base["step_mb"] if base["step_mb"] > 0 else float("nan")
+    return summary
+
+
+def _proc_status_mb(field: str) -> float:
+    """A memory field of ``/proc/self/status`` (Linux), MB: ``VmRSS`` now, ``VmHWM`` the peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}; CPU peak memory needs Linux")
+
+
+def _reset_peak_rss() -> None:
+    """Reset the process's peak RSS (``VmHWM``) to its current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def memory_worker(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """In a fresh process: peak memory of ``args.warmup`` training steps of one variant.
+
+    ``peak_mb`` is the peak during the training steps: the process's peak RSS (CPU;
+    reset after set-up, so imports and model building do not count) or
+    ``max_memory_allocated`` (CUDA). ``step_mb`` is what the steps add on top of the
+    model, optimizer state and batch already in memory: the part alignment can change.
+    """
+    bench = StepBench(args, [variant])
+    bench.step(variant)  # creates the optimizer state, so it counts as set-up
+    bench.sync()
+    if bench.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(bench.device)
+        before = torch.cuda.memory_allocated(bench.device) / 2**20
+    else:
+        gc.collect()
+        before = _proc_status_mb("VmRSS")
+        _reset_peak_rss()
+    for _ in range(max(1, args.warmup)):
+        bench.step(variant)
+    bench.sync()
+    if bench.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(bench.device) / 2**20
+    else:
+        peak = _proc_status_mb("VmHWM")
+    return {"peak_mb": peak, "step_mb": max(0.0, peak - before)}
+
+
+def measure_memory(variant: str, args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run ``memory_worker`` for one variant in its own subprocess (a clean peak RSS)."""
+    progress(f"memory: {LABELS[variant]}")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--device", args.device,
+           "--model", args.model, "--batch-size", str(args.batch_size), "--warmup", str(args.warmup),
+           "--num-classes", str(args.num_classes), "--threads", str(torch.get_num_threads())]
+    if not args.amp:
+        cmd.append("--no-amp")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the memory run of {variant} failed:\n{proc.stderr[-4000:]}")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+# --------------------------------------------------------------------------- mixers
+
+
+def mixer_candidates(num_classes: int, patch: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Any]]:
+    """Every mixer to time, each a callable ``(images, labels) -> anything`` producing image targets."""
+    import kornia.augmentation as K
+    import torchvision.transforms.v2 as T
+    from timm.data.mixup import Mixup
+
+    import strategies
+
+    def ours(mixer: Any) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        def call(x: torch.Tensor, y: torch.Tensor) -> Any:
+            mixed, lm = mixer(x, y)
+            return mixed, lm.image_targets()
+
+        return call
+
+    def timm_fn(**kw: Any) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        fn = Mixup(num_classes=num_classes, label_smoothing=0.1, **kw)  # type: ignore[no-untyped-call]
+
+        def call(x: torch.Tensor, y: torch.Tensor) -> Any:
+            return fn(x.clone(), y)  # timm mixes in place: clone so every call sees fresh input
+
+        return call
+
+    kcut = K.RandomCutMixV2(data_keys=["input", "class"])
+    kmix = K.RandomMixUpV2(data_keys=["input", "class"])
+    tcut = T.CutMix(num_classes=num_classes)
+    tmix = T.MixUp(num_classes=num_classes)
+    c, ls = num_classes, 0.1
+    return {
+        "ours CutMix": ours(strategies.CutMix(c, label_smoothing=ls)),
+        "ours MixUp": ours(strategies.MixUp(c, label_smoothing=ls)),
+        "ours RandomPatchMix": ours(strategies.RandomPatchMix(c, cell_size=patch, label_smoothing=ls)),
+        "ours BlockwiseMix": ours(strategies.BlockwiseMix(c, cell_size=patch, label_smoothing=ls)),
+        "ours MixToken": ours(strategies.MixToken(c, patch_size=patch, label_smoothing=ls)),
+        "ours CutMix (elem)": ours(strategies.CutMix(c, mode="elem", label_smoothing=ls)),
+        "ours MixUp (elem)": ours(strategies.MixUp(c, mode="elem", label_smoothing=ls)),
+        "timm CutMix (batch)": timm_fn(mixup_alpha=0.0, cutmix_alpha=1.0, mode="batch"),
+        "timm MixUp (batch)": timm_fn(mixup_alpha=0.8, cutmix_alpha=0.0, mode="batch"),
+        "timm CutMix (elem)": timm_fn(mixup_alpha=0.0, cutmix_alpha=1.0, mode="elem"),
+        "timm MixUp (elem)": timm_fn(mixup_alpha=0.8, cutmix_alpha=0.0, mode="elem"),
+        "kornia RandomCutMixV2": lambda x, y: kcut(x, y),
+        "kornia RandomMixUpV2": lambda x, y: kmix(x, y),
+        "torchvision v2.CutMix": lambda x, y: tcut(x, y),
+        "torchvision v2.MixUp": lambda x, y: tmix(x, y),
+    }
+
+
+def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    device = torch.device(args.device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.rand(args.mixer_batch, 3, args.mixer_size, args.mixer_size, generator=gen).to(device)
+    y = torch.randint(0, args.num_classes, (args.mixer_batch,), generator=gen).to(device)
+    fns = mixer_candidates(args.num_classes, args.mixer_patch)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for fn in fns.values():  # warm-up (kernels, allocator)
+        for _ in range(2):
+            fn(x, y)
+    sync()
+    names = list(fns)
+    for r in range(args.mixer_repeats):
+        progress(f"mixers: repeat {r + 1}/{args.mixer_repeats}")
+        for name in names:
+            t0 = time.perf_counter()
+            for _ in range(args.mixer_calls):
+                fns[name](x, y)
+            sync()
+            times[name].append((time.perf_counter() - t0) / args.mixer_calls)
+        names = names[1:] + names[:1]
+    summary: dict[str, Any] = {}
+    for name, ts in times.items():
+        summary[name] = {"ms_median": 1000 * statistics.median(ts), "ms_min": 1000 * min(ts), "ms_max": 1000 * max(ts)}
+    refs = {"CutMix": "timm CutMix (batch)", "MixUp": "timm MixUp (batch)"}
+    for name, s in summary.items():
+        kind = "MixUp" if "MixUp" in name else "CutMix"
+        s["ratio_to_timm_batch"] = s["ms_median"] / summary[refs[kind]]["ms_median"]
+    return summary
+
+
+# --------------------------------------------------------------------------- report
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"device: {result['device']}", f"command: {result['command']}", ""]
+    if "steps" in result:
+        cfg = result["config"]
+        lines += [
+            f"Training step, {cfg['model']}, batch {cfg['batch_size']}, {cfg['repeats']} interleaved repeats "
+            f"x {cfg['steps']} steps (median; ratio = paired per-repeat ratio to {LABELS[BASELINE]}, median [min, max])",
+            "",
+            "| variant | img/s | step ms (median [min, max]) | time ratio | peak MB | memory ratio "
+            "| step MB | step memory ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for v, s in result["steps"].items():
+            ratio = (
+                f"{s['time_ratio']:.3f} [{s['time_ratio_min']:.3f}, {s['time_ratio_max']:.3f}]"
+                if "time_ratio" in s
+                else "-"
+            )
+            mem = f"{s['memory_ratio']:.3f}" if "memory_ratio" in s else "-"
+            step_mem = f"{s['step_memory_ratio']:.3f}" if "step_memory_ratio" in s else "-"
+            lines.append(
+                f"| {LABELS[v]} | {s['img_s']:.1f} | {s['step_ms_median']:.1f} [{s['step_ms_min']:.1f}, "
+                f"{s['step_ms_max']:.1f}] | {ratio} | {s['peak_mb']:.0f} | {mem} | {s['step_mb']:.0f} | {step_mem} |"
+            )
+        lines += [
+            "",
+            "peak MB: peak RSS during the training steps (CPU; the peak is reset after imports and set-up) or "
+            "max_memory_allocated (CUDA), one fresh process per variant; step MB: what the steps add on top of the "
+            "model, optimizer state and batch.",
+        ]
+        lines.append("")
+    if "mixers" in result:
+        cfg = result["config"]
+        lines += [
+            f"Mixer cost per batch of {cfg['mixer_batch']}x3x{cfg['mixer_size']}x{cfg['mixer_size']} "
+            f"(targets included; median over {cfg['mixer_repeats']} repeats of {cfg['mixer_calls']} calls)",
+            "",
+            "| mixer | ms (median [min, max]) | ratio to timm batch mode |",
+            "| --- | ---: | ---: |",
+        ]
+        for name, s in result["mixers"].items():
+            lines.append(
+                f"| {name} | {s['ms_median']:.2f} [{s['ms_min']:.2f}, {s['ms_max']:.2f}] | {s['ratio_to_timm_batch']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast on cuda)")
+    p.add_argument("--model", default="tiny", help="'tiny' (32 px ViT of the CPU ablation) or a timm model name")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats of every variant")
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--variants", nargs="+", default=list(STEP_VARIANTS), choices=STEP_VARIANTS)
+    p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32 on cuda")
+    p.add_argument("--mixer-batch", type=int, default=128)
+    p.add_argument("--mixer-size", type=int, default=224)
+    p.add_argument("--mixer-patch", type=int, default=16)
+    p.add_argument("--mixer-calls", type=int, default=5)
+    p.add_argument("--mixer-repeats", type=int, default=7)
+    p.add_argument("--only", choices=["steps", "mixers"], default=None)
+    p.add_argument("--out", type=Path, default=Path("runs/speed"))
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--worker", choices=STEP_VARIANTS, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.worker is not None:
+        print(json.dumps(memory_worker(args.worker, args)), flush=True)
+        return {}
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but torch sees no CUDA device")
+
+    def progress(msg: str) -> None:
+        print(f"[speed] {msg}", file=sys.stderr, flush=True)
+
+    result: dict[str, Any] = {
+        "device": describe_device(args.device),
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
+    }
+    if args.only in (None, "steps"):
+        result["steps"] = measure_steps(args, progress)
+    if args.only in (None, "mixers"):
+        result["mixers"] = measure_mixers(args, progress)
+    report = format_report(result)
+    print(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"speed-{args.device}-{stamp}.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"speed-{args.device}-{stamp}.md").write_text(report + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    main()
