@@ -19,9 +19,31 @@ Example:
     (torch.Size([4, 10]), True)
 """
 
-from backbones._adapt import SUPPORTED, adapt
+from backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
 from backbones._attention import attention_with_labels
+from backbones._cait import AdaptedCaiT
+from backbones._convnext import AdaptedConvNeXt
+from backbones._matrix import SupportRow, support_markdown, support_matrix
+from backbones._mixer import AdaptedMixer
+from backbones._pvt import AdaptedPVTv2
+from backbones._swin import AdaptedSwin
 from backbones._vit import AdaptedViT
 from backbones._vit_reference import reference_forward
 
-__all__ = ["adapt", "SUPPORTED", "AdaptedViT", "reference_forward", "attention_with_labels"]
+__all__ = [
+    "adapt",
+    "SUPPORTED",
+    "FAMILIES",
+    "Family",
+    "support_matrix",
+    "support_markdown",
+    "SupportRow",
+    "AdaptedViT",
+    "AdaptedSwin",
+    "AdaptedPVTv2",
+    "AdaptedCaiT",
+    "AdaptedMixer",
+    "AdaptedConvNeXt",
+    "reference_forward",
+    "attention_with_labels",
+]

@@ -1,21 +1,84 @@
-"""``adapt``: pick the adapter of a timm model's family, or say which families exist."""
+"""``adapt``: pick the adapter of a timm model's family, or say which families exist.
+
+The registry is the single source of truth for what is supported: ``adapt`` walks it,
+the tests build every family's ``example`` from it, and ``support_matrix`` (the
+README's table) runs every scheme on those same examples.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+import timm
+import torch
+from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
+from backbones._cait import CAIT_FAMILY, AdaptedCaiT
+from backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from backbones._mixer import MIXER_FAMILY, AdaptedMixer
+from backbones._pvt import PVT_FAMILY, AdaptedPVTv2
+from backbones._swin import SWIN_FAMILY, AdaptedSwin
 from backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
-__all__ = ["adapt", "SUPPORTED"]
+__all__ = ["adapt", "SUPPORTED", "Family", "FAMILIES"]
 
-# (family, why-not (None when the model belongs to it), build). Later families append here.
-_REGISTRY: list[tuple[str, Callable[[nn.Module], str | None], Callable[[nn.Module, Scheme, bool], nn.Module]]] = [
-    (VIT_FAMILY, vit_refusal, AdaptedViT),
-]
-SUPPORTED: tuple[str, ...] = tuple(family for family, _, _ in _REGISTRY)
+
+@dataclass(frozen=True)
+class Family:
+    """One supported model family.
+
+    Args:
+        name: short key (``"vit"``, ``"swin"``, ...).
+        description: what is supported, shown in errors and the support matrix.
+        refusal: why a model is not of this family (``None`` when it is).
+        build: ``build(model, scheme, reference)`` the adapter.
+        example: a tiny randomly initialised timm model of the family (32x32 images, 10 classes):
+            what the tests and the support matrix run.
+    """
+
+    name: str
+    description: str
+    refusal: Callable[[nn.Module], str | None]
+    build: Callable[[nn.Module, Scheme, bool], nn.Module]
+    example: Callable[[], nn.Module]
+
+
+def _tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]:
+    """A seeded tiny model: ``timm.create_model(name, ...)``, or the class itself where timm's
+    registered variants pin an argument (``mixer_*`` fixes ``patch_size``)."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        if isinstance(name, str):
+            model: nn.Module = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+        else:
+            model = name(num_classes=10, **kwargs)
+        return model
+
+    return make
+
+
+_REGISTRY: list[Family] = [
+    Family("vit", VIT_FAMILY, vit_refusal, AdaptedViT,
+           _tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)),
+    Family("swin", SWIN_FAMILY, AdaptedSwin.refusal, AdaptedSwin,
+           _tiny("swin_tiny_patch4_window7_224", img_size=32, patch_size=4, window_size=4, embed_dim=16,
+                 depths=(2, 2), num_heads=(2, 2))),
+    Family("pvt_v2", PVT_FAMILY, AdaptedPVTv2.refusal, AdaptedPVTv2,
+           _tiny("pvt_v2_b0", depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), sr_ratios=(2, 1), mlp_ratios=(2, 2))),
+    Family("cait", CAIT_FAMILY, AdaptedCaiT.refusal, AdaptedCaiT,
+           _tiny("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=1)),
+    Family("mlp_mixer", MIXER_FAMILY, AdaptedMixer.refusal, AdaptedMixer,
+           _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2)),
+    Family("convnext", CONVNEXT_FAMILY, AdaptedConvNeXt.refusal, AdaptedConvNeXt,
+           _tiny("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32))),
+]  # fmt: skip
+FAMILIES: tuple[Family, ...] = tuple(_REGISTRY)
+SUPPORTED: tuple[str, ...] = tuple(f.description for f in _REGISTRY)
 
 
 def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Module:
@@ -34,10 +97,10 @@ def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Modul
         TypeError: the model's family is not supported; the message lists those that are.
     """
     reasons = []
-    for family, refusal, build in _REGISTRY:
-        why = refusal(model)
+    for family in _REGISTRY:
+        why = family.refusal(model)
         if why is None:
-            return build(model, scheme, reference)
+            return family.build(model, scheme, reference)
         reasons.append(why)
     listing = "\n  - ".join(SUPPORTED)
     raise TypeError(

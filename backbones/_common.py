@@ -1,0 +1,198 @@
+"""Shared parts of the non-ViT adapters: the module wrapper, label kernels and merges.
+
+Shapes: ``b`` batch, ``n`` tokens, ``l`` label channels, ``h w`` a token grid,
+``c`` channels, ``kh kw`` a kernel.
+
+Two label rules beyond attention (TL-Align Table 10, Appendix D), used by every
+convolutional or MLP token mix here:
+
+- spatial mixing by a depthwise convolution (ConvNeXt ``conv_dw``, PVT v2's MLP
+  ``dwconv``): ``Y <- Norm(T(K)) Y`` with ``K = mean_c(|K_c| / sum|K_c|)``: each
+  channel's kernel as a distribution over its taps (as each attention head's row
+  is), averaged over channels (as heads are), and ``T`` the convolution's matrix on
+  the actual grid with its zero padding; ``Norm`` renormalises every row over the
+  taps that fall inside the grid (border-aware: a border token mixes only real tokens).
+- aggregation by a strided window (patch merging, strided or overlapping
+  patch-embedding convolutions, spatial reduction): ``Y <- Norm(sum_i Y_i)`` over
+  the window of every output token, padding contributing nothing. Where window
+  and stride are equal this is the exact area fraction of the merged cells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, overload
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, reduce
+from timm.layers.drop import DropPath
+from torch import Tensor, nn
+
+from backbones._attention import _widen, drop_path_with_keep
+from mixlabels import AlignedOutput, Scheme, TokenLabelMap
+
+__all__ = [
+    "AdaptedBase",
+    "branch",
+    "conv_label_kernel",
+    "conv_mix",
+    "sum_pool_merge",
+    "pool_labels",
+    "mix_token_space",
+    "check_static_conv",
+    "masked_attention_with_labels",
+    "explicit_mix",
+]
+
+
+class AdaptedBase(nn.Module):
+    """``adapted(images)`` is ``model(images)``; ``adapted(images, label_map)`` an ``AlignedOutput``.
+
+    Subclasses set ``refusal`` and ``family`` and implement ``aligned_forward`` (events,
+    compact labels) and ``reference_forward`` (explicit matrices, dense labels).
+    """
+
+    family: str = ""
+
+    @staticmethod
+    def refusal(model: nn.Module) -> str | None:
+        raise NotImplementedError
+
+    def __init__(self, model: nn.Module, scheme: Scheme, reference: bool = False) -> None:
+        super().__init__()
+        why = self.refusal(model)
+        if why is not None:
+            raise TypeError(f"cannot adapt this model: {why}. Supported: {self.family}")
+        self.model = model
+        self.scheme = scheme
+        self.reference = reference
+
+    @overload
+    def forward(self, images: Tensor) -> Any: ...
+
+    @overload
+    def forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput: ...
+
+    def forward(self, images: Tensor, label_map: TokenLabelMap | None = None) -> Any:
+        if label_map is None:
+            return self.model(images)
+        if any(getattr(mod, "grad_checkpointing", False) for mod in self.model.modules()):
+            raise RuntimeError(
+                "gradient checkpointing re-runs block forwards, which would update the labels twice; "
+                "call model.set_grad_checkpointing(False) before training with a label map"
+            )
+        if self.reference:
+            return self.reference_forward(images, label_map)
+        return self.aligned_forward(images, label_map)
+
+    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        raise NotImplementedError
+
+    def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        raise NotImplementedError
+
+
+def branch(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A residual branch through timm's stochastic depth (same RNG draw), and who kept it."""
+    if isinstance(module, DropPath):
+        return drop_path_with_keep(x, module.drop_prob, module.training, module.scale_by_keep)
+    return module(x), None
+
+
+def check_static_conv(conv: nn.Module, what: str, depthwise: bool = False) -> str | None:
+    """Why ``conv`` has no label rule here (``None`` if it has): static padding, no groups unless depthwise."""
+    if type(conv) is not nn.Conv2d:
+        return f"{what} is {type(conv).__name__}, not a plain nn.Conv2d"
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        return f"{what} uses padding {conv.padding!r} ({conv.padding_mode}); only static zero padding is supported"
+    if depthwise and (conv.groups != conv.in_channels or conv.stride != (1, 1)):
+        return f"{what} must be a stride-1 depthwise convolution"
+    if not depthwise and conv.groups != 1:
+        return f"{what} is a grouped convolution"
+    return None
+
+
+def conv_label_kernel(weight: Tensor) -> Tensor:
+    """``mean_c(|K_c| / sum|K_c|)``: a depthwise kernel ``(c, 1, kh, kw)`` as one distribution ``(kh, kw)`` fp32."""
+    k = weight.detach().float().abs()
+    k = k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return k.mean(dim=(0, 1))
+
+
+def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """``Norm(T(kernel)) @ labels``: a stride-1 convolution applied to labels, renormalised over in-grid taps.
+
+    Args:
+        labels: ``(b, h*w, l)`` fp32, row-major over ``grid``.
+        kernel: ``(kh, kw)`` non-negative (``conv_label_kernel``).
+
+    Returns:
+        ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
+    """
+    with torch.autocast(device_type=labels.device.type, enabled=False):
+        y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
+        k = rearrange(kernel.to(y), "kh kw -> 1 1 kh kw")
+        mass = F.conv2d(torch.ones_like(y[:1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
+        mixed = F.conv2d(y, k, padding=padding, dilation=dilation) / mass
+        return rearrange(mixed, "(b l) 1 h w -> b (h w) l", l=labels.shape[-1])
+
+
+def pool_labels(labels: Tensor, grid: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
+    """Sum of the labels in every window (zero padding adds nothing): ``(b, n, l) -> (b, n', l)`` and the new grid."""
+    y = rearrange(labels, "b (h w) l -> b l h w", h=grid[0])
+    summed = F.avg_pool2d(y, kernel, stride, padding, divisor_override=1)  # a sum: the divisor is 1
+    return rearrange(summed, "b l h w -> b (h w) l"), (int(summed.shape[-2]), int(summed.shape[-1]))
+
+
+def sum_pool_merge(grid: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int] = (0, 0)) -> tuple[Callable[[Tensor], Tensor], tuple[int, int]]:
+    """The ``aggregate`` merge of a strided window over ``grid``, and the grid it produces."""
+    out = tuple((g + 2 * p - k) // s + 1 for g, k, s, p in zip(grid, kernel, stride, padding))
+
+    def merge(labels: Tensor) -> Tensor:
+        return pool_labels(labels, grid, kernel, stride, padding)[0]
+
+    return merge, (int(out[0]), int(out[1]))
+
+
+def mix_token_space(x: Tensor, label_map: TokenLabelMap, channels_last: bool) -> Tensor:
+    """MixToken on a patch-embedding map: ``(b, h, w, c)`` if ``channels_last`` else ``(b, c, h, w)``."""
+    pattern = "b h w c" if channels_last else "b c h w"
+    grid = (int(x.shape[1]), int(x.shape[2])) if channels_last else (int(x.shape[2]), int(x.shape[3]))
+    flat = label_map.mix_tokens(rearrange(x, f"{pattern} -> b (h w) c"), grid)
+    return rearrange(flat, f"b (h w) c -> {pattern}", h=grid[0])
+
+
+def masked_attention_with_labels(
+    q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float, attn_mask: Tensor | None, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """``attention_with_labels`` with an additive mask (relative position bias, shift mask).
+
+    One widened ``scaled_dot_product_attention`` call (labels appended to ``v``, ``q`` and
+    ``k`` zero-padded, the module's own ``scale``) gives the output and ``mean_h(A_h) @ labels``;
+    autograd runs through the widened call (zero pads give the same gradients).
+
+    Args:
+        q, k, v: ``(b, h, n, d)``; labels ``(b, n, l)``; attn_mask broadcastable to ``(b, h, n, n)``.
+
+    Returns:
+        ``out`` ``(b, h, n, d)`` and ``mixed`` ``(b, n, l)`` fp32, no grad.
+    """
+    d, ll = v.shape[-1], labels.shape[-1]
+    labels = labels.detach()
+    if dropout_p > 0.0:  # labels see the undropped attention: a second, no-grad call
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+        with torch.no_grad():
+            qw, kw, vw = _widen(q, k, v, labels, 8)
+            mixed = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)[..., d : d + ll]
+    else:
+        qw, kw, vw = _widen(q, k, v, labels, 8)
+        wide = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)
+        out, mixed = wide[..., :d], wide[..., d : d + ll].detach()
+    return out, reduce(mixed.float(), "b h n l -> b n l", "mean")
+
+
+def explicit_mix(a: Tensor, labels: Tensor) -> Tensor:
+    """``mean_h(a) @ labels`` in fp32 for an attention matrix ``(b, h, n, m)`` that exists anyway."""
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        return reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels.float()

@@ -1,0 +1,136 @@
+"""Shared checks of the Swin, PVT v2, CaiT, MLP-Mixer and ConvNeXt adapters (used by their test files).
+
+Each family's file builds tiny timm models and calls these: function preservation
+against the bare model (logits and parameter gradients, train mode, stochastic
+depth on, same seed), fast path = explicit dense reference, and the identity case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+import backbones
+from mixlabels import NoAlign, TLAlign, TokenLabeling, TokenLabelMap, TransMix
+
+B, IMG, C = 4, 32, 10
+SCHEMES: dict[str, Any] = {
+    "none": NoAlign(),
+    "transmix": TransMix(),
+    "tl_align": TLAlign(),
+    "tl_last": TLAlign(layers=(-1,)),
+    "tl_first": TLAlign(layers=(0,)),
+    "tl_no_norm": TLAlign(normalize=False),
+    "tokens": TokenLabeling(beta=0.5),
+    "tokens_aligned": TokenLabeling(beta=0.5, aligned=True),
+}
+POOLED = [s for s in SCHEMES if s != "transmix"]  # no class token: TransMix refuses
+
+
+def cutmix_batch(seed: int = 1, token_space: bool = False) -> tuple[torch.Tensor, TokenLabelMap]:
+    """Images and a pixel-resolution CutMix map whose boxes cut through every patch grid."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(B, 3, IMG, IMG, generator=g)
+    mask = torch.ones(B, IMG, IMG)
+    for i in range(B):
+        y0, x0 = torch.randint(0, IMG - 13, (2,), generator=g).tolist()
+        mask[i, y0 : y0 + 13, x0 : x0 + 17] = 0.0
+    labels = torch.randint(0, C, (B,), generator=g)
+    lm = TokenLabelMap.from_mask(mask, torch.arange(B).roll(1), labels, num_classes=C, label_smoothing=0.1, token_space=token_space)
+    return (images if token_space else lm.mix_pixels(images)), lm
+
+
+def sharpen(model: nn.Module, factor: float = 8.0) -> nn.Module:
+    """Scale every query and key projection: random-init attention is near uniform, so
+    alignment would hardly move the targets and a parity test could hardly fail."""
+    with torch.no_grad():
+        for mod in model.modules():
+            if hasattr(mod, "qkv") and isinstance(mod.qkv, nn.Linear):
+                mod.qkv.weight[: 2 * mod.qkv.out_features // 3] *= factor
+            for name in ("q", "k"):
+                if isinstance(getattr(mod, name, None), nn.Linear):
+                    getattr(mod, name).weight.mul_(factor)
+            if isinstance(getattr(mod, "kv", None), nn.Linear):
+                mod.kv.weight[: mod.kv.out_features // 2] *= factor
+    return model
+
+
+def set_fused(model: nn.Module, fused: bool) -> nn.Module:
+    for mod in model.modules():
+        if hasattr(mod, "fused_attn"):
+            mod.fused_attn = fused
+    return model
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_preservation(model: nn.Module, scheme: Any) -> None:
+    """Logits and parameter gradients of the adapted model equal the bare timm model's."""
+    model.train()
+    images, lm = cutmix_batch()
+    torch.manual_seed(7)
+    expected = model(images)
+    expected.sum().backward()
+    expected_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    adapted = backbones.adapt(model, scheme)
+    assert adapted.model is model
+    assert list(adapted.state_dict()) == [f"model.{k}" for k in model.state_dict()]
+    torch.manual_seed(7)
+    out = adapted(images, lm)
+    out.output.sum().backward()
+    assert_close(out.output, expected, rtol=1e-5, atol=1e-6)
+    got = grads(model)
+    model.zero_grad(set_to_none=True)
+    assert got.keys() == expected_grads.keys()
+    for name in got:
+        assert_close(got[name], expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    torch.manual_seed(5)
+    plain = model(images)
+    torch.manual_seed(5)
+    assert_close(adapted(images), plain, rtol=0, atol=0)  # without labels: the model's own forward
+
+
+def check_parity(model: nn.Module, scheme_name: str, token_space: bool = False, must_move: bool = True) -> None:
+    """Fast path (events, compact labels) = reference (explicit matrices, dense labels) to 1e-5.
+
+    ``must_move``: alignment must move the targets (a parity test on unmoved targets could hardly fail).
+    """
+    model.train()
+    images, lm = cutmix_batch(token_space=token_space)
+    torch.manual_seed(11)
+    a = backbones.adapt(model, SCHEMES[scheme_name])(images, lm)
+    torch.manual_seed(11)
+    b = backbones.adapt(model, SCHEMES[scheme_name], reference=True)(images, lm)
+    assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    assert_close(a.target, b.target, rtol=1e-5, atol=1e-5)
+    assert_close(a.target.sum(-1), torch.ones(B))
+    assert not a.target.requires_grad and (a.target >= 0).all()
+    if a.token_target is not None or b.token_target is not None:
+        assert a.token_target is not None and b.token_target is not None and a.token_logits is not None
+        assert_close(a.token_target, b.token_target, rtol=1e-5, atol=1e-5)
+        assert_close(a.token_target.sum(-1), torch.ones(a.token_target.shape[:2]))
+        assert b.token_logits is not None and a.token_logits.shape == a.token_target.shape
+        assert_close(a.token_logits, b.token_logits, rtol=1e-5, atol=1e-5)
+    assert_close(a.loss(), b.loss(), rtol=1e-5, atol=1e-5)
+    if must_move and scheme_name in ("tl_align", "tl_no_norm", "tokens_aligned", "transmix"):
+        assert (a.target - lm.image_targets()).abs().max() > 1e-3, "alignment did not move the targets"
+    if scheme_name in ("none", "tokens"):
+        assert_close(a.target, lm.image_targets())
+
+
+def check_unmixed_is_one_hot(model: nn.Module, schemes: list[str]) -> None:
+    """An unmixed batch: every scheme's target is the sample's own (smoothed) one-hot label."""
+    g = torch.Generator().manual_seed(3)
+    images, labels = torch.randn(B, 3, IMG, IMG, generator=g), torch.randint(0, C, (B,), generator=g)
+    lm = TokenLabelMap.unmixed(labels, C, (IMG, IMG), label_smoothing=0.1)
+    for name in schemes:
+        out = backbones.adapt(model, SCHEMES[name])(images, lm)
+        assert_close(out.target, lm.image_targets(), msg=name)
+        if out.token_target is not None:
+            assert_close(out.token_target, lm.image_targets()[:, None].expand_as(out.token_target), msg=name)

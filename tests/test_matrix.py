@@ -1,0 +1,83 @@
+"""The full matrix: every mixer x every family x every scheme runs a training step, from the registry.
+
+The families and their tiny example models come from ``backbones.FAMILIES`` and the
+schemes from the support matrix's own list, so the README's table
+(``python -m backbones.matrix``) and this test cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+import backbones
+from backbones._matrix import SCHEMES
+from strategies import BlockwiseMix, CutMix, MixToken, MixUp, RandomPatchMix, Switch
+
+C = 10
+FAMILY = {f.name: f for f in backbones.FAMILIES}
+MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
+    "cutmix": lambda g: CutMix(C, generator=g),
+    "mixup": lambda g: MixUp(C, generator=g),
+    "random_patch": lambda g: RandomPatchMix(C, cell_size=8, generator=g),
+    "blockwise": lambda g: BlockwiseMix(C, cell_size=8, min_cells=2, generator=g),
+    "mixtoken": lambda g: MixToken(C, patch_size=8, generator=g),
+    "switch": lambda g: Switch([MixUp(C), CutMix(C)], generator=g),
+}
+# Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
+REFUSED = {(f, "TransMix") for f in ("swin", "pvt_v2", "mlp_mixer", "convnext")}
+
+
+@cache
+def example(family: str) -> torch.nn.Module:
+    return FAMILY[family].example()
+
+
+def test_registry_families_are_disjoint() -> None:
+    assert len(FAMILY) == len(backbones.FAMILIES) == len(backbones.SUPPORTED) == 6
+    for name, family in FAMILY.items():
+        model = example(name)
+        assert [f.name for f in backbones.FAMILIES if f.refusal(model) is None] == [name]
+        assert type(backbones.adapt(model, SCHEMES["NoAlign"])) is family.build
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("family", list(FAMILY))
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_training_step(mixer: str, family: str, scheme: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, C, (4,), generator=g)
+    mixed, lm = MIXERS[mixer](g)(images, labels)
+    model = example(family)
+    model.train()
+    adapted = backbones.adapt(model, SCHEMES[scheme])
+    if (family, scheme) in REFUSED:
+        with pytest.raises(ValueError, match="no class token"):
+            adapted(mixed, lm)
+        return
+    out = adapted(mixed, lm)
+    for target in (out.target, out.token_target):
+        if target is not None:
+            assert target.shape[-1] == C and not target.requires_grad
+            assert (target >= 0).all() and torch.allclose(target.sum(-1), torch.ones(target.shape[:-1]), atol=1e-5)
+    assert (out.token_target is not None) == scheme.startswith("TokenLabeling")
+    model.zero_grad(set_to_none=True)
+    loss = out.loss()
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(gr).all() for gr in grads) and any(gr.abs().sum() > 0 for gr in grads)
+
+
+def test_support_matrix_is_generated_from_the_registry() -> None:
+    rows = backbones.support_matrix()
+    assert [(r.family, r.scheme) for r in rows] == [(f, s) for f in FAMILY for s in SCHEMES]
+    assert {(r.family, r.scheme) for r in rows if not r.supported} == REFUSED
+    assert all("no class token" in r.reason for r in rows if not r.supported)
+    md = backbones.support_markdown(rows)
+    for name, family in FAMILY.items():
+        assert f"| {name} |" in md and family.description in md
