@@ -47,8 +47,10 @@ class BoxParams(MixParams):
 
     def shared_box(self) -> tuple[int, int, int, int] | None:
         # Only when the params live on the CPU (the default generator's device): reading the
-        # box is then free, whereas on an accelerator it would stall the stream.
-        if not self.shared or self.token_space or self.boxes.device.type != "cpu":
+        # box is then free, whereas on an accelerator it would stall the stream. Never while
+        # compiling: the box would be a data-dependent Python int (a graph break, an error
+        # under fullgraph); the traced select path computes the same pixels.
+        if not self.shared or self.token_space or self.boxes.device.type != "cpu" or torch.compiler.is_compiling():
             return None
         ch, cw = self.image_size[0] // self.grid[0], self.image_size[1] // self.grid[1]
         y0, y1, x0, x1 = (int(v) for v in self.boxes.amax(dim=0).tolist())  # the empty boxes are all zeros

@@ -27,6 +27,10 @@ class SwitchParams:
     choice: int
     params: Any
 
+    def to(self, device: torch.device | str) -> SwitchParams:
+        """The same choice with the chosen mixer's params on ``device`` (as ``MixParams.to``)."""
+        return SwitchParams(choice=self.choice, params=self.params.to(device))
+
 
 class Switch(Mixer[SwitchParams]):
     """Draw one mixer per batch with the given probabilities, then mix with it.

@@ -1,0 +1,274 @@
+"""The random side of the mixers: lambda's distribution, box coverage, generators, replay, Switch.
+
+Statistical tests use large batches of tiny images and fixed generators, so they
+are deterministic; each also shows it can fail (a negative control).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import timm.data.mixup as timm_mixup
+import torch
+from scipy import stats
+from torch import Tensor
+from torch.testing import assert_close
+
+from strategies import BoxParams, CutMix, MixParams, MixUp, MixUpParams, RandomPatchMix, Switch, SwitchParams
+from strategies._sampling import sample_beta
+from test_strategies_kornia import CELL, KINDS, NC, H, W, batch, make, maps_equal
+
+
+def params_equal(a: Any, b: Any) -> bool:
+    """Field-by-field equality of two params values (tensors compared exactly)."""
+    if type(a) is not type(b):
+        return False
+    for f in dataclasses.fields(a):
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        same = params_equal(va, vb) if dataclasses.is_dataclass(va) else (torch.equal(va, vb) if isinstance(va, Tensor) else va == vb)
+        if not same:
+            return False
+    return True
+
+
+def within_binomial(count: int, n: int, p: float, sigmas: float = 5.0) -> bool:
+    return abs(count - n * p) <= sigmas * math.sqrt(n * p * (1 - p)) + 1
+
+
+# ====================================================================== lambda ~ Beta(alpha)
+@pytest.mark.parametrize("alpha", [0.2, 0.8, 1.0, 3.0])
+@pytest.mark.parametrize("cls", [MixUp, CutMix])
+def test_lambda_follows_beta_alpha(cls: type[MixUp] | type[CutMix], alpha: float) -> None:
+    n = 4000  # elem mode, even batch, flip pairing: every sample mixed with its own draw
+    mixer = cls(NC, alpha=alpha, mode="elem")
+    params = mixer.sample((n, 1, 4, 4), generator=torch.Generator().manual_seed(int(alpha * 10)))
+    assert isinstance(params, (MixUpParams, BoxParams)) and bool(params.applied.all())
+    lam = params.lam.double().numpy()
+    assert stats.kstest(lam, stats.beta(alpha, alpha).cdf).pvalue > 1e-3
+    # Negative control: the same sample rejects a clearly different concentration.
+    for other in (alpha / 3, alpha * 3):
+        assert stats.kstest(lam, stats.beta(other, other).cdf).pvalue < 1e-6
+
+
+def test_sample_beta_small_alpha_reaches_both_ends() -> None:
+    # Lambdas are fp32: for alpha = 0.05 a fifth of the mass lies within 1e-7 of 1 and rounds to 1.0,
+    # so compare the CDF at thresholds far from fp32's resolution instead of a KS test.
+    n, alpha = 4000, 0.05
+    lam = sample_beta(alpha, n, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert torch.isfinite(lam).all() and (lam >= 0).all() and (lam <= 1).all()
+    for t in (1e-6, 1e-3, 0.1, 0.5, 0.9, 1 - 1e-3):
+        assert within_binomial(int((lam < t).sum()), n, float(stats.beta(alpha, alpha).cdf(t)))
+
+
+def test_pair_mode_draws_once_per_pair() -> None:
+    n = 4000
+    params = MixUp(NC, alpha=0.5, mode="pair").sample((n, 1, 1, 1), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(params.lam, params.lam.flip(0))  # pair i and b-1-i share a lambda
+    assert stats.kstest(params.lam[: n // 2].double().numpy(), stats.beta(0.5, 0.5).cdf).pvalue > 1e-3
+    batch_lam = MixUp(NC, mode="batch").sample((n, 1, 1, 1), generator=torch.Generator().manual_seed(0)).lam
+    assert (batch_lam == batch_lam[0]).all()
+
+
+def test_random_patch_count_follows_beta() -> None:
+    # floor((1 - lam) * n) cells, lam ~ Beta(2, 2): the partner fraction is Beta(2, 2) up to one cell.
+    params = RandomPatchMix(NC, cell_size=1, alpha=2.0, mode="elem").sample((4000, 1, 16, 16), generator=torch.Generator().manual_seed(0))
+    frac = params.cells.float().mean((1, 2)).double().numpy() + 0.5 / 256  # centre of the floored bin
+    assert stats.kstest(frac, stats.beta(2, 2).cdf).pvalue > 1e-3
+    assert stats.kstest(frac, stats.beta(1, 1).cdf).pvalue < 1e-6
+
+
+# ====================================================================== boxes cover the image
+def coverage(boxes: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """Rows, columns and cells some non-empty box covers, and how many boxes touch each edge (top, bottom, left, right)."""
+    y0, y1, x0, x1 = boxes.unbind(1)
+    nonempty = (y1 > y0) & (x1 > x0)
+    rows = torch.arange(grid[0])[None]
+    cols = torch.arange(grid[1])[None]
+    in_rows = (rows >= y0[:, None]) & (rows < y1[:, None]) & nonempty[:, None]
+    in_cols = (cols >= x0[:, None]) & (cols < x1[:, None]) & nonempty[:, None]
+    cells = (in_rows[:, :, None] & in_cols[:, None, :]).any(0)
+    edges = [int((e & nonempty).sum()) for e in (y0 == 0, y1 == grid[0], x0 == 0, x1 == grid[1])]
+    return in_rows.any(0), in_cols.any(0), cells, edges
+
+
+@pytest.mark.parametrize(("kind", "grid"), [("cutmix", (H, W)), ("cutmix_patch", (H // CELL, W // CELL)), ("mixtoken", (H // CELL, W // CELL)), ("minmax", (H, W))])
+def test_boxes_cover_the_whole_image_and_touch_every_edge(kind: str, grid: tuple[int, int]) -> None:
+    mixer = CutMix(NC, minmax=(0.2, 0.6), mode="elem") if kind == "minmax" else make(kind, mode="elem")
+    params = mixer.sample((2000, 1, H, W), generator=torch.Generator().manual_seed(0))
+    assert isinstance(params, BoxParams) and params.grid == grid
+    rows, cols, cells, edges = coverage(params.boxes, grid)
+    assert rows.all() and cols.all() and cells.all()  # every row, column and pixel (cell) is pasted over
+    assert min(edges) > 20  # boxes touching the top, bottom, left and right edges all occur
+    inside = params.source_weight() == 0
+    for i in range(50):  # the mask is exactly the box
+        assert torch.equal(inside[i], coverage(params.boxes[i : i + 1], grid)[2])
+
+
+def test_box_positions_cover_rows_and_columns_as_timm_does() -> None:
+    """Per-row and per-column coverage frequencies of free CutMix boxes equal timm's ``rand_bbox``
+    (numpy, same Beta(1, 1) lambda) within 5 standard errors: the centres span the whole image."""
+    n = 10000
+    np.random.seed(0)  # timm draws with numpy's global RNG
+    theirs = torch.tensor([timm_mixup.rand_bbox((H, W), lam) for lam in np.random.beta(1.0, 1.0, size=n)])
+    ours = CutMix(NC, mode="elem").sample((n, 1, H, W), generator=torch.Generator().manual_seed(0)).boxes
+    for f_ours, f_timm in zip(coverage_frequency(ours, (H, W)), coverage_frequency(theirs, (H, W))):
+        se = torch.sqrt(2 * f_timm * (1 - f_timm) / n).clamp(min=1e-3)
+        assert ((f_ours - f_timm).abs() < 5 * se).all(), (f_ours, f_timm)
+
+
+def coverage_frequency(boxes: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Fraction of boxes covering each row and each column (empty boxes cover nothing)."""
+    y0, y1, x0, x1 = boxes.unbind(1)
+    nonempty = ((y1 > y0) & (x1 > x0))[:, None]
+    rows = torch.arange(grid[0])[None]
+    cols = torch.arange(grid[1])[None]
+    row_f = ((rows >= y0[:, None]) & (rows < y1[:, None]) & nonempty).double().mean(0)
+    col_f = ((cols >= x0[:, None]) & (cols < x1[:, None]) & nonempty).double().mean(0)
+    return row_f, col_f
+
+
+def test_coverage_catches_boxes_that_never_reach_an_edge() -> None:
+    """Negative control: old timm's ``rand_bbox_minmax`` drew the corner with ``randint(0, H - cut)``
+    (upper bound excluded), so boxes never touched the bottom or right edge; the coverage check sees it."""
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    cut_h = torch.randint(int(H * 0.2), int(H * 0.6), (n,), generator=g)
+    cut_w = torch.randint(int(W * 0.2), int(W * 0.6), (n,), generator=g)
+    y0 = (torch.rand(n, generator=g, dtype=torch.float64) * (H - cut_h)).long()
+    x0 = (torch.rand(n, generator=g, dtype=torch.float64) * (W - cut_w)).long()
+    rows, cols, cells, edges = coverage(torch.stack([y0, y0 + cut_h, x0, x0 + cut_w], 1), (H, W))
+    assert edges[1] == 0 and edges[3] == 0 and not rows[-1] and not cols[-1]
+
+
+# ====================================================================== generator
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_seed_same_params_and_masks_other_seed_other(kind: str) -> None:
+    x, y = batch(6)
+    outs = []
+    for seed in (3, 3, 4):
+        mixer = make(kind, mode="elem", pairing="derangement", prob=0.7, seed=seed)
+        state = torch.random.get_rng_state()
+        mixed, lm = mixer(x, y)
+        assert torch.equal(torch.random.get_rng_state(), state)  # the explicit generator, never the global RNG
+        outs.append((mixer.last_params, mixed, lm))
+    (p1, m1, l1), (p2, m2, l2), (p3, m3, l3) = outs
+    assert params_equal(p1, p2) and torch.equal(m1, m2) and maps_equal(l1, l2)
+    assert not params_equal(p1, p3) and not maps_equal(l1, l3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_params_replay_reproduces_the_output(kind: str) -> None:
+    x, y = batch(5)
+    mixer = make(kind, mode="pair", pairing="derangement")
+    mixed, lm = mixer(x, y, generator=torch.Generator().manual_seed(11))
+    params = mixer.last_params
+    recorded = mixer._params  # kornia's dict, as AugmentationSequential records it
+    again = make(kind, mode="pair", pairing="derangement")  # another instance, global RNG untouched
+    for p in (params, recorded):
+        replay, replay_lm = again(x, y, params=p)
+        assert torch.equal(replay, mixed) and maps_equal(replay_lm, lm)
+    pure, pure_lm = again.mix(x, y, params)
+    assert torch.equal(pure, mixed) and maps_equal(pure_lm, lm)
+    assert maps_equal(mixer.label_map(y), lm) and maps_equal(again.label_map(y, recorded), lm)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_params_move_with_to(kind: str) -> None:
+    x, y = batch(4)
+    mixer = make(kind, mode="elem")
+    params = mixer.sample(x.shape, generator=torch.Generator().manual_seed(0))
+    moved = params.to("meta")
+    inner, inner_moved = (params.params, moved.params) if isinstance(params, SwitchParams) else (params, moved)
+    assert type(moved) is type(params) and isinstance(inner_moved, MixParams)
+    for f in dataclasses.fields(inner):
+        value = getattr(inner_moved, f.name)
+        if isinstance(getattr(inner, f.name), Tensor):
+            assert value.device.type == "meta" and value.shape == getattr(inner, f.name).shape
+        else:
+            assert value == getattr(inner, f.name)
+    back = params.to("cpu")
+    assert params_equal(back, params)
+    assert torch.equal(mixer.mix(x, y, back)[0], mixer.mix(x, y, params)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_params_on_gpu_mix_like_cpu(kind: str) -> None:
+    x, y = batch(4)
+    mixer = make(kind, mode="elem")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = mixer.sample(x.shape, generator=gen)
+    inner = params.params if isinstance(params, SwitchParams) else params
+    assert inner.partner.device.type == "cuda"  # drawn on the generator's device
+    out, lm = mixer.mix(x.cuda(), y.cuda(), params)
+    cpu_out, cpu_lm = mixer.mix(x, y, params.to("cpu"))
+    assert_close(out.cpu(), cpu_out)
+    for name in ("sources", "mask", "image_weights", "labels"):
+        assert_close(getattr(lm, name).cpu(), getattr(cpu_lm, name))
+
+
+# ====================================================================== Switch
+def test_switch_draws_each_mixer_with_its_probability() -> None:
+    switch = Switch([MixUp(NC), CutMix(NC), RandomPatchMix(NC, cell_size=CELL)], probs=[1.0, 3.0, 6.0])
+    assert switch.probs == pytest.approx((0.1, 0.3, 0.6))
+    gen = torch.Generator().manual_seed(0)
+    n = 600
+    choices = [switch.sample((2, 1, H, W), generator=gen).choice for _ in range(n)]
+    counts = [choices.count(i) for i in range(3)]
+    for count, p in zip(counts, switch.probs):
+        assert within_binomial(count, n, p)
+    assert not within_binomial(counts[0], n, 1 / 3)  # negative control: not uniform
+    # Each choice draws its own mixer's kind of params.
+    typed = {(s.choice, type(s.params).__name__) for s in (switch.sample((2, 1, H, W), generator=gen) for _ in range(60))}
+    assert typed == {(0, "MixUpParams"), (1, "BoxParams"), (2, "CellParams")}
+
+
+@pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_switch_prob_zero_leaves_batches_unmixed(mode: str, smoothing: float) -> None:
+    kw: dict[str, Any] = dict(prob=0.0, mode=mode, label_smoothing=smoothing)
+    switch = Switch([MixUp(NC, **kw), CutMix(NC, **kw), RandomPatchMix(NC, cell_size=CELL, **kw)], generator=torch.Generator().manual_seed(0))
+    x, y = batch(5)
+    on, off = 1.0 - smoothing + smoothing / NC, smoothing / NC
+    expected = torch.full((5, NC), off)
+    expected[torch.arange(5), y] = on
+    for _ in range(6):
+        mixed, lm = switch(x, y)
+        assert torch.equal(mixed, x)
+        assert torch.equal(lm.image_targets(), expected)
+        assert (lm.image_weights[:, 0] == 1).all() and (lm.mask[:, 0] == 1).all()
+
+
+def test_switch_per_sample_prob_in_elem_mode() -> None:
+    kw: dict[str, Any] = dict(prob=0.3, mode="elem")
+    switch = Switch([MixUp(NC, **kw), CutMix(NC, **kw)], generator=torch.Generator().manual_seed(0))
+    n = 2000
+    x = torch.rand(n, 1, 4, 4)
+    y = torch.arange(n) % NC
+    for _ in range(2):
+        mixed, lm = switch(x, y)
+        assert switch.last_params is not None
+        applied = switch.last_params.params.applied
+        assert within_binomial(int(applied.sum()), n, 0.3)
+        assert not within_binomial(int(applied.sum()), n, 0.5)
+        # Unmixed samples keep their pixels and their one-hot target exactly; mixed ones move.
+        assert torch.equal(mixed[~applied], x[~applied])
+        assert torch.equal(lm.image_targets()[~applied], torch.nn.functional.one_hot(y[~applied], NC).float())
+        assert (lm.image_weights[applied, 0] < 1).float().mean() > 0.9
+
+
+def test_batch_mode_prob_is_all_or_nothing_per_batch() -> None:
+    mixer = CutMix(NC, prob=0.4, mode="batch")
+    gen = torch.Generator().manual_seed(0)
+    mixed_batches = 0
+    n = 400
+    for _ in range(n):
+        applied = mixer.sample((4, 1, 8, 8), generator=gen).applied
+        assert bool(applied.all()) or not bool(applied.any())
+        mixed_batches += int(applied.all())
+    assert within_binomial(mixed_batches, n, 0.4)
+
