@@ -6,20 +6,20 @@ Shapes: ``b`` batch, ``n`` tokens (prefix + patches), ``p`` prefix tokens, ``h``
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange, reduce
 from timm.layers.attention import Attention
-from timm.layers.drop import DropPath
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
-from backbones._attention import attention_with_labels, class_attention, drop_path_with_keep
+from backbones._attention import attention_with_labels, class_attention
+from backbones._common import AdaptedBase, branch
 from backbones._checks import check_batch
 from backbones._vit_reference import reference_forward
-from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedViT", "VIT_FAMILY", "vit_refusal"]
 
@@ -49,7 +49,7 @@ def vit_refusal(model: nn.Module) -> str | None:
     return None
 
 
-class AdaptedViT(nn.Module):
+class AdaptedViT(AdaptedBase):
     """A timm ViT/DeiT whose forward also returns the scheme's aligned targets.
 
     ``adapted(images)`` is exactly ``model(images)``. ``adapted(images, label_map)``
@@ -58,38 +58,19 @@ class AdaptedViT(nn.Module):
     A label map is accepted in eval mode too (targets without stochastic depth).
     """
 
-    def __init__(self, model: nn.Module, scheme: Scheme, reference: bool = False) -> None:
-        super().__init__()
-        why = vit_refusal(model)
-        if why is not None:
-            raise TypeError(f"cannot adapt this model: {why}. Supported: {VIT_FAMILY}")
-        self.model = model
-        self.scheme = scheme
-        self.reference = reference
+    family = VIT_FAMILY
+    refusal = staticmethod(vit_refusal)
 
-    @overload
-    def forward(self, images: Tensor) -> Any: ...
-
-    @overload
-    def forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput: ...
-
-    def forward(self, images: Tensor, label_map: TokenLabelMap | None = None) -> Any:
-        if label_map is None:
-            return self.model(images)
-        grid = self._check(images, label_map)
-        if self.reference:
-            return reference_forward(self.model, self.scheme, images, label_map)
-        return self._aligned_forward(images, label_map, grid)
-
-    # ------------------------------------------------------------------ checks
-    def _check(self, images: Tensor, label_map: TokenLabelMap) -> tuple[int, int]:
+    def _grid(self, images: Tensor, label_map: TokenLabelMap) -> tuple[int, int]:
         m: Any = self.model
-        if m.grad_checkpointing:
-            raise RuntimeError(
-                "gradient checkpointing re-runs block forwards, which would update the labels twice; "
-                "call model.set_grad_checkpointing(False) before training with a label map"
-            )
         return check_batch(images, label_map, tuple(m.patch_embed.patch_size))
+
+    def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        self._grid(images, label_map)  # the same input checks as the fast path
+        return reference_forward(self.model, self.scheme, images, label_map)
+
+    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        return self._aligned_forward(images, label_map, self._grid(images, label_map))
 
     # ------------------------------------------------------------------ fast path
     def _aligned_forward(self, images: Tensor, label_map: TokenLabelMap, grid: tuple[int, int]) -> AlignedOutput:
@@ -120,12 +101,12 @@ class AdaptedViT(nn.Module):
         return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
-        branch, keep = _drop_path(blk.drop_path1, blk.ls1(self._attention(blk.attn, blk.norm1(x), layer, tracker)))
+        out, keep = branch(blk.drop_path1, blk.ls1(self._attention(blk.attn, blk.norm1(x), layer, tracker)))
         tracker.residual(layer, keep)
-        x = x + branch
-        branch, keep = _drop_path(blk.drop_path2, blk.ls2(blk.mlp(blk.norm2(x))))
+        x = x + out
+        out, keep = branch(blk.drop_path2, blk.ls2(blk.mlp(blk.norm2(x))))
         tracker.residual(layer, keep)  # channel mixing: labels unchanged
-        return x + branch
+        return x + out
 
     def _attention(self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
@@ -152,9 +133,3 @@ class AdaptedViT(nn.Module):
         if gate is not None:
             out = out * gate
         return attn.proj_drop(attn.proj(out))  # type: ignore[no-any-return]
-
-
-def _drop_path(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:
-    if isinstance(module, DropPath):
-        return drop_path_with_keep(x, module.drop_prob, module.training, module.scale_by_keep)
-    return module(x), None
