@@ -18,9 +18,10 @@ from torch import nn
 
 from mixlabels import Config
 from mixlabels._scheme_config import SchemeConfig
+from mixlabels.score_maps import Fill
 from strategies import MixerConfig
 
-__all__ = ["DataConfig", "ModelConfig", "RecipeConfig", "RunConfig", "AblationConfig", "run_key"]
+__all__ = ["DataConfig", "ModelConfig", "RecipeConfig", "AnnotatorConfig", "RunConfig", "AblationConfig", "run_key"]
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -58,6 +59,8 @@ class ModelConfig(Config[nn.Module]):
     num_heads: int | None = 2
     mlp_ratio: float | None = None
     drop_path: Annotated[float, Field(ge=0.0, lt=1.0, description="stochastic depth rate")] = 0.1
+    class_token: Annotated[bool | None, Field(description="timm's class_token (False for a pooled annotator)")] = None
+    global_pool: Annotated[str | None, Field(description="timm's global_pool ('token', 'avg', ...)")] = None
 
     def build(self, num_classes: int) -> nn.Module:
         """The timm model with ``num_classes`` outputs, randomly initialised (``pretrained=False``)."""
@@ -72,6 +75,8 @@ class ModelConfig(Config[nn.Module]):
                 "depth": self.depth,
                 "num_heads": self.num_heads,
                 "mlp_ratio": self.mlp_ratio,
+                "class_token": self.class_token,
+                "global_pool": self.global_pool,
             }.items()
             if v is not None
         }
@@ -110,6 +115,14 @@ class RecipeConfig(Config[None]):
     mix_prob: Annotated[float, Field(ge=0.0, le=1.0, description="probability that a batch is mixed")] = 1.0
 
 
+class AnnotatorConfig(Config[None]):
+    """Where a run's dense token labels come from: the score maps of a teacher run (Token Labeling)."""
+
+    teacher: Annotated[str, Field(description="run key of the teacher run whose checkpoint scores the images")]
+    k: Annotated[int, Field(ge=1, description="scores kept per map cell (top-k, fp16/int16)")] = 5
+    fill: Annotated[Fill, Field(description="how the mass beyond the top-k is restored")] = "renormalize"
+
+
 class RunConfig(Config[None]):
     """One training run: everything its result depends on (the run's key hashes it)."""
 
@@ -118,6 +131,9 @@ class RunConfig(Config[None]):
     recipe: RecipeConfig
     mixer: Annotated[MixerConfig | None, Field(description="None: no mixing, plain label-smoothed CE")] = None
     scheme: Annotated[SchemeConfig | None, Field(description="alignment scheme for mixed batches")] = None
+    annotator: Annotated[
+        AnnotatorConfig | None, Field(description="token labels from a teacher's score maps (needs TokenLabeling)")
+    ] = None
     seed: int = 0
     device_type: Annotated[str, Field(description="'cpu' or 'cuda' (bf16 autocast changes numerics)")] = "cpu"
     bf16: bool = False
@@ -132,7 +148,10 @@ def run_key(run: RunConfig) -> str:
 class AblationConfig(Config[None]):
     """The whole job: which table, which seeds, and every run's shared settings."""
 
-    table: Literal[7, 8] = 7
+    table: Annotated[
+        Literal[7, 8, "tokenlabel"],
+        Field(description="7: mixers x TL-Align; 8: TL-Align operations; tokenlabel: Token Labeling's Table 2 rows"),
+    ] = 7
     rows: Annotated[tuple[str, ...] | None, Field(description="only these row ids (default: all)")] = None
     seeds: Annotated[tuple[int, ...], Field(min_length=1, description="one run per seed and cell")] = (0, 1)
     data: DataConfig = DataConfig()
@@ -151,6 +170,13 @@ class AblationConfig(Config[None]):
     ] = None
     eval_batch_size: PositiveInt = 500
     quiet: bool = False
+    save_checkpoints: Annotated[
+        bool, Field(description="keep every trained model as <out>/checkpoints/<run key>.pth (state dict)")
+    ] = False
+    teacher_epochs: Annotated[
+        float | None,
+        Field(gt=0.0, description="tokenlabel table: the annotator's training epochs (default: twice the recipe's)"),
+    ] = None
 
     def use_bf16(self) -> bool:
         """bf16 autocast as asked, else on for CUDA and off for the CPU."""

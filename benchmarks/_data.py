@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from benchmarks._archive import TensorSplit
+from mixlabels.score_maps import CropParams
 
 __all__ = ["Batches", "TensorBatches", "FolderBatches", "Shard", "subset_indices"]
 
@@ -139,33 +140,56 @@ class TensorBatches:
         return self.indices[grid.reshape(-1)]
 
     def epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor]]:
+        for x, y, _, _ in self.indexed_epoch(epoch):
+            yield x, y
+
+    def indexed_epoch(self, epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor, CropParams]]:
+        """``epoch``'s batches with each image's split index and its crop and flip (what token labels align to).
+
+        The crop boxes are in pixels of the original image (zero padding reaches past it);
+        evaluation batches get the identity crop.
+        """
         order = self._order(epoch)
         for start in range(0, len(order), self.per_rank):
             idx = order[start : start + self.per_rank]
             x = self.images[idx].to(self.shard.device, non_blocking=True).permute(0, 3, 1, 2)  # b 3 H W uint8
             y = self.labels[idx].to(self.shard.device, non_blocking=True)
             x = x.float().div_(255.0)
+            params = self._sample_crops(x.shape[0], x.shape[2], x.shape[3])
             if self.train:
-                x = self._augment(x)
+                x = self._augment(x, params)
             x = (x - self.mean) / self.std
             if self.train and self.erasing is not None:
                 x = self.erasing(x)
-            yield x, y
+            yield x, y, idx, params
 
-    def _augment(self, x: Tensor) -> Tensor:
-        """Random crop after zero padding, then a horizontal flip, per sample, as whole-batch tensor ops."""
+    def _sample_crops(self, b: int, h: int, w: int) -> CropParams:
+        """Each sample's crop offset in the zero-padded image and its flip (identity when not training)."""
+        p = self.crop_padding if self.train else 0
+        # the draw order (dy, dx, flips) is the loader's since its first version: same seed, same batches
+        dy = torch.randint(0, 2 * p + 1, (b,), generator=self._gen) if p else torch.zeros(b, dtype=torch.long)
+        dx = torch.randint(0, 2 * p + 1, (b,), generator=self._gen) if p else torch.zeros(b, dtype=torch.long)
+        if self.train and self.hflip > 0:
+            flips = torch.rand(b, generator=self._gen) < self.hflip
+        else:
+            flips = torch.zeros(b, dtype=torch.bool)
+        x0, y0 = (dx - p).float(), (dy - p).float()
+        boxes = torch.stack([x0, y0, x0 + w, y0 + h], dim=1)
+        return CropParams(boxes, flips, torch.tensor([h, w]).expand(b, 2).clone())
+
+    def _augment(self, x: Tensor, params: CropParams) -> Tensor:
+        """Apply the sampled crops (gathers from the zero-padded batch) and flips as whole-batch tensor ops."""
         b, _, h, w = x.shape
         p = self.crop_padding
         if p:
             padded = F.pad(x, (p, p, p, p))
-            dy = torch.randint(0, 2 * p + 1, (b, 1), generator=self._gen).to(x.device)
-            dx = torch.randint(0, 2 * p + 1, (b, 1), generator=self._gen).to(x.device)
+            dx = (params.boxes[:, 0:1].long() + p).to(x.device)
+            dy = (params.boxes[:, 1:2].long() + p).to(x.device)
             rows = (dy + torch.arange(h, device=x.device)).view(b, 1, h, 1).expand(b, 3, h, w + 2 * p)
             cols = (dx + torch.arange(w, device=x.device)).view(b, 1, 1, w).expand(b, 3, h, w)
             x = padded.gather(2, rows).gather(3, cols)  # b 3 h w: the crop at (dy, dx) of every sample
         if self.hflip > 0:
-            flip = (torch.rand(b, generator=self._gen) < self.hflip).to(x.device).view(b, 1, 1, 1)
-            x = torch.where(flip, x.flip(3), x)
+            x = torch.where(params.flips.to(x.device).view(b, 1, 1, 1), x.flip(3), x)
         return x
 
 

@@ -13,22 +13,34 @@ layers 2, 4, 6, 8 of 12; normalisation disabled; full TL-Align. For a model of
 depth ``d`` the paper's 1-based layer ``l`` of 12 becomes the 0-based layer
 ``round(l * d / 12) - 1``: layers 0, 1, 2, 3 for the default depth 6 (the first
 two thirds of the network, as in the paper); 1, 3, 5, 7 for depth 12.
+
+Table "tokenlabel" (Token Labeling's Table 2, from its baseline to MixToken and
+token labeling): CutMix with image labels; MixToken (Eq. 6-7: mixed patch
+tokens, class target the mask's mean) with image labels; MixToken with the
+dense loss of Eq. 3-4 (beta 0.5) whose per-token targets are the mask's sources
+(the image labels, token by token); MixToken with the dense loss against a
+machine annotator's score maps, aligned to each crop and flip and mixed by the
+mask (the paper's full method). The paper's annotator is a pretrained NFNet-F6;
+nothing may be downloaded here, so the job trains its own teacher first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mixlabels import NoAlignConfig, TLAlignConfig
+from mixlabels import NoAlignConfig, TLAlignConfig, TokenLabelingConfig
 from mixlabels._scheme_config import SchemeConfig
-from strategies import BlockwiseMixConfig, CutMixConfig, MixUpConfig, RandomPatchMixConfig, SwitchConfig
+from strategies import BlockwiseMixConfig, CutMixConfig, MixTokenConfig, MixUpConfig, RandomPatchMixConfig, SwitchConfig
 from strategies import MixerConfig
 
-__all__ = ["Cell", "MixerFlags", "table_cells", "paper_layers", "ROW_IDS"]
+__all__ = ["Cell", "MixerFlags", "Table", "table_cells", "paper_layers", "ROW_IDS"]
 
-ROW_IDS = {
+Table = int | str  # 7, 8 or "tokenlabel"
+
+ROW_IDS: dict[Table, tuple[str, ...]] = {
     7: ("none", "cutmix", "mixup+cutmix", "random", "blockwise"),
     8: ("none", "layer-last", "layers-2468", "no-norm", "tl-align"),
+    "tokenlabel": ("cutmix", "mixtoken", "mixtoken+mask-labels", "mixtoken+annotator"),
 }
 
 
@@ -44,7 +56,10 @@ class MixerFlags:
 
 @dataclass(frozen=True)
 class Cell:
-    """One (row, column) of a table: a mixer and a scheme; ``aligned`` picks the TL-Align column."""
+    """One (row, column) of a table: a mixer and a scheme; ``aligned`` picks the TL-Align column.
+
+    ``annotated``: the run's token targets come from the job's teacher (the annotator row).
+    """
 
     row: str
     label: str
@@ -52,6 +67,7 @@ class Cell:
     aligned: bool
     mixer: MixerConfig | None
     scheme: SchemeConfig | None
+    annotated: bool = False
 
 
 def paper_layers(depth: int, layers: tuple[int, ...] = (2, 4, 6, 8), paper_depth: int = 12) -> tuple[int, ...]:
@@ -96,7 +112,7 @@ _FLAGS = {
 
 
 def table_cells(
-    table: int,
+    table: Table,
     *,
     num_classes: int,
     label_smoothing: float,
@@ -105,7 +121,7 @@ def table_cells(
     img_size: int,
     depth: int,
 ) -> list[Cell]:
-    """Every cell of Table 7 or 8, in the paper's order."""
+    """Every cell of Table 7, Table 8 or the token-labeling table, in the paper's order."""
     grid = img_size // patch_size
     mixers = _mixers(num_classes, label_smoothing, prob, patch_size, grid * grid)
     cutmix = mixers["cutmix"]
@@ -127,4 +143,16 @@ def table_cells(
             Cell("no-norm", "Normalization disabled", _FLAGS["cutmix"], True, cutmix, TLAlignConfig(normalize=False)),
             Cell("tl-align", "Default (TL-Align)", _FLAGS["cutmix"], True, cutmix, TLAlignConfig()),
         ]
-    raise ValueError(f"table must be 7 or 8, got {table}")
+    if table == "tokenlabel":
+        n, ls, p = num_classes, label_smoothing, prob
+        mixtoken = MixTokenConfig(num_classes=n, label_smoothing=ls, prob=p, alpha=1.0, patch_size=patch_size)
+        dense = TokenLabelingConfig(beta=0.5)
+        return [
+            Cell("cutmix", "CutMix, image labels", _FLAGS["cutmix"], False, cutmix, NoAlignConfig()),
+            Cell("mixtoken", "MixToken, image labels", MixerFlags(), False, mixtoken, NoAlignConfig()),
+            Cell("mixtoken+mask-labels", "MixToken + token loss, labels from the mask (no annotator)", MixerFlags(),
+                 False, mixtoken, dense),
+            Cell("mixtoken+annotator", "MixToken + token loss, annotator's token labels", MixerFlags(), False,
+                 mixtoken, dense, annotated=True),
+        ]
+    raise ValueError(f"table must be 7, 8 or 'tokenlabel', got {table!r}")

@@ -18,7 +18,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +29,13 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from backbones import adapt
+from backbones._common import AdaptedBase
 from benchmarks._config import RunConfig
-from benchmarks._data import Batches, Shard
+from benchmarks._data import Batches, Shard, TensorBatches
+from benchmarks._token_labels import TokenLabelSource
 from benchmarks._dist import all_reduce_sum
 from mixlabels import NoAlign
+from mixlabels.score_maps import CropParams
 
 __all__ = ["RunResult", "train_and_evaluate", "seed_everything"]
 
@@ -72,6 +77,8 @@ def train_and_evaluate(
     num_classes: int,
     progress: bool = False,
     desc: str = "",
+    token_labels: TokenLabelSource | None = None,
+    checkpoint: Path | None = None,
 ) -> RunResult:
     """Train ``run`` from scratch on ``train`` and return its top-1 on ``test``.
 
@@ -83,6 +90,10 @@ def train_and_evaluate(
         num_classes: ``c``.
         progress: show a tqdm bar (rank 0 on a TTY).
         desc: the bar's label.
+        token_labels: the annotator's score maps; every step then trains with the
+            ``TokenLabeling`` scheme whose token targets are the batch's aligned, mixed maps
+            (``train`` must be ``TensorBatches``, which report each image's index and crop).
+        checkpoint: where rank 0 saves the trained model's state dict (before evaluation).
     """
     # the defining modules: timm's package __init__ files re-export without __all__, which mypy --strict refuses
     from timm.optim._optim_factory import create_optimizer_v2
@@ -93,12 +104,16 @@ def train_and_evaluate(
     model = run.model.build(num_classes).to(shard.device)
     # same init on every rank (above); from here, per-rank streams so that stochastic depth differs across shards
     torch.manual_seed(run.seed * 1_000_003 + shard.rank)
+    if token_labels is not None and (run.mixer is None or not isinstance(train, TensorBatches)):
+        raise ValueError(f"{desc}: annotator token labels need a mixer and the tensor loader (--loader tensor)")
     net: nn.Module = model
+    adapted: AdaptedBase | None = None
     mixer = None
     if run.mixer is not None:
         mixer = run.mixer.build()
         mixer.generator = torch.Generator().manual_seed(run.seed * 1_000_003 + 7919 * shard.rank + 1)
         net = adapt(model, run.scheme.build() if run.scheme is not None else NoAlign())
+        adapted = net if isinstance(net, AdaptedBase) else None
     if shard.world > 1:
         net = DistributedDataParallel(net)  # device_ids=None: the label map is not a tensor DDP could scatter
 
@@ -122,7 +137,10 @@ def train_and_evaluate(
     step, epoch = 0, 0
     start = time.perf_counter()
     while step < total:
-        for images, labels in train.epoch(epoch):
+        for images, labels, indices, crops in _batches(train, epoch, indexed=token_labels is not None):
+            if token_labels is not None and adapted is not None and crops is not None:
+                # this batch's score maps, aligned to its crops and flips; mixed by the label map in the loss
+                adapted.scheme = token_labels.scheme(indices, crops)
             if mixer is None:
                 with autocast:
                     loss = F.cross_entropy(net(images), labels, label_smoothing=recipe.label_smoothing)
@@ -152,6 +170,11 @@ def train_and_evaluate(
     train_seconds = time.perf_counter() - start
     bar.close()
 
+    if checkpoint is not None and shard.rank == 0:
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = checkpoint.with_name(f".{checkpoint.name}.tmp")
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(checkpoint)  # atomic: a checkpoint file is always whole
     tail = torch.stack(losses[-max(1, total // 10) :]).mean().view(1).double()
     train_loss = float(all_reduce_sum(tail)) / shard.world
     start = time.perf_counter()
@@ -167,6 +190,16 @@ def train_and_evaluate(
         eval_seconds=eval_seconds,
         images_per_second=total * train.per_rank * shard.world / max(train_seconds, 1e-9),
     )
+
+
+def _batches(train: Batches, epoch: int, *, indexed: bool) -> Iterator[tuple[Tensor, Tensor, Tensor, CropParams | None]]:
+    """``(images, labels, split indices, crops)``; indices and crops only from an indexed ``TensorBatches``."""
+    if indexed and isinstance(train, TensorBatches):
+        yield from train.indexed_epoch(epoch)
+        return
+    empty = torch.empty(0, dtype=torch.long)
+    for images, labels in train.epoch(epoch):
+        yield images, labels, empty, None
 
 
 def evaluate(model: nn.Module, test: Batches, autocast: torch.autocast) -> tuple[int, int]:

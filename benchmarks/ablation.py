@@ -51,7 +51,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ if __package__ in (None, ""):  # ``python benchmarks/ablation.py``: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from torch import Tensor
 
 from benchmarks._archive import (
     REPO_ROOT,
@@ -70,10 +71,15 @@ from benchmarks._archive import (
     tensor_cache,
     train_split,
 )
-from benchmarks._config import AblationConfig, RunConfig, run_key
+from benchmarks._archive import TensorSplit
+from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, run_key
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
-from benchmarks._rows import ROW_IDS, Cell, table_cells
+from benchmarks._rows import ROW_IDS, Cell, MixerFlags, table_cells
+from benchmarks._token_labels import TokenLabelSource, annotate_split
+from mixlabels import NoAlignConfig, TokenLabelingConfig
+from mixlabels.score_maps import ScoreMaps
+from strategies import CutMixConfig
 
 __all__ = ["main", "resolve_config", "plan", "run_ablation", "Planned", "Report", "summarise", "render_markdown"]
 
@@ -110,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--config", type=Path, help="AblationConfig as .json or .yaml; flags override it")
-    p.add_argument("--table", type=int, choices=(7, 8), help="which table (default 7)")
+    p.add_argument("--table", type=_table, help="7 (mixers x TL-Align, the default), 8 (TL-Align operations) or "
+                   "tokenlabel (Token Labeling's CutMix / MixToken / annotator rows; trains a teacher first)")
     p.add_argument("--rows", type=_csv_list, help=f"only these rows, comma separated: table 7 {','.join(ROW_IDS[7])}; "
-                   f"table 8 {','.join(ROW_IDS[8])}")
+                   f"table 8 {','.join(ROW_IDS[8])}; tokenlabel {','.join(ROW_IDS['tokenlabel'])}")
     p.add_argument("--seeds", type=_int_list, help="comma separated seeds (default 0,1)")
     p.add_argument("--data", help="cifar10, imagenette, or a path to an ImageFolder directory or .tar/.tar.gz")
     p.add_argument("--data-root", help="directory holding the named archives (default <project>/../shared/data)")
@@ -140,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads per rank")
     p.add_argument("--eval-batch-size", type=int)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--save-checkpoints", action="store_true",
+                   help="keep every trained model as <out>/checkpoints/<run key>.pth (for benchmarks/analysis.py)")
+    p.add_argument("--teacher-epochs", type=float, help="tokenlabel: the annotator's epochs (default: twice --epochs)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the runs, train nothing")
     return p
 
@@ -153,6 +163,14 @@ def _int_list(text: str) -> list[int]:
         return [int(t) for t in _csv_list(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma separated integers, got {text!r}") from None
+
+
+def _table(text: str) -> int | str:
+    if text in ("7", "8"):
+        return int(text)
+    if text == "tokenlabel":
+        return text
+    raise argparse.ArgumentTypeError(f"--table takes 7, 8 or tokenlabel, got {text!r}")
 
 
 def _optional_int(text: str) -> int | None:
@@ -225,9 +243,10 @@ def resolve_config(argv: Sequence[str] | None = None) -> tuple[AblationConfig, b
 
 
 def default_out(cfg: AblationConfig) -> Path:
-    """``runs/ablation/table<N>-<data>-<model>`` under the repository root."""
+    """``runs/ablation/table<N>-<data>-<model>`` (``tokenlabel-<data>-<model>``) under the repository root."""
     data = cfg.data.source if cfg.data.source in ("cifar10", "imagenette") else Path(cfg.data.source).name.split(".")[0]
-    return REPO_ROOT / "runs" / "ablation" / f"table{cfg.table}-{data}-{cfg.model.name}"
+    table = "tokenlabel" if cfg.table == "tokenlabel" else f"table{cfg.table}"
+    return REPO_ROOT / "runs" / "ablation" / f"{table}-{data}-{cfg.model.name}"
 
 
 # ------------------------------------------------------------------------------------------------- plan
@@ -245,6 +264,25 @@ class Planned:
     @property
     def name(self) -> str:
         return f"{self.cell.row}{' +TL-Align' if self.cell.aligned else ''} seed {self.seed}"
+
+
+def teacher_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunConfig:
+    """The tokenlabel table's annotator: the job's model, globally average-pooled, trained with CutMix.
+
+    A head trained on the mean of the patch tokens is meaningful on each token alone (as
+    a CNN's is on each location: CAM), which is what a dense score map needs; a class
+    token's head never sees a patch token. It trains for ``teacher_epochs`` (default:
+    twice the rows' epochs) on the same training images, seed 0.
+    """
+    _grid_of(cfg)  # the same checks as the rows
+    epochs = cfg.teacher_epochs if cfg.teacher_epochs is not None else 2 * cfg.recipe.epochs
+    r = cfg.recipe
+    cutmix = CutMixConfig(num_classes=num_classes, label_smoothing=r.label_smoothing, prob=r.mix_prob, alpha=1.0)
+    return RunConfig(
+        data=cfg.data, model=cfg.model.model_copy(update={"class_token": False, "global_pool": "avg"}),
+        recipe=r.model_copy(update={"epochs": epochs}), mixer=cutmix, scheme=NoAlignConfig(),
+        seed=0, device_type=device_type, bf16=cfg.use_bf16(),
+    )
 
 
 def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planned]:
@@ -269,11 +307,15 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
     )
     if cfg.rows is not None:
         cells = [c for c in cells if c.row in cfg.rows]
+    annotator = None
+    if any(c.annotated for c in cells):
+        annotator = AnnotatorConfig(teacher=run_key(teacher_run(cfg, num_classes, device_type)))
     out = []
     for cell in cells:
         for seed in cfg.seeds:
             run = RunConfig(data=cfg.data, model=cfg.model, recipe=cfg.recipe, mixer=cell.mixer, scheme=cell.scheme,
-                            seed=seed, device_type=device_type, bf16=cfg.use_bf16())
+                            annotator=annotator if cell.annotated else None, seed=seed, device_type=device_type,
+                            bf16=cfg.use_bf16())
             out.append(Planned(cell, seed, run, run_key(run)))
     return out
 
@@ -300,6 +342,8 @@ class Data:
     num_classes: int
     make_train: Callable[[int], Batches]  # seed -> this run's training batches
     test: Batches
+    train_split: TensorSplit | None = None  # the tensor loader's decoded training split (for the annotator)
+    train_indices: Tensor | None = None  # the training subset's split indices
 
 
 def load_data(cfg: AblationConfig, shard: Shard) -> Data:
@@ -329,6 +373,7 @@ def load_data(cfg: AblationConfig, shard: Shard) -> Data:
         test: Batches = TensorBatches(test_split_, test_idx, cfg.eval_batch_size, train=False, seed=0, **common)
         num_classes = len(train_split_.classes)
         make_train: Callable[[int], Batches] = make_tensor_train
+        decoded: tuple[TensorSplit, Tensor] | None = (train_split_, train_idx)
     else:
         folder = extract(source, root)
         classes = sorted(p.name for p in (folder / train_name).iterdir() if p.is_dir())
@@ -349,13 +394,15 @@ def load_data(cfg: AblationConfig, shard: Shard) -> Data:
                              transform=test_tf, workers=cfg.workers)
         num_classes = len(classes)
         make_train = make_folder_train
+        decoded = None
     # fail before any training when the first run could not take a single step
     if r.max_steps is None and len(make_train(0)) < 1:
         raise ValueError(
             f"the training set ({d.subset or 'all'} images) is smaller than one global batch of {r.batch_size}: "
             "lower --batch-size or raise --subset"
         )
-    return Data(num_classes=num_classes, make_train=make_train, test=test)
+    split, indices = decoded if decoded is not None else (None, None)
+    return Data(num_classes=num_classes, make_train=make_train, test=test, train_split=split, train_indices=indices)
 
 
 def _count_images(split_dir: Path) -> int:
@@ -426,23 +473,38 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             print(f"output: {out}", flush=True)
         resolve_source(cfg.data.source, cfg.data_root)  # a missing archive fails now, also in a dry run
         data = load_data(cfg, shard) if not dry_run else None
-        planned = plan(cfg, data.num_classes if data else _peek_classes(cfg), shard.device.type)
+        num_classes = data.num_classes if data else _peek_classes(cfg)
+        planned = plan(cfg, num_classes, shard.device.type)
         # rank 0 alone reads the run files: every rank takes the same decision even on node-local disks
         done = broadcast_from_zero(_read_done(out / "runs", planned) if lead else {})
-        todo = [p for p in planned if p.key not in done]
+        ckpt_dir = out / "checkpoints"
+        todo = [p for p in planned
+                if p.key not in done or (cfg.save_checkpoints and not (ckpt_dir / f"{p.key}.pth").is_file())]
         if lead:
             print(f"table {cfg.table}: {len(planned)} runs ({len(planned) - len(todo)} already done, "
                   f"{len(todo)} to train)", flush=True)
+            if any(p.run.annotator is not None for p in planned):
+                print(f"  plus the annotator (teacher run {planned_teacher(cfg, planned, num_classes).key}, trained and scored "
+                      "first unless done)", flush=True)
             if dry_run:
                 for p in planned:
                     print(f"  {p.key}  {p.name}{'  (done)' if p.key in done else ''}")
         if dry_run or data is None:
             return Report(out, 0, len(planned) - len(todo), [], "")
         progress = lead and not cfg.quiet
+        teacher: dict[str, Any] | None = None
+        source: TokenLabelSource | None = None
+        if any(p.run.annotator is not None for p in planned):
+            teacher, source = prepare_annotator(cfg, planned, data, shard, out, progress=progress,
+                                                needed=any(p.run.annotator is not None for p in todo))
         overall = tqdm(total=len(todo), desc=f"table {cfg.table}", disable=not progress, position=0, dynamic_ncols=True)
         for i, p in enumerate(todo):
-            result = train_and_evaluate(p.run, data.make_train(p.seed), data.test, shard,
-                                        num_classes=data.num_classes, progress=progress, desc=p.name)
+            labels = None
+            if p.run.annotator is not None and source is not None and isinstance(p.run.scheme, TokenLabelingConfig):
+                labels = replace(source, beta=p.run.scheme.beta, fill=p.run.annotator.fill)
+            result = train_and_evaluate(p.run, data.make_train(p.seed), data.test, shard, num_classes=data.num_classes,
+                                        progress=progress, desc=p.name, token_labels=labels,
+                                        checkpoint=ckpt_dir / f"{p.key}.pth" if cfg.save_checkpoints else None)
             if lead:
                 record = {"key": p.key, "run": p.run.model_dump(mode="json"), "result": asdict(result),
                           "world": shard.world, "device": str(shard.device), "finished": time.time()}
@@ -457,14 +519,87 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             return Report(out, len(todo), len(planned) - len(todo), [], "")
         records = [{"table": cfg.table, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned,
                     "seed": p.seed, **done[p.key]} for p in planned]
-        markdown = render_markdown(cfg, planned, records)
-        write_outputs(out, cfg, planned, records, markdown)
+        markdown = render_markdown(cfg, planned, records, teacher)
+        write_outputs(out, cfg, planned, records, markdown, teacher)
         print()
         print(markdown, flush=True)
         print(f"written: {out / 'table.md'}, runs.csv, results.json, table.png")
         return Report(out, len(todo), len(planned) - len(todo), records, markdown)
     finally:
         teardown()
+
+
+def planned_teacher(cfg: AblationConfig, planned: Sequence[Planned], num_classes: int) -> Planned:
+    """The annotator's run, planned like a cell (its key names its run file, checkpoint and score maps)."""
+    annotated = next(p for p in planned if p.run.annotator is not None)
+    run = teacher_run(cfg, num_classes, annotated.run.device_type)
+    cell = Cell("teacher", "annotator (teacher)", MixerFlags(cutmix=True), False, run.mixer, run.scheme)
+    planned_key = run_key(run)
+    assert annotated.run.annotator is not None and annotated.run.annotator.teacher == planned_key
+    return Planned(cell, run.seed, run, planned_key)
+
+
+def prepare_annotator(
+    cfg: AblationConfig,
+    planned: Sequence[Planned],
+    data: Data,
+    shard: Shard,
+    out: Path,
+    *,
+    progress: bool,
+    needed: bool,
+) -> tuple[dict[str, Any], TokenLabelSource | None]:
+    """Train the teacher (unless done), score the training images with it (resumable), open the maps.
+
+    Returns the teacher's run record and, when ``needed`` (an annotator row is still to
+    train), the maps on this rank's device. The teacher's checkpoint is
+    ``<out>/annotator/teacher-<key>.pth`` and its maps ``<out>/annotator/score-maps-<key>-top<k>``.
+    """
+    from benchmarks._train import train_and_evaluate
+
+    if data.train_split is None or data.train_indices is None:
+        raise ValueError("the tokenlabel table's annotator rows need the tensor loader (--loader tensor): token "
+                         "labels are aligned to each image's crop, which timm's folder transforms do not report")
+    lead = shard.rank == 0
+    teacher = planned_teacher(cfg, planned, data.num_classes)
+    annotator = next(p.run.annotator for p in planned if p.run.annotator is not None)
+    assert annotator is not None
+    ckpt = out / "annotator" / f"teacher-{teacher.key}.pth"
+    found = _read_done(out / "runs", [teacher]) if lead else {}
+    done = broadcast_from_zero(found if ckpt.is_file() else {})
+    if teacher.key not in done:
+        result = train_and_evaluate(teacher.run, data.make_train(teacher.seed), data.test, shard,
+                                    num_classes=data.num_classes, progress=progress, desc="teacher (annotator)",
+                                    checkpoint=ckpt)
+        record = {"key": teacher.key, "run": teacher.run.model_dump(mode="json"), "result": asdict(result),
+                  "world": shard.world, "device": str(shard.device), "finished": time.time()}
+        if lead:
+            write_atomic(out / "runs" / f"{teacher.key}.json", json.dumps(record, indent=1))
+            print(f"teacher (annotator): top-1 {result.top1:.2f}% ({result.steps} steps, {result.train_seconds:.0f} s)",
+                  flush=True)
+        done[teacher.key] = record
+    barrier()
+    store_dir = out / "annotator" / f"score-maps-{teacher.key}-top{annotator.k}"
+    if lead:
+        model = teacher.run.model.build(data.num_classes)
+        model.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=True))
+        meta = {"teacher": teacher.key, "model": teacher.run.model.model_dump(mode="json"),
+                "img_size": [cfg.data.img_size, cfg.data.img_size]}
+        store = annotate_split(model, data.train_split, data.train_indices, store_dir, mean=cfg.data.mean,
+                               std=cfg.data.std, k=annotator.k, meta=meta, device=shard.device, progress=progress)
+        hm, wm = store.map_size
+        done[teacher.key]["score_maps"] = {"path": str(store_dir), "images": len(store), "bytes": store.nbytes,
+                                           "bytes_per_image": store.nbytes / max(1, len(store)),
+                                           "map_size": [hm, wm], "k": store.k}
+    barrier()
+    if not needed:
+        return done[teacher.key], None
+    patch, img = _grid_of(cfg)
+    scheme = next(p.run.scheme for p in planned if p.run.annotator is not None)
+    beta = scheme.beta if isinstance(scheme, TokenLabelingConfig) else 0.5
+    source = TokenLabelSource.open(ScoreMaps(store_dir), len(data.train_split.labels), beta=beta,
+                                   fill=annotator.fill, grid=(img // patch, img // patch), device=shard.device)
+    return done[teacher.key], source
 
 
 def _free_cores(shard: Shard) -> int:
@@ -533,7 +668,8 @@ def _fmt(values: dict[int, float] | None) -> str:
     return "-" if stat is None else str(stat)
 
 
-def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]]) -> str:
+def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
+                    teacher: dict[str, Any] | None = None) -> str:
     """The table in the paper's shape, with a caption saying what was run."""
     cells = summarise(records)
     rows: list[Cell] = []
@@ -543,7 +679,8 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
     m = cfg.model
     size = f"{m.name}" + (f" (dim {m.embed_dim}, depth {m.depth}, patch {m.patch_size})" if m.embed_dim else "")
     steps = {int(r["result"]["steps"]) for r in records}
-    caption = (f"Table {cfg.table} on {cfg.data.source} ({cfg.data.subset or 'all'} train / "
+    name = "Token labeling table" if cfg.table == "tokenlabel" else f"Table {cfg.table}"
+    caption = (f"{name} on {cfg.data.source} ({cfg.data.subset or 'all'} train / "
                f"{cfg.data.test_subset or 'all'} test images), {size}, {'/'.join(map(str, sorted(steps)))} steps of "
                f"{cfg.recipe.batch_size}; top-1 (%) as mean ± std over seeds {', '.join(map(str, cfg.seeds))}; "
                f"Δ = mean ± std of the per-seed differences.")
@@ -561,14 +698,31 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
                 f"| {_fmt(base)} | {_fmt(aligned) if has_aligned else '-'} "
                 f"| {_delta(base, aligned) if base and aligned else '-'} |"
             )
-    else:
-        baseline = cells.get(("none", False))
-        lines += ["| Alignment | Top-1 (%) | Δ (%) |", "| :-- | --: | --: |"]
+    else:  # one column, each row against the baseline row: Table 8's "none", the tokenlabel table's CutMix
+        first = "cutmix" if cfg.table == "tokenlabel" else "none"
+        baseline = cells.get((first, False))
+        against = "Δ vs CutMix (%)" if cfg.table == "tokenlabel" else "Δ (%)"
+        lines += [f"| {'Training' if cfg.table == 'tokenlabel' else 'Alignment'} | Top-1 (%) | {against} |",
+                  "| :-- | --: | --: |"]
         for c in rows:
             values = cells.get((c.row, c.aligned))
-            delta = _delta(baseline, values) if baseline and values and c.row != "none" else "-"
+            delta = _delta(baseline, values) if baseline and values and c.row != first else "-"
             lines.append(f"| {c.label} | {_fmt(values)} | {delta} |")
+        if teacher is not None:
+            lines += ["", _teacher_line(teacher)]
     return "\n".join(lines) + "\n"
+
+
+def _teacher_line(teacher: dict[str, Any]) -> str:
+    """The annotator under the token-labeling table: what it is, how good it is, what its maps cost."""
+    run, result = teacher["run"], teacher["result"]
+    model = run["model"]
+    maps = teacher.get("score_maps")
+    stored = (f"; its maps: {maps['images']} images, {maps['map_size'][0]}x{maps['map_size'][1]} cells, top-{maps['k']}, "
+              f"{maps['bytes_per_image']:.0f} bytes per image" if maps else "")
+    return (f"Annotator: {model['name']} with global average pooling and no class token (dim {model['embed_dim']}, "
+            f"depth {model['depth']}, patch {model['patch_size']}), trained with CutMix for {run['recipe']['epochs']:g} "
+            f"epochs ({result['steps']} steps, seed {run['seed']}): top-1 {result['top1']:.2f}%{stored}.")
 
 
 _CSV_FIELDS = ("table", "row", "label", "aligned", "seed", "key", "mixer", "scheme", "top1", "correct", "evaluated",
@@ -576,7 +730,7 @@ _CSV_FIELDS = ("table", "row", "label", "aligned", "seed", "key", "mixer", "sche
 
 
 def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
-                  markdown: str) -> None:
+                  markdown: str, teacher: dict[str, Any] | None = None) -> None:
     """``table.md``, ``runs.csv``, ``results.json`` and ``table.png`` in ``out``, each written atomically."""
     write_atomic(out / "table.md", markdown)
     buf = io.StringIO()
@@ -590,7 +744,7 @@ def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], re
             **{k: rec["result"][k] for k in _CSV_FIELDS if k in rec["result"]},
         })
     write_atomic(out / "runs.csv", buf.getvalue())
-    results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records)}
+    results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records), "annotator": teacher}
     write_atomic(out / "results.json", json.dumps(results, indent=1))
     plot(out / "table.png", cfg, planned, records)
 
@@ -623,11 +777,12 @@ def plot(path: Path, cfg: AblationConfig, planned: Sequence[Planned], records: S
         ax.bar(xs, means, width=width, yerr=errs, capsize=4, **kwargs)
     ax.set_xticks(range(len(order)))
     ax.set_xticklabels(order, rotation=15)
-    ax.set_xlabel("mixing strategy" if cfg.table == 7 else "alignment")
+    xlabels: dict[int | str, str] = {7: "mixing strategy", 8: "alignment", "tokenlabel": "training"}
+    ax.set_xlabel(xlabels[cfg.table])
     ax.set_ylabel("top-1 accuracy (%)")
     if lows:  # bars start near the data: at this scale the differences are a few points
         ax.set_ylim(bottom=max(0.0, math.floor(min(lows) - 5)))
-    ax.set_title(f"Table {cfg.table}: {cfg.data.source}, {cfg.model.name}, seeds {','.join(map(str, cfg.seeds))}")
+    ax.set_title(f"{'Token labeling' if cfg.table == 'tokenlabel' else f'Table {cfg.table}'}: {cfg.data.source}, {cfg.model.name}, seeds {','.join(map(str, cfg.seeds))}")
     if cfg.table == 7:
         ax.legend()
     ax.grid(axis="y", alpha=0.3)
