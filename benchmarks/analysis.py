@@ -13,8 +13,9 @@ the token grid) and write, under ``--out``:
   similarity "ground truth" (App. B Eq. 13) against CutMix, TransMix, TokenLabeling
   and TL-Align; and the token presence of Eq. 2 per block.
 - ``rmse_by_size.png`` (Figure 3): RMSE between CutMix targets and TL-Align targets
-  for tiny/small/base-like ViTs at a small image size (always random init), next
-  to a bar for the analysed model.
+  for trained checkpoints of several widths (``--size-checkpoints``), or else for
+  random-init tiny/small/base-like ViTs at a small image size, next to a bar for
+  the analysed model.
 - ``analysis.json``: every number behind the pictures.
 
 Random-init ViTs attend almost uniformly, so their aligned labels stay at the image
@@ -28,6 +29,10 @@ Usage::
     python benchmarks/analysis.py --data cifar10 --img-size 32 --patch-size 4
     python benchmarks/analysis.py --checkpoint runs/ablation/model.pt --model deit_tiny_patch16_224 \\
         --data cifar10 --num-heads 2                               # a state dict from training
+
+A checkpoint written by ``benchmarks/ablation.py --save-checkpoints``
+(``<out>/checkpoints/<run key>.pth``) is read with its run file
+(``<out>/runs/<run key>.json``), which gives the head count a state dict cannot tell.
 """
 
 from __future__ import annotations
@@ -167,6 +172,34 @@ def architecture_of(state: dict[str, Tensor]) -> dict[str, Any]:
                 arch["img_size"] = side * patch
                 break
     return arch
+
+
+def heads_from_run_file(checkpoint: Path) -> int | None:
+    """The head count of an ablation checkpoint ``<out>/checkpoints/<key>.pth``, from ``<out>/runs/<key>.json``."""
+    run_file = checkpoint.parent.parent / "runs" / f"{checkpoint.stem}.json"
+    try:
+        heads = json.loads(run_file.read_text())["run"]["model"]["num_heads"]
+    except (OSError, ValueError, KeyError, TypeError):  # no run file, or not the ablation's
+        return None
+    return heads if isinstance(heads, int) else None
+
+
+def checkpoint_model(name: str, path: Path, overrides: dict[str, Any], sharpen: float) -> tuple[nn.Module, dict[str, Any]]:
+    """The trained ViT in ``path``: its architecture from the state dict, its heads from the run file or
+    ``overrides``/``embed_dim // 64``, every other ``overrides`` value on top."""
+    state = load_state_dict(path)
+    arch: dict[str, Any] = {"num_classes": 10, **architecture_of(state)}
+    arch["num_heads"] = heads_from_run_file(path) or max(1, arch["embed_dim"] // 64)
+    arch.update({k: v for k, v in overrides.items() if v is not None})
+    arch.setdefault("img_size", 224)
+    model = build_model(name, arch, sharpen)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise SystemExit(
+            f"checkpoint {path} does not fit {name} {arch}: missing {missing[:4]}, unexpected {unexpected[:4]}; "
+            "set --model/--num-heads/--img-size to the trained architecture"
+        )
+    return model, arch
 
 
 def build_model(name: str, arch: dict[str, Any], sharpen: float) -> nn.Module:
@@ -385,6 +418,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8, help="images read (distinct classes) and mixed")
     ap.add_argument("--pairs", type=int, default=2, help="rows of the label-map picture")
     ap.add_argument("--sizes", default="tiny,small,base", help="tiny/small/base, comma-separated, for the RMSE chart")
+    ap.add_argument("--size-checkpoints", default=None,
+                    help="comma-separated trained checkpoints (e.g. of several widths) for the RMSE chart, "
+                    "instead of the random-init --sizes")
     ap.add_argument("--size-img", type=int, default=64, help="image side of the model-size comparison")
     ap.add_argument("--size-patch", type=int, default=8, help="patch size of the model-size comparison")
     ap.add_argument("--size-depth", type=int, default=12, help="depth of the model-size comparison")
@@ -399,24 +435,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def analysed_model(args: argparse.Namespace) -> tuple[nn.Module, dict[str, Any], str]:
     """The model to analyse: a checkpoint's architecture with command-line overrides, or random init."""
-    arch: dict[str, Any] = {"num_classes": 10}
-    state = None
+    overrides = {key: getattr(args, key) for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads")}
     if args.checkpoint:
-        state = load_state_dict(Path(args.checkpoint))
-        arch.update(architecture_of(state))
-        arch["num_heads"] = args.num_heads or max(1, arch["embed_dim"] // 64)
-    for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads"):
-        if getattr(args, key) is not None:
-            arch[key] = getattr(args, key)
-    arch.setdefault("img_size", 224)
-    model = build_model(args.model, arch, args.sharpen)
-    if state is not None:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise SystemExit(
-                f"checkpoint does not fit {args.model} {arch}: missing {missing[:4]}, unexpected {unexpected[:4]}; "
-                "set --model/--num-heads/--img-size to the trained architecture"
-            )
+        model, arch = checkpoint_model(args.model, Path(args.checkpoint), overrides, args.sharpen)
+    else:
+        arch = {"num_classes": 10, "img_size": 224, **{k: v for k, v in overrides.items() if v is not None}}
+        model = build_model(args.model, arch, args.sharpen)
     init = f"checkpoint {Path(args.checkpoint).name}" if args.checkpoint else "RANDOM INIT (untrained)"
     if args.sharpen != 1.0:
         init += f", attention logits x{args.sharpen:g}"
@@ -453,6 +477,26 @@ def size_bars(
     return bars
 
 
+def checkpoint_bars(args: argparse.Namespace, batch: Batch, cifar: bool, paths: list[Path], progress: Any
+                    ) -> list[dict[str, Any]]:
+    """Figure 3's bars from trained checkpoints, narrowest first, each on the images at its own size."""
+    from mixlabels.analysis import analyse
+
+    bars = []
+    for path in paths:
+        progress.set_postfix_str(f"RMSE, {path.name}")
+        model, arch = checkpoint_model(args.model, path, {}, 1.0)
+        side = (int(arch["img_size"]),) * 2
+        resized = make_batch(F.interpolate(batch.raw, size=side, mode="bilinear", antialias=True), batch.labels,
+                             batch.classes, cifar)
+        label_map = cutmix_map(resized, int(arch["num_classes"]), int(arch["patch_size"]), args.seed)
+        result = analyse(model, resized.images, label_map, similarity=False)
+        label = f"trained d={arch['embed_dim']}\nh={arch['num_heads']}, depth {arch['depth']}"
+        bars.append({"label": label, "kind": "size", "rmse": float(result.rmse), "checkpoint": str(path)} | arch)
+        progress.update()
+    return sorted(bars, key=lambda b: int(b["embed_dim"]))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import matplotlib
@@ -465,11 +509,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sizes = [s for s in args.sizes.split(",") if s]
+    checkpoints = [Path(c) for c in (args.size_checkpoints or "").split(",") if c]
+    sizes = [] if checkpoints else [s for s in args.sizes.split(",") if s]
+    absent = [str(c) for c in checkpoints if not c.is_file()]
+    if absent:
+        raise SystemExit(f"no checkpoint at {', '.join(absent)} (--size-checkpoints)")
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"unknown --sizes {unknown}; choose from {', '.join(SIZES)}")
-    progress = tqdm(total=2 + len(sizes), desc="analysis", unit="step", disable=None)
+    progress = tqdm(total=2 + len(sizes) + len(checkpoints), desc="analysis", unit="step", disable=None)
 
     model, arch, init = analysed_model(args)
     m: Any = model
@@ -491,15 +539,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plot_label_maps(out / "label_maps.png", batch, label_map, result, args.pairs, title)
     plot_mixing_ratio(out / "mixing_ratio.png", curves, f"Mixing ratio per block (sample 0), {desc}, {init}")
 
-    bars = size_bars(args, batch, cifar, sizes, progress) if sizes else []
+    bars = checkpoint_bars(args, batch, cifar, checkpoints, progress) if checkpoints else []
+    bars += size_bars(args, batch, cifar, sizes, progress) if sizes else []
     label = f"analysed model\n{img}px" + (" (ckpt)" if args.checkpoint else "")
     bars.append({"label": label, "kind": "main", "rmse": float(result.rmse)})
-    size_init = "RANDOM INIT" + (f", logits x{args.sharpen:g}" if args.sharpen != 1.0 else "")
+    if checkpoints:
+        blue = f"trained checkpoints ({', '.join(sorted({c.parent.parent.name for c in checkpoints}))})"
+    else:
+        size_init = "RANDOM INIT" + (f", logits x{args.sharpen:g}" if args.sharpen != 1.0 else "")
+        blue = f"{size_init}, depth {args.size_depth}, {args.size_img}px/{args.size_patch}"
     plot_rmse(
         out / "rmse_by_size.png",
         bars,
-        f"RMSE of CutMix vs TL-Align targets by model size\nblue: {size_init}, depth {args.size_depth}, "
-        f"{args.size_img}px/{args.size_patch}\nred: the analysed model, {init}",
+        f"RMSE of CutMix vs TL-Align targets by model size\nblue: {blue}\nred: the analysed model, {init}",
     )
     progress.close()
 

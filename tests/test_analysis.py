@@ -222,3 +222,29 @@ def test_command_on_a_checkpoint(tmp_path: Path) -> None:
     _check_outputs(tmp_path / "ckpt")
     assert numbers["model"]["img_size"] == 32 and numbers["model"]["depth"] == 2
     assert "checkpoint model.pt" in numbers["initialisation"]
+
+
+@pytest.mark.skipif(not CIFAR.is_file(), reason="needs ../shared/data/cifar10-jpg.tar.gz")
+def test_ablation_checkpoints_by_size(tmp_path: Path) -> None:
+    # the layout of `ablation.py --save-checkpoints`: <out>/checkpoints/<key>.pth and <out>/runs/<key>.json,
+    # whose num_heads a state dict cannot tell (4 heads of width 8, not embed_dim // 64)
+    from benchmarks.analysis import main
+
+    paths = []
+    for dim, heads in ((48, 6), (32, 4)):
+        out = tmp_path / f"d{dim}"
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=dim,
+                                  depth=2, num_heads=heads, num_classes=C)
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "runs").mkdir()
+        torch.save(model.state_dict(), out / "checkpoints" / "abc123.pth")
+        (out / "runs" / "abc123.json").write_text(json.dumps({"run": {"model": {"num_heads": heads}}}))
+        paths.append(out / "checkpoints" / "abc123.pth")
+    args = [a for a in TINY if a not in ("--sizes", "tiny")]
+    numbers = main([*args, "--size-checkpoints", ",".join(map(str, paths)), "--out", str(tmp_path / "fig")])
+    _check_outputs(tmp_path / "fig")
+    sized = [b for b in numbers["rmse_by_size"] if b["kind"] == "size"]
+    assert [(b["embed_dim"], b["num_heads"]) for b in sized] == [(32, 4), (48, 6)]  # narrowest first, heads read
+    assert all(0.0 <= b["rmse"] < 1.0 for b in sized) and sized[0]["checkpoint"] == str(paths[1])
+    with pytest.raises(SystemExit, match="no checkpoint at"):
+        main([*args, "--size-checkpoints", str(tmp_path / "missing.pth"), "--out", str(tmp_path / "x")])
