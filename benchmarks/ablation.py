@@ -64,7 +64,6 @@ from torch import Tensor
 from benchmarks._archive import (
     REPO_ROOT,
     cache_root,
-    default_data_root,
     eval_split,
     extract,
     resolve_source,
