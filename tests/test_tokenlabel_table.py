@@ -217,3 +217,27 @@ def test_end_to_end_teacher_maps_rows_and_checkpoints(tmp_path: Path, monkeypatc
     again = ablation.run_ablation(cfg)
     assert (again.trained, again.skipped) == (0, 4) and again.markdown == report.markdown
     assert (out / "runs" / f"{teacher.key}.json").stat().st_mtime_ns == mtime
+
+
+@needs_cifar
+def test_ddp_two_processes_teacher_and_annotator_row(tmp_path: Path) -> None:
+    # rank 0 alone scores the images; both ranks train the teacher and read the maps (gloo on the CPU)
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks._archive import REPO_ROOT
+
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    tiny = [a for a in TINY if a not in ("--threads", "1")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO_ROOT / "benchmarks" / "ablation.py"), "--table", "tokenlabel", "--rows", "mixtoken+annotator",
+           "--seeds", "0", "--out", str(out), *tiny]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("teacher (annotator): top-1") == 1 and proc.stdout.count("| Training |") == 1
+    runs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert len(runs) == 2 and all(r["world"] == 2 and r["result"]["evaluated"] == 64 for r in runs)
+    (store,) = (out / "annotator").glob("score-maps-*")
+    assert len(ScoreMaps(store)) == 64 and not list(out.rglob("*.tmp*"))
