@@ -544,7 +544,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     label = f"analysed model\n{img}px" + (" (ckpt)" if args.checkpoint else "")
     bars.append({"label": label, "kind": "main", "rmse": float(result.rmse)})
     if checkpoints:
-        blue = f"trained checkpoints ({', '.join(sorted({c.parent.parent.name for c in checkpoints}))})"
+        dirs = [Path(b["checkpoint"]).parent.parent.name for b in bars if "checkpoint" in b]  # narrowest first
+        blue = f"trained checkpoints ({', '.join(dict.fromkeys(dirs))})"
     else:
         size_init = "RANDOM INIT" + (f", logits x{args.sharpen:g}" if args.sharpen != 1.0 else "")
         blue = f"{size_init}, depth {args.size_depth}, {args.size_img}px/{args.size_patch}"
