@@ -14,13 +14,19 @@ median and spread over repeats are reported):
 2. **Mixers**: time per batch of every mixer (building its ``TokenLabelMap`` and
    the image targets included) against timm's ``Mixup`` (batch and elem
    modes), kornia's ``RandomCutMixV2``/``RandomMixUpV2`` and torchvision's
-   ``v2.CutMix``/``v2.MixUp``.
+   ``v2.CutMix``/``v2.MixUp``. Ratios are paired: each repeat divides a mixer's
+   time by its timm batch-mode reference's time in that same repeat. On CPU a
+   batch-sized buffer is page-faulted afresh on each call or reused, as glibc's
+   adaptive mmap threshold happens to stand, so times swing between processes;
+   ``MALLOC_MMAP_THRESHOLD_=131072`` (always fault) or ``MALLOC_MMAP_MAX_=0``
+   (never) fixes the regime for both sides.
 
 Usage::
 
     python benchmarks/speed.py                       # CPU, tiny ViT, quick
     python benchmarks/speed.py --model deit_small_patch16_224 --batch-size 16
     python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128
+    python benchmarks/speed.py --only mixers --mixers "ours CutMix" --mixer-batch 64   # one pair, more repeats
 """
 
 from __future__ import annotations
@@ -283,12 +289,32 @@ def mixer_candidates(num_classes: int, patch: int) -> dict[str, Callable[[torch.
     }
 
 
+TIMM_REFERENCE = {"CutMix": "timm CutMix (batch)", "MixUp": "timm MixUp (batch)"}
+
+
+def reference_of(name: str) -> str:
+    """The timm batch-mode mixer a mixer is compared with: MixUp with MixUp, anything else with CutMix."""
+    return TIMM_REFERENCE["MixUp" if "MixUp" in name else "CutMix"]
+
+
+def select_mixers(names: Sequence[str], wanted: Sequence[str] | None) -> list[str]:
+    """The mixers whose name contains one of ``wanted`` (case-insensitive), with their timm references."""
+    if not wanted:
+        return list(names)
+    keep = {n for n in names if any(w.lower() in n.lower() for w in wanted)}
+    if not keep:
+        raise SystemExit(f"--mixers {list(wanted)} matches none of: {', '.join(names)}")
+    keep |= {reference_of(n) for n in keep}  # a ratio needs its reference timed in the same repeats
+    return [n for n in names if n in keep]
+
+
 def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
     device = torch.device(args.device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.rand(args.mixer_batch, 3, args.mixer_size, args.mixer_size, generator=gen).to(device)
     y = torch.randint(0, args.num_classes, (args.mixer_batch,), generator=gen).to(device)
-    fns = mixer_candidates(args.num_classes, args.mixer_patch)
+    candidates = mixer_candidates(args.num_classes, args.mixer_patch)
+    fns = {k: candidates[k] for k in select_mixers(list(candidates), args.mixers)}
     times: dict[str, list[float]] = {k: [] for k in fns}
 
     def sync() -> None:
@@ -311,11 +337,20 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
         names = names[1:] + names[:1]
     summary: dict[str, Any] = {}
     for name, ts in times.items():
-        summary[name] = {"ms_median": 1000 * statistics.median(ts), "ms_min": 1000 * min(ts), "ms_max": 1000 * max(ts)}
-    refs = {"CutMix": "timm CutMix (batch)", "MixUp": "timm MixUp (batch)"}
+        summary[name] = {
+            "ms_median": 1000 * statistics.median(ts),
+            "ms_min": 1000 * min(ts),
+            "ms_max": 1000 * max(ts),
+            "s_per_repeat": ts,
+        }
     for name, s in summary.items():
-        kind = "MixUp" if "MixUp" in name else "CutMix"
-        s["ratio_to_timm_batch"] = s["ms_median"] / summary[refs[kind]]["ms_median"]
+        ref = reference_of(name)
+        s["ratio_to_timm_batch"] = s["ms_median"] / summary[ref]["ms_median"]
+        # Paired per repeat: both ran within one repeat, so load that comes and goes hits both.
+        paired = [t / r for t, r in zip(times[name], times[ref])]
+        s["paired_ratio"] = statistics.median(paired)
+        s["paired_ratio_min"] = min(paired)
+        s["paired_ratio_max"] = max(paired)
     return summary
 
 
@@ -357,14 +392,16 @@ def format_report(result: dict[str, Any]) -> str:
         cfg = result["config"]
         lines += [
             f"Mixer cost per batch of {cfg['mixer_batch']}x3x{cfg['mixer_size']}x{cfg['mixer_size']} "
-            f"(targets included; median over {cfg['mixer_repeats']} repeats of {cfg['mixer_calls']} calls)",
+            f"(targets included; {cfg['mixer_repeats']} interleaved repeats of {cfg['mixer_calls']} calls; "
+            "paired ratio = per-repeat ratio to timm's batch mode of the same kind, median [min, max])",
             "",
-            "| mixer | ms (median [min, max]) | ratio to timm batch mode |",
-            "| --- | ---: | ---: |",
+            "| mixer | ms (median [min, max]) | paired ratio to timm batch mode | ratio of medians |",
+            "| --- | ---: | ---: | ---: |",
         ]
         for name, s in result["mixers"].items():
             lines.append(
-                f"| {name} | {s['ms_median']:.2f} [{s['ms_min']:.2f}, {s['ms_max']:.2f}] | {s['ratio_to_timm_batch']:.2f} |"
+                f"| {name} | {s['ms_median']:.2f} [{s['ms_min']:.2f}, {s['ms_max']:.2f}] | {s['paired_ratio']:.2f} "
+                f"[{s['paired_ratio_min']:.2f}, {s['paired_ratio_max']:.2f}] | {s['ratio_to_timm_batch']:.2f} |"
             )
     return "\n".join(lines)
 
@@ -385,6 +422,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixer-patch", type=int, default=16)
     p.add_argument("--mixer-calls", type=int, default=5)
     p.add_argument("--mixer-repeats", type=int, default=7)
+    p.add_argument(
+        "--mixers", nargs="+", default=None, metavar="NAME",
+        help="time only the mixers whose name contains one of these (case-insensitive), plus their timm references",
+    )
     p.add_argument("--only", choices=["steps", "mixers"], default=None)
     p.add_argument("--out", type=Path, default=Path("runs/speed"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")

@@ -42,6 +42,9 @@ class BoxParams(MixParams):
     def source_weight(self) -> Tensor:
         return box_mask(self.boxes, self.grid)
 
+    def cell_boxes(self) -> tuple[Tensor, tuple[int, int]]:
+        return self.boxes, self.grid
+
     def keep_cells(self) -> Tensor:
         return ~box_inside(self.boxes, self.grid)
 

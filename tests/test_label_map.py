@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from timm.data.mixup import mixup_target
 from torch.testing import assert_close
 
 from mixlabels import TokenLabelMap, class_distributions
+from mixlabels._label_map import _BoxMask
 
 SIZES = [8, 12, 16, 24, 32]
 
@@ -169,6 +171,96 @@ def test_to_device_keeps_values() -> None:
     lm = box_map(8, 8, [(0, 4, 0, 4), (2, 8, 2, 8)])
     moved = lm.to("cpu")
     assert_close(moved.token_weights((2, 2)), lm.token_weights((2, 2)))
+
+
+# --------------------------------------------------------------------------- boxes kept as boxes (from_boxes)
+
+
+@st.composite
+def cell_box_case(draw: st.DrawFn) -> tuple[tuple[int, int], tuple[int, int], list[tuple[int, int, int, int]], tuple[int, int]]:
+    """An image size, a cell grid dividing it, one box per sample in cells, and a token grid.
+
+    Boxes may be empty, inverted (``y1 < y0``) or cover the whole grid; the token grid may be
+    finer or coarser than the cells, or neither (the lcm path of ``token_weights``).
+    """
+    hh, ww = draw(st.sampled_from(SIZES)), draw(st.sampled_from(SIZES))
+    gh, gw = draw(st.sampled_from(divisors(hh))), draw(st.sampled_from(divisors(ww)))
+    boxes = [
+        (draw(st.integers(0, gh)), draw(st.integers(0, gh)), draw(st.integers(0, gw)), draw(st.integers(0, gw)))
+        for _ in range(draw(st.integers(1, 5)))
+    ]
+    tokens = (draw(st.sampled_from(divisors(hh))), draw(st.sampled_from(divisors(ww))))
+    return (hh, ww), (gh, gw), boxes, tokens
+
+
+def dense_box_map(
+    size: tuple[int, int], grid: tuple[int, int], boxes: list[tuple[int, int, int, int]], partner: torch.Tensor, labels: torch.Tensor
+) -> TokenLabelMap:
+    """The reference: the same boxes as a dense cell mask, through ``from_mask``."""
+    mask = torch.ones(len(boxes), *grid)
+    for i, (y0, y1, x0, x1) in enumerate(boxes):
+        mask[i, y0:y1, x0:x1] = 0.0  # an inverted box is an empty slice, as in the compact mask
+    return TokenLabelMap.from_mask(mask, partner, labels, num_classes=10, label_smoothing=0.1, image_size=size)
+
+
+@given(cell_box_case(), st.integers(0, 2**31 - 1))
+def test_boxes_equal_the_dense_mask_bit_for_bit(
+    case: tuple[tuple[int, int], tuple[int, int], list[tuple[int, int, int, int]], tuple[int, int]], seed: int
+) -> None:
+    """Every weight and target of a box map is the dense mask's, to the bit; reading never builds a cache."""
+    size, grid, boxes, tokens = case
+    b = len(boxes)
+    gen = torch.Generator().manual_seed(seed)
+    partner = torch.randint(0, b, (b,), generator=gen)
+    labels = torch.randint(0, 10, (b,), generator=gen)
+    lm = TokenLabelMap.from_boxes(torch.tensor(boxes), grid, partner, labels, 10, label_smoothing=0.1, image_size=size)
+    ref = dense_box_map(size, grid, boxes, partner, labels)
+    images = torch.rand(b, 3, *size, generator=gen)
+    assert torch.equal(lm.sources, ref.sources)
+    assert lm.mask.dtype == torch.float32 and torch.equal(lm.mask, ref.mask)
+    assert torch.equal(lm.image_weights, ref.image_weights)  # torch.equal: the same bits, not close
+    assert torch.equal(lm.image_targets(), ref.image_targets())
+    for g in (tokens, grid, size):
+        assert torch.equal(lm.token_weights(g), ref.token_weights(g))
+    assert torch.equal(lm.pixel_weights(), ref.pixel_weights())
+    assert torch.equal(lm.mix_pixels(images), ref.mix_pixels(images))
+    assert torch.equal(lm.to("cpu").mask, ref.mask)
+    lm.check()
+    assert isinstance(lm._mask, _BoxMask) and isinstance(lm.to("cpu")._mask, _BoxMask)
+
+
+def test_lambda_from_box_areas_equals_the_mean_at_imagenet_size() -> None:
+    """Every box area on a 224x224 pixel grid gives the lambda ``mean`` gives (no rounding slip)."""
+    sides = torch.arange(225)
+    boxes = torch.stack([torch.zeros_like(sides), sides, torch.zeros_like(sides), sides.flip(0)], dim=1)  # b 4
+    boxes = torch.cat([boxes, torch.stack([torch.zeros_like(sides), sides, torch.zeros_like(sides), sides], dim=1)])
+    lm = TokenLabelMap.from_boxes(boxes, (224, 224), torch.zeros(len(boxes), dtype=torch.long), torch.zeros(len(boxes), dtype=torch.long), 2)
+    assert torch.equal(lm.image_weights[:, 0], lm.mask[:, 0].mean(dim=(1, 2)))
+
+
+def test_box_map_keeps_the_dataclass_surface() -> None:
+    """``mask`` is still the second field, required, and ``replace`` still works (building the cells)."""
+    assert [f.name for f in dataclasses.fields(TokenLabelMap)][:3] == ["sources", "mask", "image_weights"]
+    lm = TokenLabelMap.from_boxes(torch.tensor([[0, 2, 1, 3]]), (4, 4), torch.tensor([0]), torch.tensor([1]), 3)
+    smoothed = dataclasses.replace(lm, label_smoothing=0.1)
+    assert torch.equal(smoothed.mask, lm.mask) and smoothed.label_smoothing == 0.1
+    with pytest.raises(TypeError, match="mask"):
+        TokenLabelMap(sources=lm.sources, image_weights=lm.image_weights, labels=lm.labels, num_classes=3, image_size=(4, 4))  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="tile the image"):
+        TokenLabelMap.from_boxes(torch.tensor([[0, 2, 1, 3]]), (4, 4), torch.tensor([0]), torch.tensor([1]), 3, image_size=(6, 6))
+    with pytest.raises(ValueError, match=r"\(batch, 4\) long"):
+        TokenLabelMap.from_boxes(torch.tensor([[0.0, 2, 1, 3]]), (4, 4), torch.tensor([0]), torch.tensor([1]), 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_box_map_on_gpu_equals_the_dense_mask_on_gpu() -> None:
+    """Off the CPU, lambda is the device's own ``mean`` of the cells, as the dense path computes it."""
+    boxes = [(0, 5, 1, 7), (3, 3, 0, 8), (0, 8, 0, 8), (2, 6, 5, 6)]
+    partner, labels = torch.tensor([1, 0, 3, 2]), torch.tensor([4, 2, 9, 0])
+    lm = TokenLabelMap.from_boxes(torch.tensor(boxes).cuda(), (8, 8), partner.cuda(), labels.cuda(), 10, 0.1, (16, 16))
+    ref = dense_box_map((16, 16), (8, 8), boxes, partner, labels).to("cuda")
+    assert torch.equal(lm.image_weights, ref.image_weights) and torch.equal(lm.mask, ref.mask)
+    assert torch.equal(lm.token_weights((4, 4)), ref.token_weights((4, 4)))
 
 
 # --------------------------------------------------------------------------- bad inputs

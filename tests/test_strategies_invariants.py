@@ -19,8 +19,11 @@ from torch import Tensor
 from torch.testing import assert_close
 
 import strategies._patch as patch_module
+from mixlabels import TokenLabelMap
+from mixlabels._label_map import _BoxMask
 from strategies import BlockwiseMix, BoxParams, CellParams, CutMix, MixToken, MixUp, RandomPatchMix
-from test_strategies_kornia import KINDS, H, W, batch, make
+from strategies._base import paste_box, select_images
+from test_strategies_kornia import CELL, KINDS, H, W, batch, make
 
 PAIR_KINDS = [k for k in KINDS if k != "switch"]
 BINARY = ("cutmix", "cutmix_patch", "random_patch", "blockwise")
@@ -102,6 +105,47 @@ def test_cutmix_uncorrected_lambda_is_the_draw_and_clipping_only_shrinks_boxes(b
             assert torch.equal(lm.image_weights[:, 0], params.lam)
         # The side is floored and the box clipped, so the pasted area never exceeds 1 - lam.
         assert (area_lam >= params.lam - 1e-6).all()
+
+
+@given(st.sampled_from(["cutmix", "cutmix_patch", "mixtoken"]), st.integers(1, 6), modes, pairings,
+       st.sampled_from([0.5, 1.0]), st.booleans(), seeds)
+def test_box_maps_keep_boxes_and_equal_the_dense_cell_map(
+    kind: str, b: int, mode: str, pairing: str, prob: float, correct_lam: bool, seed: int
+) -> None:
+    """Box mixers store boxes, not cells, and every weight equals the dense map of the params' mask, bit for bit."""
+    x, y = batch(b, seed=seed % 1000)
+    mixer = make(kind, mode=mode, pairing=pairing, prob=prob, label_smoothing=0.1)
+    if kind == "cutmix" and not correct_lam:
+        kw: dict[str, Any] = dict(mode=mode, pairing=pairing, prob=prob, label_smoothing=0.1)
+        mixer = CutMix(10, correct_lam=False, **kw)
+    _, lm = mixer(x, y, generator=torch.Generator().manual_seed(seed))
+    params = mixer.last_params
+    assert isinstance(params, BoxParams) and isinstance(lm._mask, _BoxMask)
+    dense = TokenLabelMap.from_mask(params.source_weight(), params.partner, y, 10, 0.1, (H, W), lm.token_space)
+    assert torch.equal(lm.mask, dense.mask) and torch.equal(lm.sources, dense.sources)
+    if params.lambda_is_mask_mean:
+        assert torch.equal(lm.image_weights, dense.image_weights)
+        assert torch.equal(lm.image_targets(), dense.image_targets())
+    else:  # timm's legacy lambda: the draw, not the area
+        assert torch.equal(lm.image_weights[:, 0], params.lam)
+    for grid in ((H // CELL, W // CELL), (2, 3), (H, W)):
+        assert torch.equal(lm.token_weights(grid), dense.token_weights(grid))
+
+
+@given(st.integers(1, 6), st.integers(0, H), st.integers(0, H), st.integers(0, W), st.integers(0, W), seeds)
+def test_paste_box_copies_equal_the_batched_gather_and_the_select(b: int, y0: int, y1: int, x0: int, x1: int, seed: int) -> None:
+    """The per-sample copies (CPU, no autograd) equal the batched gather (autograd) and the select, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(b, 3, H, W, generator=gen, dtype=torch.float64)
+    partner = torch.randint(0, b, (b,), generator=gen)  # self-pairs included
+    before = x.clone()
+    out = paste_box(x, partner, (y0, y1, x0, x1))
+    keep = torch.ones(b, H, W, dtype=torch.bool)
+    keep[:, y0:y1, x0:x1] = False
+    assert torch.equal(out, select_images(x, partner, keep)) and torch.equal(x, before)  # pure
+    with torch.enable_grad():
+        batched = paste_box(x.clone().requires_grad_(True), partner, (y0, y1, x0, x1))
+    assert torch.equal(out, batched.detach())
 
 
 # ====================================================================== cell mixers
