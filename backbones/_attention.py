@@ -61,7 +61,9 @@ class _WidenedForwardCPU(torch.autograd.Function):
         d = v.shape[-1]
         qw, kw, vw = _widen(q, k, v, labels, 1)
         out_wide, lse = _cpu_flash(qw, kw, vw, scale=scale)  # b h n (d + l), b h n
-        out = out_wide[..., :d].contiguous()  # b h n d
+        # b h n d, stored in the kernel's own b n h d order (as SDPA returns it): the block's
+        # reshape to (b, n, h d) is then a view, not a second copy kept for the backward
+        out = out_wide[..., :d].transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
         mixed = out_wide[..., d:].contiguous()  # b h n l: A_h Y per head

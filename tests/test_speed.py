@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import speed
 
@@ -26,6 +27,10 @@ def test_speed_benchmark_end_to_end(tmp_path: Path) -> None:
     for s in steps.values():
         assert len(s["step_s_per_round"]) == 2 and all(t > 0 for t in s["step_s_per_round"])
         assert s["peak_mb"] > 0 and math.isfinite(s["time_ratio"])
+        # Absolute peak: the model, AdamW state and batch (10 classes: ~5.4M params x 4 copies) plus the step.
+        assert s["alloc_peak_mb"] > s["alloc_step_mb"] > 0 and s["alloc_peak_mb"] > 4 * 5.3e6 * 4 / 2**20
+        assert 0 < sum(s["alloc_top_mb"].values()) <= s["alloc_step_mb"] + 1e-9
+    assert steps["cutmix"]["alloc_ratio"] == 1.0 and steps["cutmix"]["alloc_step_ratio"] == 1.0
     mixers = result["mixers"]
     assert {"ours CutMix", "timm CutMix (batch)", "kornia RandomCutMixV2", "torchvision v2.MixUp"} <= set(mixers)
     assert mixers["timm CutMix (batch)"]["ratio_to_timm_batch"] == 1.0
@@ -37,6 +42,40 @@ def test_speed_benchmark_end_to_end(tmp_path: Path) -> None:
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert saved["steps"]["tlalign"]["time_ratio"] == steps["tlalign"]["time_ratio"]
     assert "| CutMix + TL-Align (fast) |" in next(tmp_path.glob("*.md")).read_text()
+    assert "| alloc peak MB | alloc ratio |" in next(tmp_path.glob("*.md")).read_text()
+
+
+MB = 1_000_000
+
+
+def test_allocator_peak_counts_live_bytes_not_allocated_bytes() -> None:
+    held: list[torch.Tensor] = []
+
+    def window() -> None:
+        big = torch.ones(10 * MB, dtype=torch.uint8)
+        del big
+        held.append(torch.empty(4 * MB, dtype=torch.uint8))
+
+    peak = speed.allocator_peak(window)
+    assert (peak.start_bytes, peak.peak_bytes, peak.step_bytes) == (0, 10 * MB, 10 * MB)  # not 14 MB
+    assert peak.top == {"aten::ones > aten::empty": 10 * MB}  # who holds the bytes at the peak
+
+
+def test_allocator_peak_counts_frees_of_what_before_allocated() -> None:
+    held: list[torch.Tensor] = []
+
+    def before() -> None:  # like the previous step's gradients, freed by the step
+        held.append(torch.empty(6 * MB, dtype=torch.uint8))
+
+    def window() -> None:
+        held.clear()
+        big = torch.empty(10 * MB, dtype=torch.uint8)
+        del big
+        held.append(torch.empty(4 * MB, dtype=torch.uint8))
+
+    peak = speed.allocator_peak(window, before)
+    # Live bytes: 6 at the start, 0, 10, 0, 4: the peak is 10 MB, 4 MB above the start (10 if the free were missed).
+    assert (peak.start_bytes, peak.peak_bytes, peak.step_bytes) == (6 * MB, 10 * MB, 4 * MB)
 
 
 def test_mixer_selection_keeps_the_timm_references() -> None:
