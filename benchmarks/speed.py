@@ -46,6 +46,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -143,26 +144,52 @@ class StepBench:
             torch.cuda.synchronize(self.device)
 
 
+def interleaved_times(
+    calls: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    per_block: int,
+    warmup: int,
+    sync: Callable[[], None],
+    progress: Callable[[str], None],
+    label: str,
+) -> dict[str, list[float]]:
+    """Seconds per call of every entry, per round: each round runs every entry's block of
+    ``per_block`` calls back to back, in an order rotated by one each round, so that load
+    that comes and goes hits every entry alike (pair the rounds for ratios)."""
+    for call in calls.values():  # warm-up: kernels, allocator, autotuning
+        for _ in range(warmup):
+            call()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        progress(f"{label} {r + 1}/{rounds}")
+        for name in order:
+            t0 = time.perf_counter()
+            for _ in range(per_block):
+                calls[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) / per_block)
+        order = order[1:] + order[:1]
+    return times
+
+
+def paired(times: Sequence[float], reference: Sequence[float]) -> tuple[float, float, float]:
+    """Median, min and max of the per-round ratios ``times / reference`` (same round: same machine load)."""
+    ratios = [t / r for t, r in zip(times, reference)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def measure_steps(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
     """Step time of every variant, interleaved: ``repeats`` rounds, each running every variant's
     block of ``steps`` steps back to back in a rotating order; ratios are paired per round."""
     variants = list(args.variants)
     bench = StepBench(args, variants)
-    for v in variants:  # warm-up: kernels, allocator, autotuning
-        for _ in range(args.warmup):
-            bench.step(v)
-    bench.sync()
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    order = list(variants)
-    for r in range(args.repeats):
-        progress(f"steps: round {r + 1}/{args.repeats}")
-        for v in order:
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                bench.step(v)
-            bench.sync()
-            times[v].append((time.perf_counter() - t0) / args.steps)
-        order = order[1:] + order[:1]
+    times = interleaved_times(
+        {v: partial(bench.step, v) for v in variants}, rounds=args.repeats, per_block=args.steps,
+        warmup=args.warmup, sync=bench.sync, progress=progress, label="steps: round",
+    )  # fmt: skip
     memory = {v: measure_memory(v, args, progress) for v in variants}
     summary: dict[str, Any] = {}
     for v, ts in times.items():
@@ -177,10 +204,7 @@ def measure_steps(args: argparse.Namespace, progress: Callable[[str], None]) -> 
     if BASELINE in summary:
         base = summary[BASELINE]
         for v, s in summary.items():
-            paired = [x / b for x, b in zip(times[v], times[BASELINE])]  # same round: same machine load
-            s["time_ratio"] = statistics.median(paired)
-            s["time_ratio_min"] = min(paired)
-            s["time_ratio_max"] = max(paired)
+            s["time_ratio"], s["time_ratio_min"], s["time_ratio_max"] = paired(times[v], times[BASELINE])
             s["memory_ratio"] = s["peak_mb"] / base["peak_mb"]
             s["step_memory_ratio"] = s["step_mb"] / base["step_mb"] if base["step_mb"] > 0 else float("nan")
             s["alloc_ratio"] = s["alloc_peak_mb"] / base["alloc_peak_mb"]
@@ -454,26 +478,15 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
     y = torch.randint(0, args.num_classes, (args.mixer_batch,), generator=gen).to(device)
     candidates = mixer_candidates(args.num_classes, args.mixer_patch)
     fns = {k: candidates[k] for k in select_mixers(list(candidates), args.mixers)}
-    times: dict[str, list[float]] = {k: [] for k in fns}
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for fn in fns.values():  # warm-up (kernels, allocator)
-        for _ in range(2):
-            fn(x, y)
-    sync()
-    names = list(fns)
-    for r in range(args.mixer_repeats):
-        progress(f"mixers: repeat {r + 1}/{args.mixer_repeats}")
-        for name in names:
-            t0 = time.perf_counter()
-            for _ in range(args.mixer_calls):
-                fns[name](x, y)
-            sync()
-            times[name].append((time.perf_counter() - t0) / args.mixer_calls)
-        names = names[1:] + names[:1]
+    times = interleaved_times(
+        {name: partial(fn, x, y) for name, fn in fns.items()}, rounds=args.mixer_repeats,
+        per_block=args.mixer_calls, warmup=2, sync=sync, progress=progress, label="mixers: repeat",
+    )  # fmt: skip
     summary: dict[str, Any] = {}
     for name, ts in times.items():
         summary[name] = {
@@ -486,10 +499,7 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
         ref = reference_of(name)
         s["ratio_to_timm_batch"] = s["ms_median"] / summary[ref]["ms_median"]
         # Paired per repeat: both ran within one repeat, so load that comes and goes hits both.
-        paired = [t / r for t, r in zip(times[name], times[ref])]
-        s["paired_ratio"] = statistics.median(paired)
-        s["paired_ratio_min"] = min(paired)
-        s["paired_ratio_max"] = max(paired)
+        s["paired_ratio"], s["paired_ratio_min"], s["paired_ratio_max"] = paired(times[name], times[ref])
     return summary
 
 
