@@ -13,6 +13,8 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from test_backbones_common import cutmix_batch, grads
+
 import backbones
 import mixlabels
 from backbones._attention import drop_path_with_keep
@@ -56,24 +58,6 @@ def make_model(name: str, drop_path_rate: float = 0.0, sharpen: float = 1.0, see
     return model
 
 
-def cutmix_map(seed: int = 1, token_space: bool = False) -> tuple[torch.Tensor, TokenLabelMap]:
-    """Images and a pixel-resolution CutMix map whose boxes cut through patches."""
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(B, 3, IMG, IMG, generator=g)
-    mask = torch.ones(B, IMG, IMG)
-    for i in range(B):
-        y0, x0 = torch.randint(0, IMG - 13, (2,), generator=g).tolist()
-        mask[i, y0 : y0 + 13, x0 : x0 + 17] = 0.0
-    labels = torch.randint(0, C, (B,), generator=g)
-    partner = torch.arange(B).roll(1)  # every sample mixes with another one
-    lm = TokenLabelMap.from_mask(mask, partner, labels, num_classes=C, label_smoothing=0.1, token_space=token_space)
-    return (images if token_space else lm.mix_pixels(images)), lm
-
-
-def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def output_sum(out: Any) -> torch.Tensor:
     return sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
 
@@ -85,7 +69,7 @@ def test_plain_call_is_the_model(config: str) -> None:
     aligned = backbones.adapt(model, TLAlign())
     assert aligned.model is model
     assert list(aligned.state_dict()) == [f"model.{k}" for k in model.state_dict()]
-    images, _ = cutmix_map()
+    images, _ = cutmix_batch()
     torch.manual_seed(5)
     expected = model(images)
     torch.manual_seed(5)
@@ -98,7 +82,7 @@ def test_function_preservation_train_mode(config: str, scheme: str) -> None:
     """Logits and parameter gradients equal the bare timm model's, stochastic depth on, same seed."""
     model = make_model(config, drop_path_rate=0.5)
     model.train()
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     torch.manual_seed(7)
     expected = model(images)
     output_sum(expected).backward()
@@ -136,7 +120,7 @@ def parity_cases() -> list[tuple[str, str]]:
 def test_fast_path_equals_reference(config: str, scheme: str) -> None:
     model = make_model(config, drop_path_rate=0.4, sharpen=8.0)
     model.train()
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     fast = backbones.adapt(model, SCHEMES[scheme])
     ref = backbones.adapt(model, SCHEMES[scheme], reference=True)
     torch.manual_seed(11)
@@ -159,7 +143,7 @@ def test_fast_path_equals_reference(config: str, scheme: str) -> None:
 @pytest.mark.parametrize("scheme", ["tl_align", "tokens_aligned", "none"])
 def test_mixtoken_fast_equals_reference(scheme: str) -> None:
     model = make_model("cls", drop_path_rate=0.2, sharpen=8.0)
-    images, lm = cutmix_map(token_space=True)
+    images, lm = cutmix_batch(token_space=True)
     torch.manual_seed(2)
     a = backbones.adapt(model, SCHEMES[scheme])(images, lm)
     torch.manual_seed(2)
@@ -172,7 +156,7 @@ def test_mixtoken_fast_equals_reference(scheme: str) -> None:
 
 def test_training_step_runs_and_eval_mode_is_allowed() -> None:
     model = make_model("distilled")
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     aligned = backbones.adapt(model, TLAlign())
     out = aligned(images, lm)
     assert isinstance(out.output, tuple) and out.logits is out.output[0]  # timm's distilled training tuple
@@ -205,7 +189,7 @@ def attention_matrices(shapes: list[tuple[int, ...]], n: int) -> list[tuple[int,
 @pytest.mark.parametrize("scheme", ["tl_align", "transmix", "tokens_aligned"])
 def test_fast_path_allocates_no_attention_matrix(scheme: str) -> None:
     model = make_model("registers", drop_path_rate=0.2)
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     n = (IMG // PATCH) ** 2 + model.num_prefix_tokens
     for reference, expect in ((False, False), (True, True)):  # the reference shows the test can fail
         rec = ShapeRecorder()
@@ -218,7 +202,7 @@ def test_fast_path_allocates_no_attention_matrix(scheme: str) -> None:
 # ---------------------------------------------------------------------------- autocast, compile
 def test_autocast_bf16_targets_close_to_fp32() -> None:
     model = make_model("qk_norm", drop_path_rate=0.0, sharpen=8.0)
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     aligned = backbones.adapt(model, TokenLabeling(aligned=True))
     exact = aligned(images, lm)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -234,7 +218,7 @@ def test_autocast_bf16_targets_close_to_fp32() -> None:
 
 def test_torch_compile_aot_eager_matches_eager() -> None:
     model = make_model("cls", drop_path_rate=0.0, sharpen=8.0)
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     aligned = backbones.adapt(model, TLAlign())
     eager = aligned(images, lm)
     compiled = torch.compile(aligned, backend="aot_eager")
@@ -257,7 +241,7 @@ def test_unsupported_model_lists_supported_families() -> None:
 
 def test_clear_input_errors() -> None:
     model = make_model("cls")
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     aligned = backbones.adapt(model, TLAlign())
     with pytest.raises(ValueError, match="made for 32x32"):
         aligned(torch.randn(B, 3, 24, 24), lm)
@@ -289,6 +273,6 @@ def test_scheme_config_builds_for_adapt() -> None:
     from pydantic import TypeAdapter
 
     scheme = TypeAdapter(mixlabels.SchemeConfig).validate_python({"kind": "token_labeling", "aligned": True}).build()
-    images, lm = cutmix_map()
+    images, lm = cutmix_batch()
     out = backbones.adapt(make_model("cls"), scheme)(images, lm)
     assert out.token_logits is not None and out.token_logits.shape == (B, (IMG // PATCH) ** 2, C)
