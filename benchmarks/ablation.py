@@ -273,7 +273,6 @@ def teacher_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunC
     token's head never sees a patch token. It trains for ``teacher_epochs`` (default:
     twice the rows' epochs) on the same training images, seed 0.
     """
-    _grid_of(cfg)  # the same checks as the rows
     epochs = cfg.teacher_epochs if cfg.teacher_epochs is not None else 2 * cfg.recipe.epochs
     r = cfg.recipe
     cutmix = CutMixConfig(num_classes=num_classes, label_smoothing=r.label_smoothing, prob=r.mix_prob, alpha=1.0)
