@@ -9,27 +9,113 @@ widened head dim yields both the output and the aligned labels; no ``(b, h, n, n
 matrix ever exists. Two traps: the padded call must be given the ORIGINAL scale
 (the default would use the widened dim), and the CPU fused kernel needs q, k, v of
 equal head dim (else it falls back to the math path, which builds the matrix).
+
+Labels carry no gradient, so only the forward runs widened: with the CPU fused kernel
+and CUDA's flash (bf16/fp16) and memory-efficient (fp32) kernels the backward is the
+ordinary kernel's, fed the widened call's log-sum-exp. Elsewhere autograd runs
+through the widened call.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from einops import reduce, repeat
 from torch import Tensor
 
-__all__ = ["attention_with_labels", "class_attention", "drop_path_with_keep"]
+__all__ = ["attention_with_labels", "class_attention", "drop_path_with_keep", "widened_autograd"]
 
-_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_widened_autograd: ContextVar[bool] = ContextVar("mixlabels_widened_autograd", default=False)
+
+
+@contextmanager
+def widened_autograd() -> Iterator[None]:
+    """Inside, ``attention_with_labels`` takes the route of devices without a fused kernel
+    (autograd through the widened call) on every device: what ``benchmarks/speed.py``
+    measures that route's cost with."""
+    token = _widened_autograd.set(True)
+    try:
+        yield
+    finally:
+        _widened_autograd.reset(token)
+
+
+_Saved = tuple[Any, ...]  # what a kernel's forward hands to its backward besides q, k, v and out
+
+
+class _Kernel(NamedTuple):
+    """One device's fused attention forward (widened) and its ordinary backward."""
+
+    multiple: int  # head dims the kernel takes: a multiple of this
+    tokens_outer: bool  # its output is stored b n h d whatever q's layout (else in q's order)
+    forward: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, _Saved]]
+    backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, _Saved, float], tuple[Tensor, Tensor, Tensor]]
+
+
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, _Saved]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+    return out, (lse,)
+
+
+def _cpu_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, saved: _Saved, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    (lse,) = saved
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.contiguous(), q, k, v, out, lse, 0.0, False, scale=scale
+    )
+    return grads[0], grads[1], grads[2]
+
+
+def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, _Saved]:
+    # out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug mask
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return res[0], tuple(res[1:8])
+
+
+def _cuda_flash_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, saved: _Saved, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    lse, cum_q, cum_k, max_q, max_k, rng_state, unused = saved
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, False, rng_state, unused, scale=scale
+    )
+    return grads[0], grads[1], grads[2]
+
+
+def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, _Saved]:
+    # out, lse (padded along n), philox seed, philox offset
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, False, scale=scale
+    )
+    return out, (lse, seed, offset)
+
+
+def _cuda_efficient_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, saved: _Saved, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    lse, seed, offset = saved
+    grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale
+    )
+    return grads[0], grads[1], grads[2]
+
+
+_CPU = _Kernel(1, False, _cpu_forward, _cpu_backward)
+# CUDA's kernels take head dims in multiples of 8 and store their output b n h d.
+_CUDA_FLASH = _Kernel(8, True, _cuda_flash_forward, _cuda_flash_backward)  # bf16 / fp16
+_CUDA_EFFICIENT = _Kernel(8, True, _cuda_efficient_forward, _cuda_efficient_backward)  # fp32 too
 
 
 def _widen(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
     """Zero-pad q and k, append the labels to v, all to one head dim (a multiple of ``multiple``)."""
     h, d, ll = q.shape[1], q.shape[-1], labels.shape[-1]
-    extra = -(d + ll) % multiple  # CUDA flash kernels want head dims in multiples of 8
+    extra = -(d + ll) % multiple
     y = repeat(labels.to(v.dtype), "b n l -> b h n l", h=h)
     vw = torch.cat([v, y], dim=-1)
     return F.pad(q, (0, ll + extra)), F.pad(k, (0, ll + extra)), F.pad(vw, (0, extra))
@@ -37,7 +123,7 @@ def _widen(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, multiple: int) -> tu
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     device = tensors[0].device.type
-    if torch.is_autocast_enabled(device):  # what sdpa itself would run in
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):  # what sdpa would run in
         return torch.get_autocast_dtype(device)
     dtype = tensors[0].dtype
     for t in tensors[1:]:
@@ -45,37 +131,79 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
-class _WidenedForwardCPU(torch.autograd.Function):
+def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> _Kernel | None:
+    """CUDA's flash kernel, else its memory-efficient one, if one takes the widened call
+    (dtype, head dim, GPU generation, ``torch.nn.attention.sdpa_kernel`` settings)."""
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        return None
+    width = q.shape[-1] + labels.shape[-1]
+    width += -width % 8
+    # Tiny stand-ins of the widened dtype and head dim: the checks read neither batch nor length.
+    probe = q.new_empty((1, 1, 1, width), dtype=_compute_dtype(q, k, v)).requires_grad_(q.requires_grad)
+    params = torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0, False, False)
+    if torch.backends.cuda.can_use_flash_attention(params, False):
+        return _CUDA_FLASH
+    if torch.backends.cuda.can_use_efficient_attention(params, False):
+        return _CUDA_EFFICIENT
+    return None
+
+
+def _fused_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> _Kernel | None:
+    """The device's fused kernel for the widened forward, if one takes these inputs."""
+    if _widened_autograd.get():
+        return None
+    if q.device.type == "cpu" and q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return _CPU
+    if q.device.type == "cuda":
+        return _cuda_kernel(q, k, v, labels)
+    return None
+
+
+class _WidenedForward(torch.autograd.Function):
     """Widened fused call in the forward only; the backward is the ordinary attention backward.
 
     Zero padding leaves scores and log-sum-exp unchanged, so the widened call's
     log-sum-exp and the first ``d`` output channels are exactly what the ordinary
-    backward kernel needs. Labels carry no gradient.
+    backward kernel needs, and the tensors kept for the backward are the ones plain
+    attention keeps (q, k, v, out, log-sum-exp): no extra memory. Labels carry no gradient.
     """
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float, kernel: _Kernel
+    ) -> tuple[Tensor, Tensor]:
         dtype = _compute_dtype(q, k, v)
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         d = v.shape[-1]
-        qw, kw, vw = _widen(q, k, v, labels, 1)
-        out_wide, lse = _cpu_flash(qw, kw, vw, scale=scale)  # b h n (d + l), b h n
-        # b h n d, stored in the kernel's own b n h d order (as SDPA returns it): the block's
-        # reshape to (b, n, h d) is then a view, not a second copy kept for the backward
-        out = out_wide[..., :d].transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        mixed = out_wide[..., d:].contiguous()  # b h n l: A_h Y per head
+        qw, kw, vw = _widen(q, k, v, labels, kernel.multiple)
+        out_wide, saved = kernel.forward(qw, kw, vw, scale)  # b h n (d + l + pad)
+        # b h n d, stored as the plain kernel would store it (b n h d for timm's q, a view
+        # of (b, n, 3, h, d)): the block's reshape to (b, n, h d) is then a view, not a
+        # second copy kept for the backward
+        out = out_wide[..., :d]
+        if kernel.tokens_outer or q.stride(1) < q.stride(2):
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        else:
+            out = out.contiguous()
+        # Tensors through save_for_backward, so that saved-tensor hooks (save_on_cpu,
+        # offloading) see every one of them; the rest (sizes, None) on ctx.
+        is_tensor = [isinstance(x, Tensor) for x in saved]
+        ctx.save_for_backward(q, k, v, out, *[x for x, t in zip(saved, is_tensor) if t])
+        ctx.others, ctx.is_tensor = [x for x, t in zip(saved, is_tensor) if not t], is_tensor
+        ctx.scale, ctx.kernel = scale, kernel
+        mixed = out_wide[..., d : d + labels.shape[-1]].contiguous()  # b h n l: A_h Y per head
         ctx.mark_non_differentiable(mixed)
         return out, mixed
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, grad_labels: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        gq, gk, gv = _cpu_flash_backward(grad_out.to(out.dtype).contiguous(), q, k, v, out, lse, 0.0, False, scale=ctx.scale)
+        q, k, v, out, *tensors = ctx.saved_tensors
+        tensor_it, other_it = iter(tensors), iter(ctx.others)
+        saved = tuple(next(tensor_it) if t else next(other_it) for t in ctx.is_tensor)
+        gq, gk, gv = ctx.kernel.backward(grad_out.to(out.dtype), q, k, v, out, saved, ctx.scale)
         dq, dk, dv = ctx.in_dtypes
-        return gq.to(dq), gk.to(dk), gv.to(dv), None, None
+        return gq.to(dq), gk.to(dk), gv.to(dv), None, None, None
 
 
 def attention_with_labels(
@@ -113,11 +241,12 @@ def attention_with_labels(
         with torch.no_grad():
             qw, kw, vw = _widen(q, k, v, labels, 8)
             mixed = F.scaled_dot_product_attention(qw, kw, vw, scale=scale)[..., d : d + labels.shape[-1]]
-    elif q.device.type == "cpu" and q.shape[-1] == k.shape[-1] == d:
-        out, mixed = _WidenedForwardCPU.apply(q, k, v, labels, scale)
+    elif (kernel := _fused_kernel(q, k, v, labels)) is not None:
+        out, mixed = _WidenedForward.apply(q, k, v, labels, scale, kernel)
     else:
-        # Other devices: autograd through the widened call (zero pads give the same
-        # gradients; the backward also runs widened, a few percent slower).
+        # Elsewhere (other devices, GPUs neither CUDA kernel supports): autograd through
+        # the widened call. Zero pads give the same gradients, but the backward runs
+        # widened too, and the step keeps widened q, k, v and output.
         qw, kw, vw = _widen(q, k, v, labels, 8)
         out_wide = F.scaled_dot_product_attention(qw, kw, vw, scale=scale)
         out, mixed = out_wide[..., :d], out_wide[..., d : d + labels.shape[-1]].detach()

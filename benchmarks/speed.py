@@ -7,7 +7,9 @@ median and spread over repeats are reported):
 1. **Training steps** (the paper's Table 2): img/s and peak memory of a full
    training step (mixing, forward, loss, backward, AdamW) for: no mixing;
    CutMix + NoAlign; + TransMix; + TL-Align (fast path: compact labels fused
-   into attention); + TL-Align reference path (explicit attention matrices and
+   into attention); + TL-Align through autograd over the widened attention call
+   (the route of devices without a fused kernel for it: fp32 on CUDA, MPS);
+   + TL-Align reference path (explicit attention matrices and
    dense class labels, the official implementation's approach). Every variant
    runs in its own subprocess so that CPU peak memory is that process's peak
    RSS; on CUDA it is ``torch.cuda.max_memory_allocated``. RSS (glibc arenas,
@@ -36,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -56,13 +59,14 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-reference")
+STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference")
 BASELINE = "cutmix"
 LABELS = {
     "none": "no mixing",
     "cutmix": "CutMix + NoAlign",
     "transmix": "CutMix + TransMix",
     "tlalign": "CutMix + TL-Align (fast)",
+    "tlalign-widened": "CutMix + TL-Align (widened autograd)",
     "tlalign-reference": "CutMix + TL-Align (reference)",
 }
 
@@ -103,6 +107,7 @@ class StepBench:
     def __init__(self, args: argparse.Namespace, variants: Sequence[str]) -> None:
         import mixlabels
         from backbones import adapt
+        from backbones._attention import widened_autograd
         from strategies import CutMix
 
         torch.manual_seed(0)
@@ -119,17 +124,21 @@ class StepBench:
             "cutmix": mixlabels.NoAlign(),
             "transmix": mixlabels.TransMix(),
             "tlalign": mixlabels.TLAlign(),
+            "tlalign-widened": mixlabels.TLAlign(),
             "tlalign-reference": mixlabels.TLAlign(),
         }
         self.adapted = {
             v: adapt(model, schemes[v], reference=v == "tlalign-reference") for v in variants if v != "none"
+        }
+        self.routes: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+            v: widened_autograd if v == "tlalign-widened" else contextlib.nullcontext for v in variants
         }
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
         self.amp = self.device.type == "cuda" and bool(args.amp)
 
     def step(self, variant: str) -> None:
         """One full training step: mix, forward, loss, backward, AdamW."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+        with self.routes[variant](), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             if variant == "none":
                 loss = F.cross_entropy(self.model(self.images), self.labels, label_smoothing=0.1)
             else:

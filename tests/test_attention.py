@@ -1,0 +1,125 @@
+"""The fused attention kernels: what the widened forward keeps for the backward, and its device kernels.
+
+The CUDA flash kernel cannot run here; its plumbing (the private ops' argument order,
+the shapes handed from forward to backward) runs on the meta device, and its numbers
+in a GPU-only test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.testing import assert_close
+
+from backbones import attention_with_labels
+from backbones._attention import _CPU, _CUDA_EFFICIENT, _CUDA_FLASH, _Kernel, _WidenedForward, widened_autograd
+
+B, H, N, D, L = 2, 3, 10, 16, 2
+
+
+def qkv_labels(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, timm_layout: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(b, h, n, d)`` q, k, v (views of one ``(b, n, 3, h, d)`` tensor, as timm's qkv gives them, or
+    contiguous) needing grad, and ``(b, n, l)`` labels."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(B, N, 3, H, D, generator=gen).to(device, dtype).requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0) if timm_layout else (t.contiguous() for t in qkv.permute(2, 0, 3, 1, 4))
+    labels = torch.rand(B, N, L, generator=gen).softmax(-1).to(device)
+    return q, k, v, labels
+
+
+def saved_by(fn: object) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    """Shape, strides and dtype of every tensor autograd keeps for the backward while ``fn`` runs."""
+    kept: list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: Tensor) -> Tensor:
+        kept.append((tuple(t.shape), t.stride(), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()  # type: ignore[operator]
+    return sorted(kept, key=str)
+
+
+@pytest.mark.parametrize("timm_layout", [True, False])
+def test_cpu_fast_path_keeps_what_plain_attention_keeps(timm_layout: bool) -> None:
+    """Same tensors, shapes and layouts as plain SDPA keeps: the widened forward adds no memory to the step."""
+    q, k, v, labels = qkv_labels(timm_layout=timm_layout)
+    plain = saved_by(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.3))
+    ours = saved_by(lambda: attention_with_labels(q, k, v, labels, scale=0.3))
+    assert ours == plain
+    with widened_autograd():
+        widened = saved_by(lambda: attention_with_labels(q, k, v, labels, scale=0.3))
+    assert widened != plain  # the check can fail: autograd through the widened call keeps wider tensors
+
+
+def test_widened_autograd_route_gives_the_fast_paths_results() -> None:
+    """The route of devices without a fused kernel (and speed.py's ``tlalign-widened``): same numbers."""
+    q, k, v, labels = qkv_labels()
+    out, mixed = attention_with_labels(q, k, v, labels, scale=0.3)
+    with widened_autograd():
+        out_w, mixed_w = attention_with_labels(q, k, v, labels, scale=0.3)
+    assert_close(out_w, out)
+    assert_close(mixed_w, mixed)
+    g = torch.randn_like(out)
+    assert_close(torch.autograd.grad(out_w, (q, k, v), g), torch.autograd.grad(out, (q, k, v), g))
+
+
+def test_cpu_kernel_gradients_equal_plain_attention() -> None:
+    q, k, v, labels = qkv_labels()
+    out, mixed = _WidenedForward.apply(q, k, v, labels, 0.3, _CPU)
+    ref = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    assert_close(out, ref)
+    a = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1)
+    assert_close(mixed, a.detach() @ labels[:, None])
+    g = torch.randn_like(ref)
+    assert_close(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g))
+
+
+@pytest.mark.parametrize("kernel, dtype", [(_CUDA_FLASH, torch.bfloat16), (_CUDA_EFFICIENT, torch.float32)])
+def test_cuda_kernel_plumbing_on_meta(kernel: _Kernel, dtype: torch.dtype) -> None:
+    """Runs a CUDA kernel's forward and backward ops on meta tensors: argument order and shapes."""
+    q, k, v = (torch.empty(B, H, N, 64, device="meta", dtype=dtype, requires_grad=True) for _ in range(3))
+    labels = torch.empty(B, N, L, device="meta")
+    kept = saved_by(lambda: _WidenedForward.apply(q, k, v, labels, 0.125, kernel))
+    # q, k, v, the output's first d channels and the log-sum-exp: nothing widened (64 + 2 -> 72)
+    assert sorted(s for s, _, _ in kept if len(s) == 4) == [(B, H, N, 64)] * 4
+    assert [s[:2] for s, _, _ in kept if len(s) == 3] == [(B, H)]
+    out, mixed = _WidenedForward.apply(q, k, v, labels, 0.125, kernel)
+    assert out.shape == (B, H, N, 64) and out.transpose(1, 2).is_contiguous()  # b n h d, as the kernel's own
+    assert mixed.shape == (B, H, N, L) and not mixed.requires_grad
+    gq, gk, gv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert gq.shape == gk.shape == gv.shape == (B, H, N, 64)
+    assert gq.dtype == gk.dtype == gv.dtype == dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(
+    "dtype, backend", [(torch.bfloat16, "FLASH_ATTENTION"), (torch.float32, "EFFICIENT_ATTENTION")]
+)
+def test_cuda_path_equals_plain_attention_and_keeps_no_more(dtype: torch.dtype, backend: str) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from backbones._attention import _cuda_kernel
+
+    qkv = torch.randn(B, N, 3, H, 64, device="cuda", dtype=dtype, requires_grad=True)  # DeiT's head dim
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    labels = torch.rand(B, N, L, device="cuda").softmax(-1)
+    assert _cuda_kernel(q, k, v, labels) is {torch.bfloat16: _CUDA_FLASH, torch.float32: _CUDA_EFFICIENT}[dtype]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    out, mixed = attention_with_labels(q, k, v, labels, scale=0.125)
+    with sdpa_kernel(getattr(SDPBackend, backend)):  # the kernel ours runs, whatever SDPA would prefer
+        ref = F.scaled_dot_product_attention(q, k, v, scale=0.125)
+        plain = saved_by(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125))
+    assert_close(out, ref, atol=tol, rtol=tol)
+    a = torch.softmax(q.float() @ k.float().transpose(-1, -2) * 0.125, -1).mean(1)
+    assert_close(mixed, a.detach() @ labels, atol=tol, rtol=tol)
+    g = torch.randn_like(ref)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert_close(ours, theirs, atol=tol, rtol=tol)
+    ours_kept = saved_by(lambda: attention_with_labels(q, k, v, labels, scale=0.125))
+    # q, k, v, out and the log-sum-exp, in the same layouts (the rest: the kernel's RNG state)
+    assert [x for x in ours_kept if len(x[0]) >= 3] == [x for x in plain if len(x[0]) >= 3]
