@@ -8,7 +8,7 @@ median and spread over repeats are reported):
    training step (mixing, forward, loss, backward, AdamW) for: no mixing;
    CutMix + NoAlign; + TransMix; + TL-Align (fast path: compact labels fused
    into attention); + TL-Align through autograd over the widened attention call
-   (the route of devices without a fused kernel for it: fp32 on CUDA, MPS);
+   (the route of devices without a fused kernel for it, e.g. MPS);
    + TL-Align reference path (explicit attention matrices and
    dense class labels, the official implementation's approach). Every variant
    runs in its own subprocess so that CPU peak memory is that process's peak
