@@ -112,10 +112,15 @@ _CUDA_FLASH = _Kernel(8, True, _cuda_flash_forward, _cuda_flash_backward)  # bf1
 _CUDA_EFFICIENT = _Kernel(8, True, _cuda_efficient_forward, _cuda_efficient_backward)  # fp32 too
 
 
+def _widened_dim(d: int, ll: int, multiple: int) -> int:
+    """Head dim of the widened call: ``d`` value channels and ``ll`` label channels, padded to ``multiple``."""
+    return d + ll + (-(d + ll) % multiple)
+
+
 def _widen(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
     """Zero-pad q and k, append the labels to v, all to one head dim (a multiple of ``multiple``)."""
     h, d, ll = q.shape[1], q.shape[-1], labels.shape[-1]
-    extra = -(d + ll) % multiple
+    extra = _widened_dim(d, ll, multiple) - d - ll
     y = repeat(labels.to(v.dtype), "b n l -> b h n l", h=h)
     vw = torch.cat([v, y], dim=-1)
     return F.pad(q, (0, ll + extra)), F.pad(k, (0, ll + extra)), F.pad(vw, (0, extra))
@@ -134,10 +139,7 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> _Kernel | None:
     """CUDA's flash kernel, else its memory-efficient one, if one takes the widened call
     (dtype, head dim, GPU generation, ``torch.nn.attention.sdpa_kernel`` settings)."""
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-        return None
-    width = q.shape[-1] + labels.shape[-1]
-    width += -width % 8
+    width = _widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple)  # both CUDA kernels: multiples of 8
     # Tiny stand-ins of the widened dtype and head dim: the checks read neither batch nor length.
     probe = q.new_empty((1, 1, 1, width), dtype=_compute_dtype(q, k, v)).requires_grad_(q.requires_grad)
     params = torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0, False, False)
@@ -150,9 +152,9 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> _Kernel | N
 
 def _fused_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> _Kernel | None:
     """The device's fused kernel for the widened forward, if one takes these inputs."""
-    if _widened_autograd.get():
-        return None
-    if q.device.type == "cpu" and q.shape[-1] == k.shape[-1] == v.shape[-1]:
+    if _widened_autograd.get() or not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        return None  # the fused kernels need q, k and v of one head dim
+    if q.device.type == "cpu":
         return _CPU
     if q.device.type == "cuda":
         return _cuda_kernel(q, k, v, labels)

@@ -20,12 +20,12 @@ B, H, N, D, L = 2, 3, 10, 16, 2
 
 
 def qkv_labels(
-    device: str = "cpu", dtype: torch.dtype = torch.float32, timm_layout: bool = True
+    device: str = "cpu", dtype: torch.dtype = torch.float32, timm_layout: bool = True, d: int = D
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(b, h, n, d)`` q, k, v (views of one ``(b, n, 3, h, d)`` tensor, as timm's qkv gives them, or
     contiguous) needing grad, and ``(b, n, l)`` labels."""
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(B, N, 3, H, D, generator=gen).to(device, dtype).requires_grad_()
+    qkv = torch.randn(B, N, 3, H, d, generator=gen).to(device, dtype).requires_grad_()
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0) if timm_layout else (t.contiguous() for t in qkv.permute(2, 0, 3, 1, 4))
     labels = torch.rand(B, N, L, generator=gen).softmax(-1).to(device)
     return q, k, v, labels
@@ -105,9 +105,7 @@ def test_cuda_path_equals_plain_attention_and_keeps_no_more(dtype: torch.dtype, 
 
     from backbones._attention import _cuda_kernel
 
-    qkv = torch.randn(B, N, 3, H, 64, device="cuda", dtype=dtype, requires_grad=True)  # DeiT's head dim
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-    labels = torch.rand(B, N, L, device="cuda").softmax(-1)
+    q, k, v, labels = qkv_labels("cuda", dtype, d=64)  # DeiT's head dim
     assert _cuda_kernel(q, k, v, labels) is {torch.bfloat16: _CUDA_FLASH, torch.float32: _CUDA_EFFICIENT}[dtype]
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     out, mixed = attention_with_labels(q, k, v, labels, scale=0.125)
