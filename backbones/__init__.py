@@ -6,7 +6,8 @@ called on images it returns exactly what the model returns; called with a
 logits, the scheme's stop-gradient targets and ``.loss()``.
 
 Example:
-    >>> import timm, torch, mixlabels, backbones
+    >>> import timm, torch, mixlabels
+    >>> from mixlabels import backbones
     >>> model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
     ...                           embed_dim=32, depth=2, num_heads=2, num_classes=10)
     >>> aligned = backbones.adapt(model, mixlabels.TLAlign())
@@ -19,16 +20,16 @@ Example:
     (torch.Size([4, 10]), True)
 """
 
-from backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
-from backbones._attention import attention_with_labels
-from backbones._cait import AdaptedCaiT
-from backbones._convnext import AdaptedConvNeXt
-from backbones._matrix import SupportRow, support_markdown, support_matrix
-from backbones._mixer import AdaptedMixer
-from backbones._pvt import AdaptedPVTv2
-from backbones._swin import AdaptedSwin
-from backbones._vit import AdaptedViT
-from backbones._vit_reference import reference_forward
+from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
+from mixlabels.backbones._attention import attention_with_labels
+from mixlabels.backbones._cait import AdaptedCaiT
+from mixlabels.backbones._convnext import AdaptedConvNeXt
+from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
+from mixlabels.backbones._mixer import AdaptedMixer
+from mixlabels.backbones._pvt import AdaptedPVTv2
+from mixlabels.backbones._swin import AdaptedSwin
+from mixlabels.backbones._vit import AdaptedViT
+from mixlabels.backbones._vit_reference import reference_forward
 
 __all__ = [
     "adapt",

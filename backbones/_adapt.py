@@ -16,12 +16,12 @@ import torch
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
-from backbones._cait import CAIT_FAMILY, AdaptedCaiT
-from backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
-from backbones._mixer import MIXER_FAMILY, AdaptedMixer
-from backbones._pvt import PVT_FAMILY, AdaptedPVTv2
-from backbones._swin import SWIN_FAMILY, AdaptedSwin
-from backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
+from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
+from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
+from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
+from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
+from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
 __all__ = ["adapt", "SUPPORTED", "Family", "FAMILIES"]

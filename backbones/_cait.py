@@ -31,10 +31,10 @@ from einops import rearrange, reduce
 from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
 from torch import Tensor, nn
 
-from backbones._attention import attention_with_labels, class_attention
-from backbones._checks import check_batch
-from backbones._common import AdaptedBase, branch, explicit_mix
-from backbones._dense import DenseRules, drop_path_reference as _drop
+from mixlabels.backbones._attention import attention_with_labels, class_attention
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix
+from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedCaiT", "CAIT_FAMILY"]

@@ -29,7 +29,7 @@ from einops import rearrange, reduce
 from timm.layers.drop import DropPath
 from torch import Tensor, nn
 
-from backbones._attention import _widen, drop_path_with_keep
+from mixlabels.backbones._attention import _widen, drop_path_with_keep
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap
 
 __all__ = [

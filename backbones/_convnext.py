@@ -26,10 +26,10 @@ from timm.layers.classifier import ClassifierHead, NormMlpClassifierHead
 from timm.models.convnext import ConvNeXt, ConvNeXtBlock
 from torch import Tensor, nn
 
-from backbones._checks import check_batch
-from backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, mix_token_space, sum_pool_merge
-from backbones._dense import DenseRules, conv_matrix, row_normalise
-from backbones._dense import drop_path_reference as _drop
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, mix_token_space, sum_pool_merge
+from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedConvNeXt", "CONVNEXT_FAMILY"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backbones._adapt import FAMILIES, adapt
+from mixlabels.backbones._adapt import FAMILIES, adapt
 from mixlabels import NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TransMix
 
 __all__ = ["SCHEMES", "SupportRow", "support_matrix", "support_markdown"]

@@ -23,9 +23,9 @@ from timm.layers.mlp import Mlp
 from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from torch import Tensor, nn
 
-from backbones._checks import check_batch
-from backbones._common import AdaptedBase, branch
-from backbones._dense import DenseRules, drop_path_reference as _drop
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import AdaptedBase, branch
+from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedMixer", "MIXER_FAMILY", "token_mixing_matrix"]

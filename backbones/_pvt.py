@@ -30,11 +30,11 @@ from einops import rearrange
 from timm.models.pvt_v2 import Attention, Block, MlpWithDepthwiseConv, PyramidVisionTransformerV2
 from torch import Tensor, nn
 
-from backbones._attention import attention_with_labels
-from backbones._checks import check_batch
-from backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, sum_pool_merge
-from backbones._dense import DenseRules, conv_matrix, row_normalise
-from backbones._dense import drop_path_reference as _drop
+from mixlabels.backbones._attention import attention_with_labels
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, sum_pool_merge
+from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedPVTv2", "PVT_FAMILY", "reduced_key_labels"]

@@ -26,9 +26,9 @@ from timm.layers.classifier import ClassifierHead
 from timm.models.swin_transformer import PatchMerging, SwinTransformer, SwinTransformerBlock, WindowAttention
 from torch import Tensor, nn
 
-from backbones._checks import check_batch
-from backbones._common import AdaptedBase, branch, explicit_mix, masked_attention_with_labels, mix_token_space, sum_pool_merge
-from backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, window_matrix
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, masked_attention_with_labels, mix_token_space, sum_pool_merge
+from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedSwin", "SWIN_FAMILY"]

@@ -15,10 +15,10 @@ from timm.layers.attention import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
-from backbones._attention import attention_with_labels, class_attention
-from backbones._common import AdaptedBase, branch
-from backbones._checks import check_batch
-from backbones._vit_reference import reference_forward
+from mixlabels.backbones._attention import attention_with_labels, class_attention
+from mixlabels.backbones._common import AdaptedBase, branch
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._vit_reference import reference_forward
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedViT", "VIT_FAMILY", "vit_refusal"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from backbones._checks import check_batch
+from mixlabels.backbones._checks import check_batch
 from mixlabels import AlignedOutput, NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TransMix
 
 __all__ = ["reference_forward"]

@@ -19,7 +19,7 @@ from torch import nn
 from mixlabels import Config
 from mixlabels._scheme_config import SchemeConfig
 from mixlabels.score_maps import Fill
-from strategies import MixerConfig
+from mixlabels.strategies import MixerConfig
 
 __all__ = ["DataConfig", "ModelConfig", "RecipeConfig", "AnnotatorConfig", "RunConfig", "AblationConfig", "run_key"]
 

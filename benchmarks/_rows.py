@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from mixlabels import NoAlignConfig, TLAlignConfig, TokenLabelingConfig
 from mixlabels._scheme_config import SchemeConfig
-from strategies import BlockwiseMixConfig, CutMixConfig, MixTokenConfig, MixUpConfig, RandomPatchMixConfig, SwitchConfig
-from strategies import MixerConfig
+from mixlabels.strategies import BlockwiseMixConfig, CutMixConfig, MixTokenConfig, MixUpConfig, RandomPatchMixConfig, SwitchConfig
+from mixlabels.strategies import MixerConfig
 
 __all__ = ["Cell", "MixerFlags", "Table", "table_cells", "paper_layers", "ROW_IDS"]
 

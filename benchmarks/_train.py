@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from backbones import adapt
-from backbones._common import AdaptedBase
+from mixlabels.backbones import adapt
+from mixlabels.backbones._common import AdaptedBase
 from benchmarks._config import RunConfig
 from benchmarks._data import Batches, Shard, TensorBatches
 from benchmarks._token_labels import TokenLabelSource

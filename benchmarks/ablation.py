@@ -78,7 +78,7 @@ from benchmarks._rows import ROW_IDS, Cell, MixerFlags, table_cells
 from benchmarks._token_labels import TokenLabelSource, annotate_split
 from mixlabels import NoAlignConfig, TokenLabelingConfig
 from mixlabels.score_maps import ScoreMaps
-from strategies import CutMixConfig
+from mixlabels.strategies import CutMixConfig
 
 __all__ = ["main", "resolve_config", "plan", "run_ablation", "Planned", "Report", "summarise", "render_markdown"]
 

@@ -231,7 +231,7 @@ class Batch:
 
 def cutmix_map(batch: Batch, num_classes: int, patch: int, seed: int) -> Any:
     """A CutMix map with boxes of 40-60% side ratio snapped to the token grid, partner = flipped batch."""
-    from strategies import CutMix
+    from mixlabels.strategies import CutMix
 
     generator = torch.Generator().manual_seed(seed)
     mixer = CutMix(num_classes=num_classes, minmax=(0.4, 0.6), patch_size=patch, mode="elem", generator=generator)

@@ -106,9 +106,9 @@ class StepBench:
 
     def __init__(self, args: argparse.Namespace, variants: Sequence[str]) -> None:
         import mixlabels
-        from backbones import adapt
-        from backbones._attention import widened_autograd
-        from strategies import CutMix
+        from mixlabels.backbones import adapt
+        from mixlabels.backbones._attention import widened_autograd
+        from mixlabels.strategies import CutMix
 
         torch.manual_seed(0)
         self.device = torch.device(args.device)
@@ -420,7 +420,7 @@ def mixer_candidates(num_classes: int, patch: int) -> dict[str, Callable[[torch.
     import torchvision.transforms.v2 as T
     from timm.data.mixup import Mixup
 
-    import strategies
+    from mixlabels import strategies
 
     def ours(mixer: Any) -> Callable[[torch.Tensor, torch.Tensor], Any]:
         def call(x: torch.Tensor, y: torch.Tensor) -> Any:

@@ -13,8 +13,8 @@ With kornia: ``seq = AugmentationSequential(K.RandomHorizontalFlip(), mixer, dat
 ``images = seq(images)``; ``label_map = sequential_label_map(seq, labels)``.
 """
 
-from strategies._base import MixParams, Mixer, PairMixer, mix_images
-from strategies._config import (
+from mixlabels.strategies._base import MixParams, Mixer, PairMixer, mix_images
+from mixlabels.strategies._config import (
     BlockwiseMixConfig,
     CutMixConfig,
     MixerConfig,
@@ -23,13 +23,13 @@ from strategies._config import (
     RandomPatchMixConfig,
     SwitchConfig,
 )
-from strategies._cutmix import BoxParams, CutMix, cutmix_boxes
-from strategies._mixtoken import MixToken
-from strategies._mixup import MixUp, MixUpParams
-from strategies._patch import BlockwiseMix, CellParams, RandomPatchMix
-from strategies._sampling import Mode, Pairing
-from strategies._sequential import sequential_label_map
-from strategies._switch import Switch, SwitchParams
+from mixlabels.strategies._cutmix import BoxParams, CutMix, cutmix_boxes
+from mixlabels.strategies._mixtoken import MixToken
+from mixlabels.strategies._mixup import MixUp, MixUpParams
+from mixlabels.strategies._patch import BlockwiseMix, CellParams, RandomPatchMix
+from mixlabels.strategies._sampling import Mode, Pairing
+from mixlabels.strategies._sequential import sequential_label_map
+from mixlabels.strategies._switch import Switch, SwitchParams
 
 __all__ = [
     "CutMix",

@@ -22,7 +22,7 @@ from kornia.constants import DataKey
 from torch import Tensor
 
 from mixlabels import TokenLabelMap, check_labels
-from strategies._sampling import MixSampler
+from mixlabels.strategies._sampling import MixSampler
 
 __all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "select_images", "paste_box", "pair_label_map"]
 

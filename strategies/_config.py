@@ -17,12 +17,12 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, model_validator
 
 from mixlabels import Config
-from strategies._cutmix import CutMix
-from strategies._mixtoken import MixToken
-from strategies._mixup import MixUp
-from strategies._patch import BlockwiseMix, RandomPatchMix
-from strategies._sampling import Mode, Pairing
-from strategies._switch import Switch
+from mixlabels.strategies._cutmix import CutMix
+from mixlabels.strategies._mixtoken import MixToken
+from mixlabels.strategies._mixup import MixUp
+from mixlabels.strategies._patch import BlockwiseMix, RandomPatchMix
+from mixlabels.strategies._sampling import Mode, Pairing
+from mixlabels.strategies._switch import Switch
 
 __all__ = [
     "CutMixConfig",

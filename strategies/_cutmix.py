@@ -13,9 +13,9 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from strategies._base import MixParams, PairMixer
-from strategies._mixup import check_alpha
-from strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
+from mixlabels.strategies._base import MixParams, PairMixer
+from mixlabels.strategies._mixup import check_alpha
+from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
 __all__ = ["CutMix", "BoxParams", "BoxSampler", "cutmix_boxes", "minmax_boxes", "box_mask", "grid_of"]
 

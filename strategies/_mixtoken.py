@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from strategies._base import PairMixer
-from strategies._cutmix import BoxParams, BoxSampler
-from strategies._sampling import Mode, Pairing
+from mixlabels.strategies._base import PairMixer
+from mixlabels.strategies._cutmix import BoxParams, BoxSampler
+from mixlabels.strategies._sampling import Mode, Pairing
 
 __all__ = ["MixToken"]
 

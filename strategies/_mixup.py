@@ -8,8 +8,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from strategies._base import MixParams, PairMixer
-from strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
+from mixlabels.strategies._base import MixParams, PairMixer
+from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
 __all__ = ["MixUp", "MixUpParams", "MixUpSampler", "check_alpha"]
 

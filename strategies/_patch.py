@@ -19,10 +19,10 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from strategies._base import MixParams, PairMixer
-from strategies._cutmix import grid_of
-from strategies._mixup import check_alpha
-from strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
+from mixlabels.strategies._base import MixParams, PairMixer
+from mixlabels.strategies._cutmix import grid_of
+from mixlabels.strategies._mixup import check_alpha
+from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
 __all__ = ["CellParams", "RandomPatchMix", "BlockwiseMix", "RandomCellSampler", "BlockCellSampler"]
 

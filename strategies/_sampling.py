@@ -21,7 +21,7 @@ from kornia.augmentation.random_generator.base import RandomGeneratorBase
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from strategies._base import MixParams
+    from mixlabels.strategies._base import MixParams
 
 __all__ = ["Mode", "Pairing", "Pairs", "MixSampler", "sample_pairs", "sample_beta", "sample_uniform", "check_prob"]
 

@@ -16,7 +16,7 @@ from kornia.augmentation.container.params import ParamItem
 from torch import Tensor
 
 from mixlabels import TokenLabelMap
-from strategies._base import PARAMS_KEY, Mixer
+from mixlabels.strategies._base import PARAMS_KEY, Mixer
 
 __all__ = ["sequential_label_map"]
 
@@ -51,7 +51,7 @@ def sequential_label_map(seq: AugmentationSequential, labels: Tensor, params: li
 
     Example:
         >>> import torch, kornia.augmentation as K
-        >>> from strategies import CutMix
+        >>> from mixlabels.strategies import CutMix
         >>> seq = AugmentationSequential(K.RandomHorizontalFlip(), CutMix(num_classes=10), data_keys=["input"])
         >>> mixed = seq(torch.rand(2, 3, 8, 8))
         >>> sequential_label_map(seq, torch.tensor([1, 2])).image_targets().shape

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from mixlabels import TokenLabelMap
-from strategies._base import Mixer
-from strategies._sampling import sample_uniform
+from mixlabels.strategies._base import Mixer
+from mixlabels.strategies._sampling import sample_uniform
 
 __all__ = ["Switch", "SwitchParams"]
 
@@ -46,7 +46,7 @@ class Switch(Mixer[SwitchParams]):
         generator: default source of randomness for the choice and the chosen mixer.
 
     Example:
-        >>> from strategies import CutMix, MixUp
+        >>> from mixlabels.strategies import CutMix, MixUp
         >>> switch = Switch([MixUp(10), CutMix(10)], probs=[0.5, 0.5], generator=torch.Generator().manual_seed(0))
         >>> mixed, lm = switch(torch.rand(4, 3, 8, 8), torch.tensor([1, 2, 3, 4]))
         >>> switch.last_params.choice in (0, 1), lm.image_targets().shape

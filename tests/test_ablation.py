@@ -23,7 +23,7 @@ from benchmarks._config import AblationConfig
 from benchmarks._data import _per_rank
 from benchmarks._rows import ROW_IDS, paper_layers, table_cells
 from mixlabels import NoAlignConfig, TLAlignConfig
-from strategies import BlockwiseMixConfig, CutMixConfig, SwitchConfig
+from mixlabels.strategies import BlockwiseMixConfig, CutMixConfig, SwitchConfig
 
 CIFAR = default_data_root() / NAMED["cifar10"]
 needs_cifar = pytest.mark.skipif(not CIFAR.is_file(), reason=f"the CIFAR-10 archive is not at {CIFAR} (../shared/data)")

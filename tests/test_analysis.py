@@ -14,7 +14,7 @@ import timm
 import torch
 from torch.testing import assert_close
 
-import backbones
+from mixlabels import backbones
 from mixlabels import TLAlign, TokenLabelMap, TransMix
 from mixlabels.analysis import (
     analyse,

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.testing import assert_close
 
-from backbones import attention_with_labels
-from backbones._attention import _CPU, _CUDA_EFFICIENT, _CUDA_FLASH, _Kernel, _WidenedForward, widened_autograd
+from mixlabels.backbones import attention_with_labels
+from mixlabels.backbones._attention import _CPU, _CUDA_EFFICIENT, _CUDA_FLASH, _Kernel, _WidenedForward, widened_autograd
 
 B, H, N, D, L = 2, 3, 10, 16, 2
 
@@ -103,7 +103,7 @@ def test_cuda_kernel_plumbing_on_meta(kernel: _Kernel, dtype: torch.dtype) -> No
 def test_cuda_path_equals_plain_attention_and_keeps_no_more(dtype: torch.dtype, backend: str) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from backbones._attention import _cuda_kernel
+    from mixlabels.backbones._attention import _cuda_kernel
 
     q, k, v, labels = qkv_labels("cuda", dtype, d=64)  # DeiT's head dim
     assert _cuda_kernel(q, k, v, labels) is {torch.bfloat16: _CUDA_FLASH, torch.float32: _CUDA_EFFICIENT}[dtype]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-import backbones
+from mixlabels import backbones
 from mixlabels import NoAlign, TLAlign, TokenLabeling, TokenLabelMap, TransMix
 
 B, IMG, C = 4, 32, 10

@@ -10,8 +10,8 @@ import torch
 from test_backbones_common import C, IMG, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
 from torch.testing import assert_close
 
-import backbones
-from backbones._common import conv_label_kernel, conv_mix
+from mixlabels import backbones
+from mixlabels.backbones._common import conv_label_kernel, conv_mix
 from mixlabels import TLAlign, TransMix
 
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -8,8 +8,8 @@ from test_backbones_common import C, IMG, POOLED, SCHEMES, check_parity, check_p
 from timm.models.mlp_mixer import MlpMixer
 from torch.testing import assert_close
 
-import backbones
-from backbones._mixer import token_mixing_matrix
+from mixlabels import backbones
+from mixlabels.backbones._mixer import token_mixing_matrix
 from mixlabels import TLAlign, TransMix
 
 

@@ -11,10 +11,10 @@ from test_backbones_common import B, C, IMG, POOLED, SCHEMES, check_parity, chec
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from torch.testing import assert_close
 
-import backbones
-from backbones._pvt import reduced_key_labels
+from mixlabels import backbones
+from mixlabels.backbones._pvt import reduced_key_labels
 from mixlabels import TokenLabeling, TransMix
-from strategies import BlockwiseMix, CutMix, RandomPatchMix
+from mixlabels.strategies import BlockwiseMix, CutMix, RandomPatchMix
 
 CONFIGS: dict[str, dict[str, Any]] = {"fused": {}, "explicit": {}, "linear": {"linear": True}}
 

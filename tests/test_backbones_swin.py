@@ -22,9 +22,9 @@ from test_backbones_common import (
 )
 from torch.testing import assert_close
 
-import backbones
+from mixlabels import backbones
 from mixlabels import TokenLabeling, TokenLabelMap, TransMix
-from strategies import BlockwiseMix, CutMix, RandomPatchMix
+from mixlabels.strategies import BlockwiseMix, CutMix, RandomPatchMix
 
 BASE: dict[str, Any] = dict(img_size=IMG, patch_size=4, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 2), num_classes=C)
 CONFIGS = ["explicit", "fused"]  # timm's default Swin attention is explicit (fused is "experimental")

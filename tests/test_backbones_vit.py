@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_backbones_common import cutmix_batch, grads
 
-import backbones
+from mixlabels import backbones
 import mixlabels
-from backbones._attention import drop_path_with_keep
+from mixlabels.backbones._attention import drop_path_with_keep
 from mixlabels import NoAlign, TLAlign, TokenLabeling, TokenLabelMap, TransMix
 
 B, IMG, PATCH, DIM, HEADS, DEPTH, C = 4, 32, 8, 32, 2, 3, 10

@@ -2,7 +2,7 @@
 
 The families and their tiny example models come from ``backbones.FAMILIES`` and the
 schemes from the support matrix's own list, so the README's table
-(``python -m backbones.matrix``) and this test cannot drift apart.
+(``python -m mixlabels.backbones.matrix``) and this test cannot drift apart.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-import backbones
-from backbones._matrix import SCHEMES
-from strategies import BlockwiseMix, CutMix, MixToken, MixUp, RandomPatchMix, Switch
+from mixlabels import backbones
+from mixlabels.backbones._matrix import SCHEMES
+from mixlabels.strategies import BlockwiseMix, CutMix, MixToken, MixUp, RandomPatchMix, Switch
 
 C = 10
 FAMILY = {f.name: f for f in backbones.FAMILIES}

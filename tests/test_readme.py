@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backbones._matrix import support_markdown
-from backbones.matrix import END, START, replace_section
+from mixlabels.backbones._matrix import support_markdown
+from mixlabels.backbones.matrix import END, START, replace_section
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -13,7 +13,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_readme_support_matrix_is_generated_from_the_registry() -> None:
     text = README.read_text()
     assert replace_section(text, support_markdown()) == text, (
-        "README.md's support matrix is out of date: run python -m backbones.matrix --write README.md"
+        "README.md's support matrix is out of date: run python -m mixlabels.backbones.matrix --write README.md"
     )
 
 

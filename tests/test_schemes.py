@@ -8,8 +8,8 @@ from pydantic import TypeAdapter, ValidationError
 from timm.models.vision_transformer import VisionTransformer
 from torch.testing import assert_close
 
-import backbones
-from backbones import attention_with_labels
+from mixlabels import backbones
+from mixlabels.backbones import attention_with_labels
 from mixlabels import (
     AlignedOutput,
     NoAlign,

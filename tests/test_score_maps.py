@@ -16,7 +16,7 @@ from einops import rearrange
 from timm.models.vision_transformer import VisionTransformer
 from torch.testing import assert_close
 
-import backbones
+from mixlabels import backbones
 from mixlabels import AlignedOutput, TokenLabeling, TokenLabelMap
 from mixlabels.score_maps import (
     CropParams,
@@ -31,7 +31,7 @@ from mixlabels.score_maps import (
     sample_resized_crops,
     to_dense,
 )
-from strategies import MixToken
+from mixlabels.strategies import MixToken
 
 CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpg.tar.gz"
 

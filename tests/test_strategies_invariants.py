@@ -18,11 +18,11 @@ from hypothesis import given
 from torch import Tensor
 from torch.testing import assert_close
 
-import strategies._patch as patch_module
+import mixlabels.strategies._patch as patch_module
 from mixlabels import TokenLabelMap
 from mixlabels._label_map import _BoxMask
-from strategies import BlockwiseMix, BoxParams, CellParams, CutMix, MixToken, MixUp, RandomPatchMix
-from strategies._base import paste_box, select_images
+from mixlabels.strategies import BlockwiseMix, BoxParams, CellParams, CutMix, MixToken, MixUp, RandomPatchMix
+from mixlabels.strategies._base import paste_box, select_images
 from test_strategies_kornia import CELL, KINDS, H, W, batch, make
 
 PAIR_KINDS = [k for k in KINDS if k != "switch"]

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mixlabels import TokenLabelMap
-from strategies import (
+from mixlabels.strategies import (
     BlockwiseMix,
     BoxParams,
     CellParams,

@@ -18,8 +18,8 @@ from scipy import stats
 from torch import Tensor
 from torch.testing import assert_close
 
-from strategies import BoxParams, CutMix, MixParams, MixUp, MixUpParams, RandomPatchMix, Switch, SwitchParams
-from strategies._sampling import sample_beta
+from mixlabels.strategies import BoxParams, CutMix, MixParams, MixUp, MixUpParams, RandomPatchMix, Switch, SwitchParams
+from mixlabels.strategies._sampling import sample_beta
 from test_strategies_kornia import CELL, KINDS, NC, H, W, batch, make, maps_equal
 
 

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from strategies import BoxParams, CutMix, MixUp, cutmix_boxes
-from strategies._cutmix import minmax_boxes
+from mixlabels.strategies import BoxParams, CutMix, MixUp, cutmix_boxes
+from mixlabels.strategies._cutmix import minmax_boxes
 
 NC = 300  # > 256: class ids must survive everything exactly
 

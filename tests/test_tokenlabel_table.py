@@ -23,7 +23,7 @@ from benchmarks._data import Shard, TensorBatches
 from benchmarks._token_labels import TokenLabelSource, annotate_split
 from mixlabels import TokenLabelMap, TokenLabelingConfig
 from mixlabels.score_maps import ScoreMapError, ScoreMaps, ScoreMapWriter, compress, crop_resize
-from strategies import CutMixConfig, MixTokenConfig
+from mixlabels.strategies import CutMixConfig, MixTokenConfig
 
 CIFAR = default_data_root() / NAMED["cifar10"]
 needs_cifar = pytest.mark.skipif(not CIFAR.is_file(), reason=f"the CIFAR-10 archive is not at {CIFAR} (../shared/data)")
