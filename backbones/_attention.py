@@ -11,9 +11,14 @@ matrix ever exists. Two traps: the padded call must be given the ORIGINAL scale
 equal head dim (else it falls back to the math path, which builds the matrix).
 
 Labels carry no gradient, so only the forward runs widened: with the CPU fused kernel
-and CUDA's flash (bf16/fp16) and memory-efficient (fp32) kernels the backward is the
-ordinary kernel's, fed the widened call's log-sum-exp. Elsewhere autograd runs
-through the widened call.
+and CUDA's flash (bf16/fp16) and memory-efficient (fp32, and any additive mask) kernels
+the backward is the ordinary kernel's, fed the widened call's log-sum-exp. Elsewhere
+autograd runs through the widened call.
+
+An additive mask or bias (a shift mask, a relative position bias) takes the same route
+while it needs no gradient. A learnable bias that needs one makes plain SDPA take its
+math path (no fused kernel returns a mask's gradient), which builds the attention
+matrix anyway: there the labels are mixed by that same matrix (``explicit_attention``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from einops import reduce, repeat
 from torch import Tensor
 
-__all__ = ["attention_with_labels", "class_attention", "drop_path_with_keep", "widened_autograd"]
+__all__ = ["attention_with_labels", "class_attention", "drop_path_with_keep", "explicit_mix", "widened_autograd"]
 
 _widened_autograd: ContextVar[bool] = ContextVar("mixlabels_widened_autograd", default=False)
 
@@ -49,37 +54,43 @@ _Saved = tuple[Any, ...]  # what a kernel's forward hands to its backward beside
 
 
 class _Kernel(NamedTuple):
-    """One device's fused attention forward (widened) and its ordinary backward."""
+    """One device's fused attention forward (widened) and its ordinary backward.
+
+    Both take an additive mask broadcastable to ``(b, h, n, m)`` (``None``: none), never one
+    needing a gradient.
+    """
 
     multiple: int  # head dims the kernel takes: a multiple of this
-    tokens_outer: bool  # its output is stored b n h d whatever q's layout (else in q's order)
-    forward: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, _Saved]]
-    backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, _Saved, float], tuple[Tensor, Tensor, Tensor]]
+    tokens_outer: bool  # we store its output b n h d whatever q's layout (else in q's order)
+    takes_mask: bool
+    forward: Callable[[Tensor, Tensor, Tensor, Tensor | None, float], tuple[Tensor, _Saved]]
+    backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor, _Saved, float], tuple[Tensor, Tensor, Tensor]]
 
 
-def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, _Saved]:
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, _Saved]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
     return out, (lse,)
 
 
 def _cpu_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, saved: _Saved, scale: float
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: _Saved, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     (lse,) = saved
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad.contiguous(), q, k, v, out, lse, 0.0, False, scale=scale
+        grad.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
     )
     return grads[0], grads[1], grads[2]
 
 
-def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, _Saved]:
+def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, _Saved]:
+    assert mask is None  # flash takes no mask: _cuda_kernel never picks it for one
     # out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug mask
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
     return res[0], tuple(res[1:8])
 
 
 def _cuda_flash_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, saved: _Saved, scale: float
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: _Saved, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     lse, cum_q, cum_k, max_q, max_k, rng_state, unused = saved
     grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -88,28 +99,50 @@ def _cuda_flash_backward(
     return grads[0], grads[1], grads[2]
 
 
-def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, _Saved]:
+_BIAS_ALIGNMENT = 16  # elements: the memory-efficient kernel reads the bias's rows at this alignment
+
+
+def _efficient_bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """The mask as the memory-efficient kernel takes it: 4-d ``(b, h, n, m)`` (broadcast by
+    strides), in q's dtype, its rows aligned (padded, then sliced back), as SDPA prepares it."""
+    if mask is None:
+        return None
+    b, h, n, m = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    bias = mask.to(q.dtype).expand(b, h, n, m)
+    if m % _BIAS_ALIGNMENT:
+        bias = F.pad(bias, (0, -m % _BIAS_ALIGNMENT))[..., :m]
+    return bias
+
+
+def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, _Saved]:
     # out, lse (padded along n), philox seed, philox offset
+    bias = _efficient_bias(mask, q, k)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, False, scale=scale
+        q, k, v, bias, True, 0.0, False, scale=scale
     )
     return out, (lse, seed, offset)
 
 
 def _cuda_efficient_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, saved: _Saved, scale: float
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: _Saved, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     lse, seed, offset = saved
+    # The kernel derives out's strides from its (b, n, h, d) shape: the fresh b n h d copy
+    # _WidenedForward stores is the layout it reads.
+    assert out.transpose(1, 2).is_contiguous(), "the efficient backward reads out as a contiguous b n h d"
+    bias = _efficient_bias(mask, q, k)
     grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale
+        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale
     )
     return grads[0], grads[1], grads[2]
 
 
-_CPU = _Kernel(1, False, _cpu_forward, _cpu_backward)
-# CUDA's kernels take head dims in multiples of 8 and store their output b n h d.
-_CUDA_FLASH = _Kernel(8, True, _cuda_flash_forward, _cuda_flash_backward)  # bf16 / fp16
-_CUDA_EFFICIENT = _Kernel(8, True, _cuda_efficient_forward, _cuda_efficient_backward)  # fp32 too
+_CPU = _Kernel(1, False, True, _cpu_forward, _cpu_backward)
+# CUDA's kernels take head dims in multiples of 8. We store both outputs as a fresh b n h d
+# copy: the efficient backward requires that layout, and for timm's qkv it is the layout
+# plain attention hands the block (its b n (h d) reshape is then a view).
+_CUDA_FLASH = _Kernel(8, True, False, _cuda_flash_forward, _cuda_flash_backward)  # bf16 / fp16, no mask
+_CUDA_EFFICIENT = _Kernel(8, True, True, _cuda_efficient_forward, _cuda_efficient_backward)  # fp32 too, masks
 
 
 def _widened_dim(d: int, ll: int, multiple: int) -> int:
@@ -136,28 +169,42 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
-def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> _Kernel | None:
-    """CUDA's flash kernel, else its memory-efficient one, if one takes the widened call
-    (dtype, head dim, GPU generation, ``torch.nn.attention.sdpa_kernel`` settings)."""
-    width = _widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple)  # both CUDA kernels: multiples of 8
-    # Tiny stand-ins of the widened dtype and head dim: the checks read neither batch nor length.
-    probe = q.new_empty((1, 1, 1, width), dtype=_compute_dtype(q, k, v)).requires_grad_(q.requires_grad)
-    params = torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0, False, False)
-    if torch.backends.cuda.can_use_flash_attention(params, False):
+def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor | None = None) -> _Kernel | None:
+    """CUDA's flash kernel (no mask), else its memory-efficient one, if one takes both the
+    widened forward and the ordinary backward (dtype, head dims, GPU generation,
+    ``torch.nn.attention.sdpa_kernel`` settings).
+
+    The forward runs at the widened head dim and the backward at the original one, so both
+    widths are checked: a head dim that is no multiple of 8 (flash), or one outside a GPU's
+    backward window (flash on sm86/89), would pass the forward's check and fail the backward.
+    """
+    dtype = _compute_dtype(q, k, v)
+    widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), q.shape[-1])
+
+    def takes(can_use: Callable[[Any, bool], bool], with_mask: bool) -> bool:
+        # Tiny stand-ins of the dtype and each head dim: the checks read neither batch nor length.
+        for width in widths:
+            probe = q.new_empty((1, 1, 1, width), dtype=dtype).requires_grad_(q.requires_grad)
+            bias = q.new_zeros((1, 1, 1, 1), dtype=dtype) if with_mask else None
+            if not can_use(torch.backends.cuda.SDPAParams(probe, probe, probe, bias, 0.0, False, False), False):
+                return False
+        return True
+
+    if mask is None and takes(torch.backends.cuda.can_use_flash_attention, False):
         return _CUDA_FLASH
-    if torch.backends.cuda.can_use_efficient_attention(params, False):
+    if takes(torch.backends.cuda.can_use_efficient_attention, mask is not None):
         return _CUDA_EFFICIENT
     return None
 
 
-def _fused_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> _Kernel | None:
+def _fused_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor | None = None) -> _Kernel | None:
     """The device's fused kernel for the widened forward, if one takes these inputs."""
     if _widened_autograd.get() or not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         return None  # the fused kernels need q, k and v of one head dim
     if q.device.type == "cpu":
         return _CPU
     if q.device.type == "cuda":
-        return _cuda_kernel(q, k, v, labels)
+        return _cuda_kernel(q, k, v, labels, mask)
     return None
 
 
@@ -172,14 +219,15 @@ class _WidenedForward(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float, kernel: _Kernel
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float, kernel: _Kernel, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         dtype = _compute_dtype(q, k, v)
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        mask = None if mask is None else mask.to(dtype)
         d = v.shape[-1]
         qw, kw, vw = _widen(q, k, v, labels, kernel.multiple)
-        out_wide, saved = kernel.forward(qw, kw, vw, scale)  # b h n (d + l + pad)
+        out_wide, saved = kernel.forward(qw, kw, vw, mask, scale)  # b h n (d + l + pad)
         # b h n d, stored as the plain kernel would store it (b n h d for timm's q, a view
         # of (b, n, 3, h, d)): the block's reshape to (b, n, h d) is then a view, not a
         # second copy kept for the backward
@@ -191,7 +239,8 @@ class _WidenedForward(torch.autograd.Function):
         # Tensors through save_for_backward, so that saved-tensor hooks (save_on_cpu,
         # offloading) see every one of them; the rest (sizes, None) on ctx.
         is_tensor = [isinstance(x, Tensor) for x in saved]
-        ctx.save_for_backward(q, k, v, out, *[x for x, t in zip(saved, is_tensor) if t])
+        ctx.has_mask = mask is not None
+        ctx.save_for_backward(q, k, v, out, *([mask] if mask is not None else []), *[x for x, t in zip(saved, is_tensor) if t])
         ctx.others, ctx.is_tensor = [x for x, t in zip(saved, is_tensor) if not t], is_tensor
         ctx.scale, ctx.kernel = scale, kernel
         mixed = out_wide[..., d : d + labels.shape[-1]].contiguous()  # b h n l: A_h Y per head
@@ -201,29 +250,39 @@ class _WidenedForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, grad_labels: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, *tensors = ctx.saved_tensors
+        mask = tensors.pop(0) if ctx.has_mask else None
         tensor_it, other_it = iter(tensors), iter(ctx.others)
         saved = tuple(next(tensor_it) if t else next(other_it) for t in ctx.is_tensor)
-        gq, gk, gv = ctx.kernel.backward(grad_out.to(out.dtype), q, k, v, out, saved, ctx.scale)
+        gq, gk, gv = ctx.kernel.backward(grad_out.to(out.dtype), q, k, v, mask, out, saved, ctx.scale)
         dq, dk, dv = ctx.in_dtypes
-        return gq.to(dq), gk.to(dk), gv.to(dv), None, None, None
+        return gq.to(dq), gk.to(dk), gv.to(dv), None, None, None, None
 
 
 def attention_with_labels(
-    q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float, dropout_p: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    labels: Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+    attn_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention output and head-mean attention applied to labels, from one fused call.
 
     Args:
-        q, k, v: ``(b, h, n, d)``.
-        labels: ``(b, n, l)`` fp32 (no grad).
+        q, k, v: ``(b, h, n, d)`` (k and v: ``(b, h, m, d)``).
+        labels: ``(b, m, l)`` fp32 (no grad).
         scale: the attention module's own scale (NOT ``1/sqrt`` of the widened dim).
         dropout_p: attention dropout. Labels must see the undropped attention (as in
             the paper's code), so with dropout the labels take a second, no-grad call.
+        attn_mask: an additive float mask or bias broadcastable to ``(b, h, n, m)`` (a shift
+            mask, a relative position bias), added to the scores before the softmax, as
+            SDPA's ``attn_mask``; it may need a gradient (a learnable bias).
 
     Returns:
-        ``out`` ``(b, h, n, d)`` equal to ``sdpa(q, k, v, dropout_p=dropout_p)`` and
-        ``mixed`` ``(b, n, l)`` fp32 ``= mean_h(softmax(q k^T * scale)) @ labels``, no grad.
-        Under autocast the label channels run in the autocast dtype (bf16 rounding,
+        ``out`` ``(b, h, n, d)`` equal to ``sdpa(q, k, v, attn_mask, dropout_p)`` and
+        ``mixed`` ``(b, n, l)`` fp32 ``= mean_h(softmax(q k^T * scale + attn_mask)) @ labels``,
+        no grad. Under autocast the label channels run in the autocast dtype (bf16 rounding,
         about 3e-3 relative per layer); the scheme renormalises rows at readout.
 
     Example:
@@ -235,24 +294,58 @@ def attention_with_labels(
         >>> a = torch.softmax(q @ k.transpose(-1, -2) * 0.5, -1).mean(1)  # b n n, for the check only
         >>> torch.allclose(mixed, a @ y, atol=1e-6)
         True
+        >>> bias = torch.randn(1, 2, 5, 5)  # a relative position bias, say
+        >>> out, mixed = attention_with_labels(q, k, v, y, scale=0.5, attn_mask=bias)
+        >>> a = torch.softmax(q @ k.transpose(-1, -2) * 0.5 + bias, -1).mean(1)
+        >>> torch.allclose(mixed, a @ y, atol=1e-6)
+        True
     """
     d = v.shape[-1]
     labels = labels.detach()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        raise TypeError("attn_mask must be an additive float mask (0 to keep, -inf or a large negative to drop), not bool")
     if dropout_p > 0.0:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
         with torch.no_grad():
             qw, kw, vw = _widen(q, k, v, labels, 8)
-            mixed = F.scaled_dot_product_attention(qw, kw, vw, scale=scale)[..., d : d + labels.shape[-1]]
-    elif (kernel := _fused_kernel(q, k, v, labels)) is not None:
-        out, mixed = _WidenedForward.apply(q, k, v, labels, scale, kernel)
+            mask = None if attn_mask is None else attn_mask.detach()
+            mixed = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=mask, scale=scale)[..., d : d + labels.shape[-1]]
+    elif attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        # No fused kernel returns a mask's gradient, so plain SDPA takes its math path and
+        # builds the attention matrix: mix the labels with that same matrix.
+        return explicit_attention(q, k, v, labels, scale, attn_mask)
+    elif (kernel := _fused_kernel(q, k, v, labels, attn_mask)) is not None:
+        out, mixed = _WidenedForward.apply(q, k, v, labels, scale, kernel, attn_mask)
     else:
         # Elsewhere (other devices, GPUs neither CUDA kernel supports): autograd through
         # the widened call. Zero pads give the same gradients, but the backward runs
         # widened too, and the step keeps widened q, k, v and output.
         qw, kw, vw = _widen(q, k, v, labels, 8)
-        out_wide = F.scaled_dot_product_attention(qw, kw, vw, scale=scale)
+        out_wide = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)
         out, mixed = out_wide[..., :d], out_wide[..., d : d + labels.shape[-1]].detach()
     return out, reduce(mixed.float(), "b h n l -> b n l", "mean")
+
+
+def explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float, attn_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Attention through its matrix (as SDPA's math path computes it), the labels mixed by the same matrix.
+
+    For what no fused kernel takes (a mask that needs a gradient): the matrix is built and
+    kept for the backward as the math path keeps it, and mixing ``(b, m, l)`` labels adds
+    one small product. Returns ``out`` ``(b, h, n, d)`` and ``mixed`` ``(b, n, l)`` fp32, no grad.
+    """
+    scores = (q * scale) @ k.transpose(-2, -1)  # b h n m
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    a = scores.softmax(dim=-1)
+    return a @ v, explicit_mix(a, labels)
+
+
+def explicit_mix(a: Tensor, labels: Tensor) -> Tensor:
+    """``mean_h(a) @ labels`` in fp32 for an attention matrix ``(b, h, n, m)`` that exists anyway."""
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        return reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels.detach().float()
 
 
 def class_attention(q: Tensor, k: Tensor, scale: float, index: int = 0) -> Tensor:

@@ -25,12 +25,12 @@ from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, reduce
+from einops import rearrange
 from timm.layers.drop import DropPath
 from torch import Tensor, nn
 
-from mixlabels.backbones._attention import _widen, drop_path_with_keep
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap
+from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 
 __all__ = [
     "AdaptedBase",
@@ -41,7 +41,6 @@ __all__ = [
     "pool_labels",
     "mix_token_space",
     "check_static_conv",
-    "masked_attention_with_labels",
     "explicit_mix",
 ]
 
@@ -161,38 +160,3 @@ def mix_token_space(x: Tensor, label_map: TokenLabelMap, channels_last: bool) ->
     grid = (int(x.shape[1]), int(x.shape[2])) if channels_last else (int(x.shape[2]), int(x.shape[3]))
     flat = label_map.mix_tokens(rearrange(x, f"{pattern} -> b (h w) c"), grid)
     return rearrange(flat, f"b (h w) c -> {pattern}", h=grid[0])
-
-
-def masked_attention_with_labels(
-    q: Tensor, k: Tensor, v: Tensor, labels: Tensor, scale: float, attn_mask: Tensor | None, dropout_p: float = 0.0
-) -> tuple[Tensor, Tensor]:
-    """``attention_with_labels`` with an additive mask (relative position bias, shift mask).
-
-    One widened ``scaled_dot_product_attention`` call (labels appended to ``v``, ``q`` and
-    ``k`` zero-padded, the module's own ``scale``) gives the output and ``mean_h(A_h) @ labels``;
-    autograd runs through the widened call (zero pads give the same gradients).
-
-    Args:
-        q, k, v: ``(b, h, n, d)``; labels ``(b, n, l)``; attn_mask broadcastable to ``(b, h, n, n)``.
-
-    Returns:
-        ``out`` ``(b, h, n, d)`` and ``mixed`` ``(b, n, l)`` fp32, no grad.
-    """
-    d, ll = v.shape[-1], labels.shape[-1]
-    labels = labels.detach()
-    if dropout_p > 0.0:  # labels see the undropped attention: a second, no-grad call
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
-        with torch.no_grad():
-            qw, kw, vw = _widen(q, k, v, labels, 8)
-            mixed = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)[..., d : d + ll]
-    else:
-        qw, kw, vw = _widen(q, k, v, labels, 8)
-        wide = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)
-        out, mixed = wide[..., :d], wide[..., d : d + ll].detach()
-    return out, reduce(mixed.float(), "b h n l -> b n l", "mean")
-
-
-def explicit_mix(a: Tensor, labels: Tensor) -> Tensor:
-    """``mean_h(a) @ labels`` in fp32 for an attention matrix ``(b, h, n, m)`` that exists anyway."""
-    with torch.autocast(device_type=a.device.type, enabled=False):
-        return reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels.float()

@@ -27,7 +27,8 @@ from timm.models.swin_transformer import PatchMerging, SwinTransformer, SwinTran
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, masked_attention_with_labels, mix_token_space, sum_pool_merge
+from mixlabels.backbones._attention import attention_with_labels
+from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_token_space, sum_pool_merge
 from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
@@ -205,7 +206,7 @@ def window_attention(attn: Any, x: Tensor, mask: Tensor | None, labels: Tensor |
         if labels is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
         else:
-            out, mixed = masked_attention_with_labels(q, k, v, labels, attn.scale, attn_mask, dropout_p)
+            out, mixed = attention_with_labels(q, k, v, labels, attn.scale, dropout_p, attn_mask=attn_mask)
     else:  # timm's default for Swin: the window matrices exist anyway
         scores = (q * attn.scale) @ k.transpose(-2, -1) + bias
         if mask is not None:

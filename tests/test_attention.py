@@ -121,3 +121,128 @@ def test_cuda_path_equals_plain_attention_and_keeps_no_more(dtype: torch.dtype, 
     ours_kept = saved_by(lambda: attention_with_labels(q, k, v, labels, scale=0.125))
     # q, k, v, out and the log-sum-exp, in the same layouts (the rest: the kernel's RNG state)
     assert [x for x in ours_kept if len(x[0]) >= 3] == [x for x in plain if len(x[0]) >= 3]
+
+
+def _bias(requires_grad: bool, shape: tuple[int, ...] = (1, H, N, N)) -> Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(*shape, generator=gen) * 2).requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("shape", [(1, H, N, N), (B, 1, N, N), (N, N)])
+def test_masked_fast_path_equals_sdpa_and_keeps_what_it_keeps(shape: tuple[int, ...]) -> None:
+    """A mask that needs no gradient (Swin's shift mask, any bias at eval) takes the forward-only fused route."""
+    q, k, v, labels = qkv_labels()
+    mask = _bias(False, shape)
+    out, mixed = attention_with_labels(q, k, v, labels, scale=0.3, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    assert_close(out, ref)
+    a = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + mask, -1).mean(1)
+    assert_close(mixed, a.detach() @ labels)
+    unmasked = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1).mean(1)
+    assert (mixed - unmasked.detach() @ labels).abs().max() > 1e-3  # the mask reached the labels
+    g = torch.randn_like(ref)
+    assert_close(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g))
+    plain = saved_by(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3))
+    assert saved_by(lambda: attention_with_labels(q, k, v, labels, scale=0.3, attn_mask=mask)) == plain
+
+
+def test_learnable_bias_gets_its_gradient_and_mixes_the_labels() -> None:
+    """A bias that needs a gradient (a relative position bias in training) goes through the matrix, like SDPA's math path."""
+    q, k, v, labels = qkv_labels()
+    bias = _bias(True)
+    out, mixed = attention_with_labels(q, k, v, labels, scale=0.3, attn_mask=bias)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
+    assert_close(out, ref)
+    a = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + bias, -1).mean(1)
+    assert_close(mixed, a.detach() @ labels)
+    assert not mixed.requires_grad
+    g = torch.randn_like(ref)
+    assert_close(torch.autograd.grad(out, (q, k, v, bias), g), torch.autograd.grad(ref, (q, k, v, bias), g))
+
+
+def test_masked_attention_with_dropout_mixes_labels_by_the_undropped_masked_attention() -> None:
+    q, k, v, labels = qkv_labels()
+    mask = _bias(False)
+    torch.manual_seed(3)
+    out, mixed = attention_with_labels(q, k, v, labels, scale=0.3, dropout_p=0.5, attn_mask=mask)
+    torch.manual_seed(3)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5, scale=0.3)
+    assert_close(out, ref)
+    a = torch.softmax(q @ k.transpose(-1, -2) * 0.3 + mask, -1).mean(1)
+    assert_close(mixed, a.detach() @ labels)
+
+
+def test_bool_mask_is_refused() -> None:
+    q, k, v, labels = qkv_labels()
+    with pytest.raises(TypeError, match="additive float mask"):
+        attention_with_labels(q, k, v, labels, scale=0.3, attn_mask=torch.ones(N, N, dtype=torch.bool))
+
+
+def test_cuda_efficient_kernel_with_mask_plumbing_on_meta() -> None:
+    """The efficient kernel's forward and backward ops with an (unaligned, broadcast) bias, on meta tensors."""
+    q, k, v = (torch.empty(B, H, N, 64, device="meta", requires_grad=True) for _ in range(3))
+    labels = torch.empty(B, N, L, device="meta")
+    mask = torch.empty(1, H, N, N, device="meta")  # N = 10: rows padded to 16 elements, then sliced
+    out, mixed = _WidenedForward.apply(q, k, v, labels, 0.125, _CUDA_EFFICIENT, mask)
+    assert out.shape == (B, H, N, 64) and out.transpose(1, 2).is_contiguous()
+    assert mixed.shape == (B, H, N, L)
+    gq, gk, gv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert gq.shape == gk.shape == gv.shape == (B, H, N, 64)
+
+
+def _cuda_case(d: int, n: int, m: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, n, d, generator=gen).to("cuda", dtype).requires_grad_()
+    k, v = (torch.randn(B, H, m, d, generator=gen).to("cuda", dtype).requires_grad_() for _ in range(2))
+    labels = torch.rand(B, m, L, generator=gen).softmax(-1).cuda()
+    return q, k, v, labels
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize(
+    "d, n, m, dtype, masked",
+    [
+        (256, 197, 197, torch.bfloat16, False),  # flash may refuse 256 for the backward: efficient or widened
+        (64, 197, 197, torch.float16, False),
+        (64, 197, 49, torch.bfloat16, False),  # unequal query and key lengths (PVT's reduction, CaiT)
+        (64, 1, 197, torch.float32, False),  # one query (class attention)
+        (20, 50, 50, torch.bfloat16, False),  # head dim no multiple of 8: the backward's check must refuse flash
+        (20, 50, 50, torch.float32, False),
+        (32, 49, 49, torch.float32, True),  # a window with a bias
+        (32, 49, 49, torch.bfloat16, True),
+    ],
+)
+def test_cuda_routes_equal_plain_attention(d: int, n: int, m: int, dtype: torch.dtype, masked: bool) -> None:
+    q, k, v, labels = _cuda_case(d, n, m, dtype)
+    mask = torch.randn(1, H, n, m, device="cuda", dtype=dtype) if masked else None
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    out, mixed = attention_with_labels(q, k, v, labels, scale=d**-0.5, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
+    assert_close(out, ref, atol=tol, rtol=tol)
+    scores = q.float() @ k.float().transpose(-1, -2) * d**-0.5 + (0 if mask is None else mask.float())
+    assert_close(mixed, torch.softmax(scores, -1).mean(1).detach() @ labels, atol=tol, rtol=tol)
+    g = torch.randn_like(ref)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert_close(ours, theirs, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_bf16_autocast_over_fp32_weights() -> None:
+    q, k, v, labels = _cuda_case(64, 197, 197, torch.float32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, mixed = attention_with_labels(q, k, v, labels, scale=0.125)
+        ref = F.scaled_dot_product_attention(q, k, v, scale=0.125)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert_close(out, ref, atol=3e-2, rtol=3e-2)
+    g = torch.randn_like(ref)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert ours.dtype == theirs.dtype == torch.float32
+        assert_close(ours, theirs, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_head_dim_20_never_picks_flash() -> None:
+    from mixlabels.backbones._attention import _cuda_kernel
+
+    q, k, v, labels = _cuda_case(20, 50, 50, torch.bfloat16)
+    assert _cuda_kernel(q, k, v, labels) is not _CUDA_FLASH  # widened 24 passes, the backward's 20 would not
