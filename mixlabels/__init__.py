@@ -8,6 +8,7 @@ configuration base.
 from mixlabels._align import AlignedOutput, AlignedTargets, LabelTracker, Readout, Scheme, TokenLayout
 from mixlabels._config import Config
 from mixlabels._label_map import TokenLabelMap, check_labels, class_distributions
+from mixlabels._mask import BoxMask, CellMask, Mask
 from mixlabels._loss import (
     SoftTargetCrossEntropy,
     TokenSoftTargetCrossEntropy,
@@ -20,6 +21,9 @@ from mixlabels._schemes import NoAlign, TLAlign, TokenAnnotator, TokenLabeling, 
 __all__ = [
     "Config",
     "TokenLabelMap",
+    "Mask",
+    "CellMask",
+    "BoxMask",
     "check_labels",
     "class_distributions",
     "SoftTargetCrossEntropy",

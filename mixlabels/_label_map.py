@@ -4,7 +4,8 @@ A mixed sample is a convex combination of K *sources* (K = 2 for pairwise mixing
 source 0 is always the sample itself, the un-permuted batch element). The map keeps
 
 - ``sources``       ``(b, k)``          batch index of each source,
-- ``mask``          ``(b, k, mh, mw)``  weight of each source in every mask cell,
+- ``mask``          a ``Mask``: weight of each source in every region (a ``CellMask``
+                    ``(b, k, mh, mw)``, or a ``BoxMask`` for CutMix's boxes),
 - ``image_weights`` ``(b, k)``          image-level weight (lambda) of each source,
 - the class targets of the un-mixed batch (integer or soft labels),
 
@@ -12,7 +13,8 @@ and derives from them, exactly, the weights of any token grid that divides the
 image, and the class distributions those weights stand for. Everything stays
 compact: labels travel through a network as ``(b, n, k)`` weights and become
 ``(b, n, c)`` class distributions only at the end (see ``targets``). A CutMix
-mask is kept as its boxes (``from_boxes``) and built cell by cell only when read.
+mask is kept as its boxes (``from_boxes``): its token weights come from box/token
+overlaps, and its cells are built only when ``mask.dense()`` asks for them.
 
 Shapes, named once: ``b`` batch, ``k`` sources, ``mh mw`` mask cells, ``h w`` a
 token grid, ``n = h * w`` tokens, ``c`` classes.
@@ -20,13 +22,13 @@ token grid, ``n = h * w`` tokens, ``c`` classes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, cast, overload
 
 import torch
-from einops import rearrange, reduce, repeat
+from einops import rearrange, reduce
 from torch import Tensor
+
+from mixlabels._mask import BoxMask, CellMask, Mask
 
 __all__ = ["TokenLabelMap", "class_distributions", "check_labels"]
 
@@ -90,113 +92,6 @@ def class_distributions(labels: Tensor, num_classes: int, label_smoothing: float
 
 
 @dataclass(frozen=True, eq=False)
-class _BoxMask:
-    """A pairwise mask kept as boxes: source 1 fills one half-open box per sample, source 0 the rest.
-
-    Four numbers a sample instead of ``(2, gh, gw)`` fp32 cells: for free CutMix the cells are
-    pixels, and building that mask cost as much as mixing the pixels (issue 7). It answers
-    ``shape``/``dtype``/``device`` like the dense mask, so checks need not build it.
-
-    Args:
-        boxes: ``(b, 4)`` long ``(y0, y1, x0, x1)`` in cells, half-open; an empty box mixes nothing.
-        grid: ``(gh, gw)`` cells.
-    """
-
-    boxes: Tensor
-    grid: tuple[int, int]
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.boxes.shape[0], 2, *self.grid))
-
-    @property
-    def ndim(self) -> int:
-        return 4
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.boxes.device
-
-    def to(self, device: torch.device | str) -> _BoxMask:
-        return replace(self, boxes=self.boxes.to(device))
-
-    def partner_cells(self) -> Tensor:
-        """Cells inside each box (source 1's), ``(b, gh, gw)`` bool."""
-        gh, gw = self.grid
-        rows = torch.arange(gh, device=self.boxes.device)
-        cols = torch.arange(gw, device=self.boxes.device)
-        in_rows = (rows >= self.boxes[:, 0:1]) & (rows < self.boxes[:, 1:2])  # b gh
-        in_cols = (cols >= self.boxes[:, 2:3]) & (cols < self.boxes[:, 3:4])  # b gw
-        return rearrange(in_rows, "b gh -> b gh 1") & rearrange(in_cols, "b gw -> b 1 gw")
-
-    def dense(self) -> Tensor:
-        """The mask ``(b, 2, gh, gw)`` fp32, equal to the one ``from_mask`` builds from the box mask."""
-        inside = self.partner_cells()
-        return torch.stack([~inside, inside], dim=1).float()  # 0/1 weights: 1 - w0 is exact
-
-    def source_mean(self) -> Tensor:
-        """``dense()[:, 0].mean((1, 2))`` (lambda), ``(b,)`` fp32, from the box areas alone.
-
-        On CPU ``mean`` sums (exactly, for 0/1 values and at most 2**24 cells) and divides
-        the sum by the cell count; the same division of the same count gives the same bits.
-        Elsewhere ``mean`` rounds the device's own way (CUDA scales by a reciprocal), so the
-        cells are built and averaged as before.
-        """
-        gh, gw = self.grid
-        if self.boxes.device.type != "cpu" or gh * gw > 2**24:
-            return self.dense()[:, 0].mean(dim=(1, 2))
-        y0, y1, x0, x1 = self.boxes.unbind(dim=1)
-        heights = (y1.clamp(max=gh) - y0.clamp(min=0)).clamp(min=0)  # clipped like the cells: rows inside the grid
-        widths = (x1.clamp(max=gw) - x0.clamp(min=0)).clamp(min=0)
-        own = gh * gw - heights * widths  # b, cells of source 0
-        return own.to(torch.float32).div_(gh * gw)
-
-
-_MASK_SLOT = "_mask_stored"  # the instance attribute behind ``mask``
-
-
-class _MaskField:
-    """``TokenLabelMap.mask``: stores a dense tensor or a ``_BoxMask``, and always reads as the dense tensor.
-
-    A dataclass field that is a descriptor keeps ``mask`` in the constructor, in
-    ``dataclasses.fields``/``replace`` and in its place among the arguments, while a
-    CutMix map stores its boxes. The dense mask is built on every read and not cached:
-    a cache would be a hidden write to a frozen map (and a side effect under compile).
-    """
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> _MaskField: ...
-
-    @overload
-    def __get__(self, obj: object, owner: type) -> Tensor: ...
-
-    def __get__(self, obj: object | None, owner: type) -> Tensor | _MaskField:
-        if obj is None:
-            # AttributeError on the class tells ``dataclass`` the field has no default.
-            raise AttributeError(f"{owner.__name__}.mask is per map: read it on an instance")
-        stored = _stored(obj)
-        return stored.dense() if isinstance(stored, _BoxMask) else stored
-
-    def __set__(self, obj: object, value: Tensor | _BoxMask) -> None:
-        # The frozen dataclass's __init__ assigns through object.__setattr__, which lands here.
-        vars(obj)[_MASK_SLOT] = value
-
-
-def _stored(obj: object) -> Tensor | _BoxMask:
-    value: Tensor | _BoxMask = vars(obj)[_MASK_SLOT]
-    return value
-
-
-def _field(mask: Tensor | _BoxMask) -> Tensor:
-    """Pass boxes to the ``mask`` field, which the type checker sees as a plain Tensor."""
-    return cast(Tensor, mask)
-
-
-@dataclass(frozen=True, eq=False)
 class TokenLabelMap:
     """A mixed batch's sources, their per-region weights and their class targets.
 
@@ -207,9 +102,9 @@ class TokenLabelMap:
 
     Args:
         sources: ``(b, k)`` long, batch index of every source; column 0 is ``arange(b)``.
-        mask: ``(b, k, mh, mw)`` fp32, weight of each source in each mask cell.
-            A cell covers ``(H / mh, W / mw)`` pixels (a 1x1 mask is MixUp). A map
-            from ``from_boxes`` stores boxes and builds this tensor on each read.
+        mask: the weight of each source in each region: a ``CellMask`` of ``(b, k, mh, mw)``
+            fp32 cells, each covering ``(H / mh, W / mw)`` pixels (a 1x1 mask is MixUp),
+            or a ``BoxMask`` (``from_boxes``). ``mask.dense()`` gives the cells.
         image_weights: ``(b, k)`` fp32, image-level weight of each source; column 0
             is lambda in timm's convention (the weight of the un-permuted sample).
         labels: class targets of the un-mixed batch: ``(b,)`` integer ids or
@@ -226,18 +121,14 @@ class TokenLabelMap:
         >>> lm = TokenLabelMap.from_mask(mask, torch.tensor([1, 0]), torch.tensor([3, 7]), num_classes=10)
         >>> lm.image_weights[:, 0].tolist()
         [0.5, 0.5]
-        >>> lm.token_weights((2, 2))[0, :, 0].tolist()
-        [1.0, 1.0, 0.0, 0.0]
+        >>> lm.mask.shape, lm.token_weights((2, 2))[0, :, 0].tolist()
+        (torch.Size([2, 2, 4, 4]), [1.0, 1.0, 0.0, 0.0])
         >>> lm.targets(lm.image_weights)[0, [3, 7]].tolist()
         [0.5, 0.5]
     """
 
     sources: Tensor
-    mask: Tensor
-    if not TYPE_CHECKING:
-        # Behind the Tensor the type checker sees: a descriptor that also stores boxes (from_boxes).
-        # Hidden from it because mypy takes a descriptor for a default; ``mask`` stays required.
-        mask = _MaskField()
+    mask: Mask
     image_weights: Tensor
     labels: Tensor
     num_classes: int
@@ -250,13 +141,19 @@ class TokenLabelMap:
         if self.sources.ndim != 2 or self.sources.dtype != torch.long:
             _fail(f"sources must be a (batch, k) long tensor, got {tuple(self.sources.shape)} {self.sources.dtype}")
         k = self.sources.shape[1]
-        mask = self._mask  # shape and dtype only: boxes are not built into cells
-        if mask.ndim != 4 or mask.shape[:2] != (b, k):
+        mask = self.mask
+        if isinstance(mask, Tensor):  # the one likely mistake; a protocol check would not compile
+            _fail(
+                "mask must be a Mask (CellMask or BoxMask), got a Tensor; wrap per-cell weights "
+                "of shape (batch, k, mh, mw) as CellMask(weights), or build the map with from_mask/from_boxes"
+            )
+        if len(mask.shape) != 4 or mask.shape[:2] != (b, k):
             _fail(f"mask must have shape (batch={b}, k={k}, mh, mw), got {tuple(mask.shape)}")
-        if mask.dtype != torch.float32 or self.image_weights.dtype != torch.float32:
+        cells_dtype = mask.cells.dtype if isinstance(mask, CellMask) else torch.float32
+        if cells_dtype != torch.float32 or self.image_weights.dtype != torch.float32:
             _fail(
                 f"mask and image_weights must be float32 (labels are kept in fp32 whatever the image dtype), "
-                f"got {mask.dtype} and {self.image_weights.dtype}"
+                f"got {cells_dtype} and {self.image_weights.dtype}"
             )
         if self.image_weights.shape != (b, k):
             _fail(f"image_weights must have shape (batch={b}, k={k}), got {tuple(self.image_weights.shape)}")
@@ -284,11 +181,6 @@ class TokenLabelMap:
                 f"mask cells ({mh}x{mw}) must tile the image ({hh}x{ww}) exactly: "
                 "choose a mask resolution that divides the image size"
             )
-
-    @property
-    def _mask(self) -> Tensor | _BoxMask:
-        """What ``mask`` stores: the dense tensor, or the boxes it is built from."""
-        return _stored(self)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -355,7 +247,7 @@ class TokenLabelMap:
         lam = reduce(w0, "b mh mw -> b", "mean")
         return cls(
             sources=sources,
-            mask=cells,
+            mask=CellMask(cells),
             image_weights=torch.stack([lam, 1.0 - lam], dim=1),
             labels=labels,
             num_classes=num_classes,
@@ -380,8 +272,8 @@ class TokenLabelMap:
         """Pairwise map of CutMix boxes: the partner fills each box, the sample keeps the rest.
 
         Equal to ``from_mask`` of the boxes' cell mask (1 outside the box), but the mask
-        is stored as the boxes and built only when ``mask``, ``pixel_weights``,
-        ``token_weights`` or ``mix_pixels`` read it; lambda comes from the box areas.
+        is a ``BoxMask``: token weights come from box/token overlaps, lambda from the box
+        areas, and cells are built only for ``pixel_weights``, ``mix_pixels`` or ``mask.dense()``.
         No host sync and no value checks (the boxes come from a sampler).
 
         Args:
@@ -402,20 +294,20 @@ class TokenLabelMap:
         Example:
             >>> lm = TokenLabelMap.from_boxes(torch.tensor([[0, 2, 0, 4], [0, 0, 0, 0]]), (4, 4),
             ...                               torch.tensor([1, 0]), torch.tensor([3, 7]), num_classes=10)
-            >>> lm.image_weights[:, 0].tolist(), lm.mask[0, 1, :, 0].tolist()
+            >>> lm.image_weights[:, 0].tolist(), lm.mask.dense()[0, 1, :, 0].tolist()
             ([0.5, 1.0], [1.0, 1.0, 0.0, 0.0])
         """
         if boxes.ndim != 2 or boxes.shape[1] != 4 or boxes.dtype != torch.long:
             _fail(f"boxes must be a (batch, 4) long tensor (y0, y1, x0, x1), got {tuple(boxes.shape)} {boxes.dtype}")
         if partner.ndim != 1 or partner.shape[0] != boxes.shape[0]:
             _fail(f"partner must have shape (batch={boxes.shape[0]},), got {tuple(partner.shape)}")
-        boxes_mask = _BoxMask(boxes, (int(grid[0]), int(grid[1])))
+        boxes_mask = BoxMask(boxes, (int(grid[0]), int(grid[1])))
         w0 = boxes_mask.source_mean() if lam is None else lam.float()
         own = torch.arange(boxes.shape[0], device=partner.device, dtype=torch.long)
         size = image_size if image_size is not None else boxes_mask.grid
         return cls(
             sources=torch.stack([own, partner.long()], dim=1),
-            mask=_field(boxes_mask),
+            mask=boxes_mask,
             image_weights=torch.stack([w0, 1.0 - w0], dim=1),
             labels=labels,
             num_classes=num_classes,
@@ -437,7 +329,7 @@ class TokenLabelMap:
         dev = labels.device
         return cls(
             sources=torch.arange(b, device=dev, dtype=torch.long).unsqueeze(1),
-            mask=torch.ones(b, 1, 1, 1, device=dev),
+            mask=CellMask(torch.ones(b, 1, 1, 1, device=dev)),
             image_weights=torch.ones(b, 1, device=dev),
             labels=labels,
             num_classes=num_classes,
@@ -458,14 +350,24 @@ class TokenLabelMap:
     def device(self) -> torch.device:
         return self.sources.device
 
-    def to(self, device: torch.device | str) -> TokenLabelMap:
-        """The same map on another device."""
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TokenLabelMap:
+        """The same map on another device (``non_blocking`` as ``Tensor.to``: from pinned memory, asynchronous)."""
         return replace(
             self,
-            sources=self.sources.to(device),
-            mask=_field(self._mask.to(device)),  # boxes move as boxes
-            image_weights=self.image_weights.to(device),
-            labels=self.labels.to(device),
+            sources=self.sources.to(device, non_blocking=non_blocking),
+            mask=self.mask.to(device, non_blocking=non_blocking),  # boxes move as boxes
+            image_weights=self.image_weights.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> TokenLabelMap:
+        """The same map in page-locked memory (what a DataLoader with ``pin_memory=True`` calls)."""
+        return replace(
+            self,
+            sources=self.sources.pin_memory(),
+            mask=self.mask.pin_memory(),
+            image_weights=self.image_weights.pin_memory(),
+            labels=self.labels.pin_memory(),
         )
 
     def check(self) -> None:
@@ -474,7 +376,7 @@ class TokenLabelMap:
         b = self.batch_size
         if b == 0:
             return
-        mask = self.mask  # built once
+        mask = self.mask.dense()  # built once
         total = reduce(mask, "b k mh mw -> b mh mw", "sum")
         flags = torch.stack(
             [
@@ -513,23 +415,11 @@ class TokenLabelMap:
                 f"token grid {h}x{w} does not divide the image {hh}x{ww}: each token must cover a whole "
                 "number of pixels (resize the image or pick a patch size that divides it)"
             )
-        m = self.mask  # built once (boxes become cells here)
-        mh, mw = m.shape[2:]
-        # The finest grid both tilings align to divides the image, so upsampling the
-        # mask to it by repetition and averaging back down gives exact pixel fractions.
-        lh, lw = math.lcm(mh, h), math.lcm(mw, w)
-        if lh != mh or lw != mw:
-            m = repeat(m, "b k mh mw -> b k (mh rh) (mw rw)", rh=lh // mh, rw=lw // mw)
-        return reduce(m, "b k (h ph) (w pw) -> b (h w) k", "mean", h=h, w=w)
+        return self.mask.token_weights(grid)
 
     def pixel_weights(self) -> Tensor:
         """Per-pixel weights ``(b, k, H, W)`` (the mask at image resolution)."""
-        hh, ww = self.image_size
-        mask = self.mask
-        mh, mw = mask.shape[2:]
-        if (mh, mw) == (hh, ww):
-            return mask
-        return repeat(mask, "b k mh mw -> b k (mh rh) (mw rw)", rh=hh // mh, rw=ww // mw)
+        return self.mask.pixel_weights(self.image_size)
 
     # ------------------------------------------------------------------ targets
     def source_targets(self) -> Tensor:

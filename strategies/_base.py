@@ -21,7 +21,7 @@ from kornia.augmentation import MixAugmentationBaseV2
 from kornia.constants import DataKey
 from torch import Tensor
 
-from mixlabels import TokenLabelMap, check_labels
+from mixlabels import CellMask, TokenLabelMap, check_labels
 from mixlabels.strategies._sampling import MixSampler
 
 __all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "select_images", "paste_box", "pair_label_map"]
@@ -250,7 +250,7 @@ def pair_label_map(
     mask[:, 1].fill_(1.0).sub_(w0)  # written in place: no stacked copy of a per-pixel mask
     return TokenLabelMap(
         sources=torch.stack([own, p.partner.long()], dim=1),
-        mask=mask,
+        mask=CellMask(mask),
         image_weights=torch.stack([lam, 1.0 - lam], dim=1),
         labels=labels,
         num_classes=num_classes,

@@ -245,7 +245,7 @@ class CutMix(PairMixer[BoxParams]):
     Example:
         >>> cutmix = CutMix(num_classes=10, patch_size=4, generator=torch.Generator().manual_seed(0))
         >>> mixed, lm = cutmix(torch.rand(2, 3, 16, 16), torch.tensor([3, 7]))
-        >>> lm.mask.shape, bool((lm.image_weights[:, 0] == lm.mask[:, 0].mean((1, 2))).all())
+        >>> lm.mask.dense().shape, bool((lm.image_weights[:, 0] == lm.mask.dense()[:, 0].mean((1, 2))).all())
         (torch.Size([2, 2, 4, 4]), True)
     """
 

@@ -37,7 +37,7 @@ class MixToken(PairMixer[BoxParams]):
         >>> mixtoken = MixToken(num_classes=10, patch_size=4, generator=torch.Generator().manual_seed(0))
         >>> images = torch.rand(2, 3, 16, 16)
         >>> out, lm = mixtoken(images, torch.tensor([3, 7]))
-        >>> out is images, lm.token_space, lm.mask.shape
+        >>> out is images, lm.token_space, lm.mask.dense().shape
         (True, True, torch.Size([2, 2, 4, 4]))
     """
 

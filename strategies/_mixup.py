@@ -76,7 +76,7 @@ class MixUp(PairMixer[MixUpParams]):
     Example:
         >>> mixup = MixUp(num_classes=10, generator=torch.Generator().manual_seed(0))
         >>> mixed, lm = mixup(torch.rand(4, 3, 8, 8), torch.tensor([1, 2, 3, 4]))
-        >>> mixed.shape, lm.mask.shape, lm.image_targets().shape
+        >>> mixed.shape, lm.mask.dense().shape, lm.image_targets().shape
         (torch.Size([4, 3, 8, 8]), torch.Size([4, 2, 1, 1]), torch.Size([4, 10]))
     """
 

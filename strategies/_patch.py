@@ -186,7 +186,7 @@ class RandomPatchMix(PairMixer[CellParams]):
     Example:
         >>> mixer = RandomPatchMix(num_classes=10, cell_size=4, ratio=0.25, generator=torch.Generator().manual_seed(0))
         >>> mixed, lm = mixer(torch.rand(2, 3, 16, 16), torch.tensor([3, 7]))
-        >>> lm.mask.shape, lm.image_weights[:, 0].tolist()
+        >>> lm.mask.dense().shape, lm.image_weights[:, 0].tolist()
         (torch.Size([2, 2, 4, 4]), [0.75, 0.75])
     """
 
@@ -227,7 +227,7 @@ class BlockwiseMix(PairMixer[CellParams]):
     Example:
         >>> mixer = BlockwiseMix(num_classes=10, cell_size=2, min_cells=4, generator=torch.Generator().manual_seed(0))
         >>> mixed, lm = mixer(torch.rand(4, 3, 16, 16), torch.tensor([1, 2, 3, 4]))
-        >>> lm.mask.shape
+        >>> lm.mask.dense().shape
         torch.Size([4, 2, 8, 8])
     """
 

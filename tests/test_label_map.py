@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from timm.data.mixup import mixup_target
 from torch.testing import assert_close
 
-from mixlabels import TokenLabelMap, class_distributions
-from mixlabels._label_map import _BoxMask
+from mixlabels import BoxMask, CellMask, TokenLabelMap, class_distributions
 
 SIZES = [8, 12, 16, 24, 32]
 
@@ -135,7 +134,7 @@ def test_class_ids_above_256_survive_a_bf16_image_pipeline() -> None:
     lm = TokenLabelMap.from_mask(mask, torch.tensor([1, 0, 3, 2]), labels, num_classes=1000)
     mixed = lm.mix_pixels(images)
     assert mixed.dtype == torch.bfloat16
-    assert lm.mask.dtype == torch.float32 and lm.image_weights.dtype == torch.float32
+    assert lm.mask.dense().dtype == torch.float32 and lm.image_weights.dtype == torch.float32
     t = lm.image_targets()
     assert t.dtype == torch.float32
     assert t[0, 257].item() == 0.5 and t[0, 999].item() == 0.5
@@ -217,16 +216,16 @@ def test_boxes_equal_the_dense_mask_bit_for_bit(
     ref = dense_box_map(size, grid, boxes, partner, labels)
     images = torch.rand(b, 3, *size, generator=gen)
     assert torch.equal(lm.sources, ref.sources)
-    assert lm.mask.dtype == torch.float32 and torch.equal(lm.mask, ref.mask)
+    assert lm.mask.dense().dtype == torch.float32 and torch.equal(lm.mask.dense(), ref.mask.dense())
     assert torch.equal(lm.image_weights, ref.image_weights)  # torch.equal: the same bits, not close
     assert torch.equal(lm.image_targets(), ref.image_targets())
     for g in (tokens, grid, size):
         assert torch.equal(lm.token_weights(g), ref.token_weights(g))
     assert torch.equal(lm.pixel_weights(), ref.pixel_weights())
     assert torch.equal(lm.mix_pixels(images), ref.mix_pixels(images))
-    assert torch.equal(lm.to("cpu").mask, ref.mask)
+    assert torch.equal(lm.to("cpu").mask.dense(), ref.mask.dense())
     lm.check()
-    assert isinstance(lm._mask, _BoxMask) and isinstance(lm.to("cpu")._mask, _BoxMask)
+    assert isinstance(lm.mask, BoxMask) and isinstance(lm.to("cpu").mask, BoxMask)
 
 
 def test_lambda_from_box_areas_equals_the_mean_at_imagenet_size() -> None:
@@ -235,7 +234,7 @@ def test_lambda_from_box_areas_equals_the_mean_at_imagenet_size() -> None:
     boxes = torch.stack([torch.zeros_like(sides), sides, torch.zeros_like(sides), sides.flip(0)], dim=1)  # b 4
     boxes = torch.cat([boxes, torch.stack([torch.zeros_like(sides), sides, torch.zeros_like(sides), sides], dim=1)])
     lm = TokenLabelMap.from_boxes(boxes, (224, 224), torch.zeros(len(boxes), dtype=torch.long), torch.zeros(len(boxes), dtype=torch.long), 2)
-    assert torch.equal(lm.image_weights[:, 0], lm.mask[:, 0].mean(dim=(1, 2)))
+    assert torch.equal(lm.image_weights[:, 0], lm.mask.dense()[:, 0].mean(dim=(1, 2)))
 
 
 def test_box_map_keeps_the_dataclass_surface() -> None:
@@ -243,7 +242,7 @@ def test_box_map_keeps_the_dataclass_surface() -> None:
     assert [f.name for f in dataclasses.fields(TokenLabelMap)][:3] == ["sources", "mask", "image_weights"]
     lm = TokenLabelMap.from_boxes(torch.tensor([[0, 2, 1, 3]]), (4, 4), torch.tensor([0]), torch.tensor([1]), 3)
     smoothed = dataclasses.replace(lm, label_smoothing=0.1)
-    assert torch.equal(smoothed.mask, lm.mask) and smoothed.label_smoothing == 0.1
+    assert torch.equal(smoothed.mask.dense(), lm.mask.dense()) and smoothed.label_smoothing == 0.1
     with pytest.raises(TypeError, match="mask"):
         TokenLabelMap(sources=lm.sources, image_weights=lm.image_weights, labels=lm.labels, num_classes=3, image_size=(4, 4))  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="tile the image"):
@@ -259,7 +258,7 @@ def test_box_map_on_gpu_equals_the_dense_mask_on_gpu() -> None:
     partner, labels = torch.tensor([1, 0, 3, 2]), torch.tensor([4, 2, 9, 0])
     lm = TokenLabelMap.from_boxes(torch.tensor(boxes).cuda(), (8, 8), partner.cuda(), labels.cuda(), 10, 0.1, (16, 16))
     ref = dense_box_map((16, 16), (8, 8), boxes, partner, labels).to("cuda")
-    assert torch.equal(lm.image_weights, ref.image_weights) and torch.equal(lm.mask, ref.mask)
+    assert torch.equal(lm.image_weights, ref.image_weights) and torch.equal(lm.mask.dense(), ref.mask.dense())
     assert torch.equal(lm.token_weights((4, 4)), ref.token_weights((4, 4)))
 
 
@@ -323,7 +322,16 @@ def test_direct_construction_checks_dtypes_and_shapes() -> None:
     with pytest.raises(ValueError, match="float32"):
         TokenLabelMap(
             sources=torch.zeros(2, 1, dtype=torch.long),
-            mask=torch.ones(2, 1, 1, 1, dtype=torch.float16),
+            mask=CellMask(torch.ones(2, 1, 1, 1, dtype=torch.float16)),
+            image_weights=torch.ones(2, 1),
+            labels=torch.zeros(2, dtype=torch.long),
+            num_classes=2,
+            image_size=(4, 4),
+        )
+    with pytest.raises(ValueError, match=r"wrap .* as CellMask\(weights\)"):
+        TokenLabelMap(
+            sources=torch.zeros(2, 1, dtype=torch.long),
+            mask=torch.ones(2, 1, 1, 1),  # type: ignore[arg-type]  # a bare tensor, as a user might pass
             image_weights=torch.ones(2, 1),
             labels=torch.zeros(2, dtype=torch.long),
             num_classes=2,
@@ -332,7 +340,7 @@ def test_direct_construction_checks_dtypes_and_shapes() -> None:
     with pytest.raises(ValueError, match="sources"):
         TokenLabelMap(
             sources=torch.zeros(2, 1),
-            mask=torch.ones(2, 1, 1, 1),
+            mask=CellMask(torch.ones(2, 1, 1, 1)),
             image_weights=torch.ones(2, 1),
             labels=torch.zeros(2, dtype=torch.long),
             num_classes=2,
@@ -343,7 +351,7 @@ def test_direct_construction_checks_dtypes_and_shapes() -> None:
 def test_check_catches_weights_that_do_not_sum_to_one() -> None:
     lm = TokenLabelMap(
         sources=torch.zeros(1, 2, dtype=torch.long),
-        mask=torch.full((1, 2, 1, 1), 0.3),
+        mask=CellMask(torch.full((1, 2, 1, 1), 0.3)),
         image_weights=torch.full((1, 2), 0.5),
         labels=torch.zeros(1, dtype=torch.long),
         num_classes=2,
@@ -351,3 +359,32 @@ def test_check_catches_weights_that_do_not_sum_to_one() -> None:
     )
     with pytest.raises(ValueError, match="sum to 1 over the sources"):
         lm.check()
+
+
+@pytest.mark.parametrize("tokens", [(14, 14), (56, 56), (7, 7), (224, 224)])
+def test_box_token_weights_at_imagenet_size_are_the_cells_and_build_none(tokens: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Box/token overlaps give the dense cells' token weights bit for bit, without building cells."""
+    gen = torch.Generator().manual_seed(0)
+    corners = torch.randint(0, 225, (64, 4), generator=gen)
+    boxes = torch.stack([corners[:, :2].min(1).values, corners[:, :2].max(1).values, corners[:, 2:].min(1).values, corners[:, 2:].max(1).values], 1)
+    lm = TokenLabelMap.from_boxes(boxes, (224, 224), torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.long), 2)
+    expected = CellMask(lm.mask.dense()).token_weights(tokens)
+
+    def no_cells(self: BoxMask) -> torch.Tensor:
+        raise AssertionError("token_weights built the cell mask")
+
+    monkeypatch.setattr(BoxMask, "dense", no_cells)
+    got = lm.token_weights(tokens)
+    assert torch.equal(got, expected)
+    assert (got[:, :, 1] > 0).any() and (got[:, :, 1] < 1).any()  # partial tokens exist: the test can fail
+
+
+def test_mask_kinds_move_and_pin_as_themselves() -> None:
+    lm = TokenLabelMap.from_boxes(torch.tensor([[0, 2, 1, 3]]), (4, 4), torch.tensor([0]), torch.tensor([1]), 3)
+    moved = lm.to("cpu", non_blocking=True)
+    assert isinstance(moved.mask, BoxMask) and torch.equal(moved.mask.boxes, lm.mask.boxes)
+    cells = TokenLabelMap.from_mask(torch.ones(1, 4, 4), torch.tensor([0]), torch.tensor([1]), 3)
+    assert isinstance(cells.mask, CellMask) and isinstance(cells.to("cpu", non_blocking=True).mask, CellMask)
+    if torch.cuda.is_available():  # pinning needs an accelerator runtime
+        pinned = lm.pin_memory()
+        assert pinned.sources.is_pinned() and isinstance(pinned.mask, BoxMask) and pinned.mask.boxes.is_pinned()

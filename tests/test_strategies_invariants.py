@@ -20,7 +20,7 @@ from torch.testing import assert_close
 
 import mixlabels.strategies._patch as patch_module
 from mixlabels import TokenLabelMap
-from mixlabels._label_map import _BoxMask
+from mixlabels import BoxMask
 from mixlabels.strategies import BlockwiseMix, BoxParams, CellParams, CutMix, MixToken, MixUp, RandomPatchMix
 from mixlabels.strategies._base import paste_box, select_images
 from test_strategies_kornia import CELL, KINDS, H, W, batch, make
@@ -57,7 +57,7 @@ def test_mixed_pixels_are_the_mask_weighted_sources(
         assert out is x
         return
     partner = lm.sources[:, 1]
-    w = pixel_weight(lm.mask[:, 0], H, W)[:, None]  # b 1 H W, fp32
+    w = pixel_weight(lm.mask.dense()[:, 0], H, W)[:, None]  # b 1 H W, fp32
     compute = torch.float32 if dtype == torch.bfloat16 else dtype
     xc = x.to(compute)
     direct = (w * xc + (1.0 - w) * xc[partner]).to(dtype)  # fp32 weights, one rounding for half types
@@ -77,7 +77,7 @@ def test_image_weight_is_the_mask_mean_and_the_pixel_fraction(kind: str, b: int,
     x = id_images(b, H, W)
     out, lm = mixer(x, torch.arange(b), generator=torch.Generator().manual_seed(seed))
     lm.check()
-    assert_close(lm.image_weights[:, 0], lm.mask[:, 0].mean((1, 2)), rtol=0, atol=1e-6)
+    assert_close(lm.image_weights[:, 0], lm.mask.dense()[:, 0].mean((1, 2)), rtol=0, atol=1e-6)
     assert_close(lm.image_weights.sum(1), torch.ones(b), rtol=0, atol=1e-6)
     if kind in BINARY:  # measured on the pixels: the fraction still showing the sample's own id
         partner = lm.sources[:, 1]
@@ -97,7 +97,7 @@ def test_cutmix_uncorrected_lambda_is_the_draw_and_clipping_only_shrinks_boxes(b
         _, lm = mixer(x, y, generator=torch.Generator().manual_seed(seed))
         params = mixer.last_params
         assert isinstance(params, BoxParams)
-        area_lam = lm.mask[:, 0].mean((1, 2))
+        area_lam = lm.mask.dense()[:, 0].mean((1, 2))
         assert_close(params.image_weight(), lm.image_weights[:, 0], rtol=0, atol=1e-6)  # the params' own lambda
         if correct:
             assert_close(lm.image_weights[:, 0], area_lam, rtol=0, atol=1e-6)
@@ -120,9 +120,9 @@ def test_box_maps_keep_boxes_and_equal_the_dense_cell_map(
         mixer = CutMix(10, correct_lam=False, **kw)
     _, lm = mixer(x, y, generator=torch.Generator().manual_seed(seed))
     params = mixer.last_params
-    assert isinstance(params, BoxParams) and isinstance(lm._mask, _BoxMask)
+    assert isinstance(params, BoxParams) and isinstance(lm.mask, BoxMask)
     dense = TokenLabelMap.from_mask(params.source_weight(), params.partner, y, 10, 0.1, (H, W), lm.token_space)
-    assert torch.equal(lm.mask, dense.mask) and torch.equal(lm.sources, dense.sources)
+    assert torch.equal(lm.mask.dense(), dense.mask.dense()) and torch.equal(lm.sources, dense.sources)
     if params.lambda_is_mask_mean:
         assert torch.equal(lm.image_weights, dense.image_weights)
         assert torch.equal(lm.image_targets(), dense.image_targets())
@@ -185,7 +185,7 @@ def test_cell_mixers_are_cell_aligned_and_take_the_sampled_count(
     assert (own | theirs).all()
     applied = params.applied
     assert torch.equal(~own & applied[:, None, None], params.cells)  # random images: own == partner's never by chance
-    assert torch.equal(lm.mask[:, 1] == 1, params.cells) and lm.mask.shape[2:] == (gh, gw)
+    assert torch.equal(lm.mask.dense()[:, 1] == 1, params.cells) and lm.mask.dense().shape[2:] == (gh, gw)
     # The ratio: floor((1 - lam) n) cells for the sample's own draw (elem mode: draw i for sample i).
     target = torch.floor((1.0 - recorder.draws[0].double()) * n).long()
     count = params.cells.sum((1, 2))
@@ -290,14 +290,14 @@ def test_mixtoken_box_on_token_grid_mixes_like_snapped_cutmix(b: int, mode: str,
     assert isinstance(params, BoxParams)
     gh, gw = H // ps, W // ps
     assert out is x and lm.token_space and params.token_space and params.grid == (gh, gw)
-    assert lm.mask.shape == (b, 2, gh, gw) and set(lm.mask.unique().tolist()) <= {0.0, 1.0}
+    assert lm.mask.dense().shape == (b, 2, gh, gw) and set(lm.mask.dense().unique().tolist()) <= {0.0, 1.0}
     boxes = params.boxes
     assert ((boxes[:, 0] >= 0) & (boxes[:, 0] <= boxes[:, 1]) & (boxes[:, 1] <= gh)).all()
     assert ((boxes[:, 2] >= 0) & (boxes[:, 2] <= boxes[:, 3]) & (boxes[:, 3] <= gw)).all()
     for i, (y0, y1, x0, x1) in enumerate(boxes.tolist()):
         want = torch.zeros(gh, gw)
         want[y0:y1, x0:x1] = 1.0
-        assert torch.equal(lm.mask[i, 1], want)
+        assert torch.equal(lm.mask.dense()[i, 1], want)
         assert math.isclose(lm.image_weights[i, 0].item(), 1 - (y1 - y0) * (x1 - x0) / (gh * gw), abs_tol=1e-6)
     embed = torch.nn.Conv2d(3, 8, ps, stride=ps)
     with torch.no_grad():

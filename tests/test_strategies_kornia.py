@@ -85,7 +85,7 @@ def batch(b: int, hh: int = H, ww: int = W, seed: int = 0, dtype: torch.dtype = 
 def maps_equal(a: TokenLabelMap, b: TokenLabelMap) -> bool:
     return (
         torch.equal(a.sources, b.sources)
-        and torch.equal(a.mask, b.mask)
+        and torch.equal(a.mask.dense(), b.mask.dense())
         and torch.equal(a.image_weights, b.image_weights)
         and torch.equal(a.labels, b.labels)
         and (a.num_classes, a.image_size, a.label_smoothing, a.token_space)
@@ -207,7 +207,7 @@ def test_cardinality(kind: str, mode: str, pairing: str) -> None:
         inner = params.params if isinstance(params, SwitchParams) else params
         grid = MASK_GRID["mixup" if isinstance(inner, MixUpParams) else "cutmix_patch" if kind == "switch" else kind]
         assert mixed.shape == (b, 3, H, W) and mixed.dtype == x.dtype
-        assert lm.sources.shape == (b, 2) and lm.mask.shape == (b, 2, *grid)
+        assert lm.sources.shape == (b, 2) and lm.mask.dense().shape == (b, 2, *grid)
         assert lm.image_weights.shape == (b, 2) and lm.image_size == (H, W)
         assert lm.image_targets().shape == (b, NC)
         assert lm.token_weights((H // CELL, W // CELL)).shape == (b, (H // CELL) * (W // CELL), 2)
@@ -223,7 +223,7 @@ def test_cardinality(kind: str, mode: str, pairing: str) -> None:
         else:  # one random cycle: nobody keeps itself unless alone
             assert int(fixed.sum()) == (1 if b == 1 else 0)
         # A sample left with itself is unmixed: weight 1 everywhere, its own pixels and target.
-        assert (lm.mask[fixed, 0] == 1).all() and (lm.image_weights[fixed, 0] == 1).all()
+        assert (lm.mask.dense()[fixed, 0] == 1).all() and (lm.image_weights[fixed, 0] == 1).all()
         assert torch.equal(mixed[fixed], x[fixed])
         assert (lm.image_targets()[fixed].argmax(1) == y[fixed]).all()
         soft = torch.nn.functional.one_hot(y, NC).float()
@@ -239,7 +239,7 @@ def test_feature_mixup_hand_values() -> None:
     # Smoothing 0.3 over 6 classes: off 0.05, on 0.75; row 0 = 0.25 * t(2) + 0.75 * t(5).
     assert_close(lm.image_targets()[0], torch.tensor([0.05, 0.05, 0.225, 0.05, 0.05, 0.575]))
     assert_close(lm.image_targets()[1], torch.tensor([0.05, 0.05, 0.575, 0.05, 0.05, 0.225]))
-    assert lm.mask.shape == (2, 2, 1, 1) and lm.image_weights[:, 0].tolist() == [0.25, 0.25]
+    assert lm.mask.dense().shape == (2, 2, 1, 1) and lm.image_weights[:, 0].tolist() == [0.25, 0.25]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -279,7 +279,7 @@ def test_feature_cutmix_snapped_box_hand_values() -> None:
     params = _boxes([[0, 1, 1, 2], [0, 1, 1, 2]], (2, 2), (4, 4))  # the top-right 2x2 cell
     mixed, lm = CutMix(NC, patch_size=2).mix(x, torch.tensor([3, 7]), params)
     assert mixed[0, 0].tolist() == [[0, 1, 102, 103], [4, 5, 106, 107], [8, 9, 10, 11], [12, 13, 14, 15]]
-    assert lm.mask[0, 0].tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    assert lm.mask.dense()[0, 0].tolist() == [[1.0, 0.0], [1.0, 1.0]]
     assert lm.token_weights((4, 4))[0, :, 1].view(4, 4).tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
 
 
@@ -297,8 +297,8 @@ def test_feature_cells_hand_values() -> None:
 def test_feature_random_patch_fixed_ratio() -> None:
     x, y = batch(4)
     mixed, lm = RandomPatchMix(NC, cell_size=CELL, ratio=0.25)(x, y)
-    assert (lm.mask[:, 1].sum((1, 2)) == 3).all()  # floor(0.25 * 12) of the 12 cells, the same cells in batch mode
-    assert (lm.mask[:, 1] == lm.mask[:1, 1]).all()
+    assert (lm.mask.dense()[:, 1].sum((1, 2)) == 3).all()  # floor(0.25 * 12) of the 12 cells, the same cells in batch mode
+    assert (lm.mask.dense()[:, 1] == lm.mask.dense()[:1, 1]).all()
     assert lm.image_weights[:, 0].tolist() == [0.75] * 4
     full, lm_full = RandomPatchMix(NC, cell_size=CELL, ratio=1.0)(x, y)
     assert torch.equal(full, x.flip(0)) and (lm_full.image_weights[:, 0] == 0).all()
@@ -333,7 +333,7 @@ def test_feature_pair_mode_shares_draws_within_a_pair() -> None:
         mixed, lm = mixer(x, y)
         partner = lm.sources[:, 1]
         # Each takes the other's region: the two masks are the same, the weights swap.
-        assert torch.equal(lm.mask[:, 0], lm.mask[partner, 0])
+        assert torch.equal(lm.mask.dense()[:, 0], lm.mask.dense()[partner, 0])
         assert torch.equal(lm.image_weights[:, 0], lm.image_weights[partner, 0])
         assert len(set(lm.image_weights[:, 0].tolist())) > 1  # but pairs draw independently
 
@@ -341,7 +341,7 @@ def test_feature_pair_mode_shares_draws_within_a_pair() -> None:
 def test_feature_mixtoken_returns_images_and_token_map() -> None:
     x, y = batch(4)
     out, lm = MixToken(NC, patch_size=CELL, generator=torch.Generator().manual_seed(0))(x, y)
-    assert out is x and lm.token_space and lm.mask.shape == (4, 2, H // CELL, W // CELL)
+    assert out is x and lm.token_space and lm.mask.dense().shape == (4, 2, H // CELL, W // CELL)
 
 
 def test_feature_switch_probability_one_picks_that_mixer() -> None:
@@ -351,7 +351,7 @@ def test_feature_switch_probability_one_picks_that_mixer() -> None:
     for _ in range(5):
         _, lm = switch(x, y)
         assert switch.last_params is not None and switch.last_params.choice == 1
-        assert isinstance(switch.last_params.params, BoxParams) and lm.mask.shape == (4, 2, H // CELL, W // CELL)
+        assert isinstance(switch.last_params.params, BoxParams) and lm.mask.dense().shape == (4, 2, H // CELL, W // CELL)
 
 
 # ====================================================================== gradcheck
@@ -416,7 +416,7 @@ def test_sequential_with_color_jitter_before_and_after() -> None:
     assert not torch.equal(mixed, out)  # the last jitter changed the pixels ...
     mixed_only = AugmentationSequential(flip, jitter, mixer, data_keys=["input"])(x, params=seq._params[:3])
     assert torch.equal(mixed_only, mixed)  # ... and without it the map reproduces them exactly
-    assert (lm.mask[:, 1] > 0).any()
+    assert (lm.mask.dense()[:, 1] > 0).any()
 
 
 def test_sequential_label_map_follows_the_pixels() -> None:
@@ -447,7 +447,7 @@ def test_sequential_on_gpu_equals_cpu(kind: str) -> None:
     seq = AugmentationSequential(K.RandomHorizontalFlip(p=1.0), make(kind, mode="elem"), K.ColorJitter(0.1, p=1.0), data_keys=["input"])
     out = seq(x.cuda())
     lm = sequential_label_map(seq, y.cuda())
-    assert out.device.type == "cuda" and lm.mask.device.type == "cuda"
+    assert out.device.type == "cuda" and lm.mask.dense().device.type == "cuda"
     no_jitter = AugmentationSequential(K.RandomHorizontalFlip(p=1.0), seq[1], data_keys=["input"])
     mixed = no_jitter(x.cuda(), params=seq._params[:2])
     flipped = x.cuda().flip(-1)

@@ -240,7 +240,7 @@ def test_switch_prob_zero_leaves_batches_unmixed(mode: str, smoothing: float) ->
         mixed, lm = switch(x, y)
         assert torch.equal(mixed, x)
         assert torch.equal(lm.image_targets(), expected)
-        assert (lm.image_weights[:, 0] == 1).all() and (lm.mask[:, 0] == 1).all()
+        assert (lm.image_weights[:, 0] == 1).all() and (lm.mask.dense()[:, 0] == 1).all()
 
 
 def test_switch_per_sample_prob_in_elem_mode() -> None:

@@ -91,7 +91,7 @@ def test_cutmix_pixels_and_targets_equal_timm(
     assert torch.equal(mixed, ref_x)
     assert_close(lm.targets(lm.image_weights), ref_t)
     if correct_lam:  # the label weight is then the true pasted area
-        assert_close(lm.image_weights[:, 0], lm.mask[:, 0].mean((1, 2)))
+        assert_close(lm.image_weights[:, 0], lm.mask.dense()[:, 0].mean((1, 2)))
 
 
 def test_cutmix_clipping_corrects_lambda_like_timm(monkeypatch: pytest.MonkeyPatch) -> None:

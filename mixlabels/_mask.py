@@ -1,0 +1,214 @@
+"""Masks of a mixed batch: how much of every source each region holds, each kept its cheapest exact way.
+
+A ``TokenLabelMap`` holds one ``Mask``. Two kinds say what they are:
+
+- ``CellMask``: dense per-cell weights ``(b, k, mh, mw)`` (MixUp's 1x1 cell, patch and
+  block masks, any K-source mix).
+- ``BoxMask``: a pairwise mask kept as one box per sample (CutMix and the mixers that
+  paste a rectangle): four numbers a sample, and token weights from box/cell overlaps,
+  ``O(b * tokens)``, never a per-pixel mask.
+
+Both answer the same questions (``token_weights``, ``pixel_weights``, ``source_mean``,
+``dense``, ``to``) with the same numbers: a box mask's answers are bit-identical on the
+CPU to those of the cell mask its boxes describe.
+
+Shapes: ``b`` batch, ``k`` sources, ``mh mw`` mask cells, ``h w`` a token grid, ``n = h * w``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+from einops import rearrange, reduce, repeat
+from torch import Tensor
+
+__all__ = ["Mask", "CellMask", "BoxMask"]
+
+
+class Mask(Protocol):
+    """What a label map asks of its mask; weights are fp32 and sum to 1 over the sources."""
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(b, k, mh, mw)``: batch, sources and the mask's own cell grid."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def dense(self) -> Tensor:
+        """The per-cell weights ``(b, k, mh, mw)`` fp32 (built, for a box mask)."""
+        ...
+
+    def token_weights(self, grid: tuple[int, int]) -> Tensor:
+        """Exact area fraction of every source in every cell of a ``(h, w)`` grid whose cells
+        cover whole mask cells or whole fractions of them: ``(b, h*w, k)`` fp32."""
+        ...
+
+    def pixel_weights(self, image_size: tuple[int, int]) -> Tensor:
+        """Per-pixel weights ``(b, k, H, W)`` fp32."""
+        ...
+
+    def source_mean(self) -> Tensor:
+        """Area mean of source 0's weight, ``(b,)`` fp32: lambda of a pixel mix."""
+        ...
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Mask: ...
+
+    def pin_memory(self) -> Mask: ...
+
+
+def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Mean of ``(b, k, mh, mw)`` cells over each cell of a token grid, ``(b, h*w, k)``.
+
+    The finest grid both tilings align to (the lcm) divides the image, so repeating the
+    cells up to it and averaging back down gives exact area fractions.
+    """
+    h, w = grid
+    mh, mw = cells.shape[2:]
+    lh, lw = math.lcm(mh, h), math.lcm(mw, w)
+    if lh != mh or lw != mw:
+        cells = repeat(cells, "b k mh mw -> b k (mh rh) (mw rw)", rh=lh // mh, rw=lw // mw)
+    return reduce(cells, "b k (h ph) (w pw) -> b (h w) k", "mean", h=h, w=w)
+
+
+@dataclass(frozen=True, eq=False)
+class CellMask:
+    """Dense per-cell weights of every source.
+
+    Args:
+        cells: ``(b, k, mh, mw)`` fp32; a cell covers ``(H / mh, W / mw)`` pixels (1x1 is MixUp).
+    """
+
+    cells: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.cells.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.cells.device
+
+    def dense(self) -> Tensor:
+        return self.cells
+
+    def token_weights(self, grid: tuple[int, int]) -> Tensor:
+        return _upsampled_mean(self.cells, grid)
+
+    def pixel_weights(self, image_size: tuple[int, int]) -> Tensor:
+        hh, ww = image_size
+        mh, mw = self.cells.shape[2:]
+        if (mh, mw) == (hh, ww):
+            return self.cells
+        return repeat(self.cells, "b k mh mw -> b k (mh rh) (mw rw)", rh=hh // mh, rw=ww // mw)
+
+    def source_mean(self) -> Tensor:
+        return reduce(self.cells[:, 0], "b mh mw -> b", "mean")
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> CellMask:
+        return replace(self, cells=self.cells.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> CellMask:
+        return replace(self, cells=self.cells.pin_memory())
+
+
+@dataclass(frozen=True, eq=False)
+class BoxMask:
+    """A pairwise mask kept as boxes: source 1 fills one half-open box per sample, source 0 the rest.
+
+    Four numbers a sample instead of ``(2, gh, gw)`` fp32 cells: for free CutMix the cells
+    are pixels, and building them costs as much as mixing the pixels.
+
+    Args:
+        boxes: ``(b, 4)`` long ``(y0, y1, x0, x1)`` in cells, half-open, clipped to the grid
+            where they reach past it; an empty box mixes nothing.
+        grid: ``(gh, gw)`` cells.
+
+    Example:
+        >>> m = BoxMask(torch.tensor([[0, 2, 0, 3]]), (4, 4))  # rows 0-1, columns 0-2 from the partner
+        >>> m.token_weights((2, 2))[0, :, 1].tolist()  # each 2x2 token: the partner's share
+        [1.0, 0.5, 0.0, 0.0]
+        >>> torch.equal(m.token_weights((2, 2)), CellMask(m.dense()).token_weights((2, 2)))
+        True
+    """
+
+    boxes: Tensor
+    grid: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.boxes.shape[0], 2, *self.grid))
+
+    @property
+    def device(self) -> torch.device:
+        return self.boxes.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> BoxMask:
+        return replace(self, boxes=self.boxes.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> BoxMask:
+        return replace(self, boxes=self.boxes.pin_memory())
+
+    def _partner_cells(self) -> Tensor:
+        """Cells inside each box (source 1's), ``(b, gh, gw)`` bool."""
+        gh, gw = self.grid
+        rows = torch.arange(gh, device=self.boxes.device)
+        cols = torch.arange(gw, device=self.boxes.device)
+        in_rows = (rows >= self.boxes[:, 0:1]) & (rows < self.boxes[:, 1:2])  # b gh
+        in_cols = (cols >= self.boxes[:, 2:3]) & (cols < self.boxes[:, 3:4])  # b gw
+        return rearrange(in_rows, "b gh -> b gh 1") & rearrange(in_cols, "b gw -> b 1 gw")
+
+    def dense(self) -> Tensor:
+        inside = self._partner_cells()
+        return torch.stack([~inside, inside], dim=1).float()  # 0/1 weights: 1 - w0 is exact
+
+    def pixel_weights(self, image_size: tuple[int, int]) -> Tensor:
+        return CellMask(self.dense()).pixel_weights(image_size)
+
+    def _overlaps(self, tokens: int, axis: int) -> tuple[Tensor, int]:
+        """Length of each box's overlap with every token along one axis, in units of the lcm
+        grid, ``(b, tokens)`` long, and a token's length in those units."""
+        cells = self.grid[axis]
+        fine = math.lcm(cells, tokens)
+        per_cell, per_token = fine // cells, fine // tokens
+        lo = self.boxes[:, 2 * axis].clamp(0, cells) * per_cell  # b
+        hi = self.boxes[:, 2 * axis + 1].clamp(0, cells) * per_cell
+        starts = torch.arange(tokens, device=self.boxes.device) * per_token  # tokens
+        inside = torch.minimum(hi[:, None], starts + per_token) - torch.maximum(lo[:, None], starts)
+        return inside.clamp(min=0), per_token
+
+    def token_weights(self, grid: tuple[int, int]) -> Tensor:
+        """Box/token overlaps: ``O(b * tokens)``, no cell or pixel mask.
+
+        The partner's area in a token is an integer count of lcm-grid cells, and so is the
+        token's; their quotient, correctly rounded, is what averaging the 0/1 cells gives
+        on the CPU (an exact sum, then one division), bit for bit.
+        """
+        rows, row_len = self._overlaps(grid[0], 0)  # b h
+        cols, col_len = self._overlaps(grid[1], 1)  # b w
+        area = rearrange(rows, "b h -> b h 1") * rearrange(cols, "b w -> b 1 w")  # b h w, partner's
+        total = row_len * col_len
+        partner = rearrange(area, "b h w -> b (h w)").to(torch.float32) / total
+        own = (total - rearrange(area, "b h w -> b (h w)")).to(torch.float32) / total
+        return torch.stack([own, partner], dim=-1)
+
+    def source_mean(self) -> Tensor:
+        """``dense()[:, 0].mean((1, 2))`` (lambda), ``(b,)`` fp32, from the box areas alone.
+
+        On CPU ``mean`` sums (exactly, for 0/1 values and at most 2**24 cells) and divides
+        the sum by the cell count; the same division of the same count gives the same bits.
+        Elsewhere ``mean`` rounds the device's own way (CUDA scales by a reciprocal), so the
+        cells are built and averaged there, to stay equal to the cell mask's lambda.
+        """
+        gh, gw = self.grid
+        if self.boxes.device.type != "cpu" or gh * gw > 2**24:
+            return self.dense()[:, 0].mean(dim=(1, 2))
+        y0, y1, x0, x1 = self.boxes.unbind(dim=1)
+        heights = (y1.clamp(max=gh) - y0.clamp(min=0)).clamp(min=0)  # clipped like the cells: rows inside the grid
+        widths = (x1.clamp(max=gw) - x0.clamp(min=0)).clamp(min=0)
+        own = gh * gw - heights * widths  # b, cells of source 0
+        return own.to(torch.float32).div_(gh * gw)
