@@ -139,9 +139,26 @@ class RunConfig(Config[None]):
     bf16: bool = False
 
 
+# Fields added after runs were cached, at the value that reproduces those runs: left out of the
+# key there, so old run files still resume; any other value enters the key (it changes results).
+_UNKEYED_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("scheme", "drop_path"): "follow",
+}
+
+
+def _without_unkeyed_defaults(dump: dict[str, Any]) -> dict[str, Any]:
+    for path, default in _UNKEYED_DEFAULTS.items():
+        parent: Any = dump
+        for name in path[:-1]:
+            parent = parent.get(name) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and path[-1] in parent and parent[path[-1]] == default:
+            del parent[path[-1]]
+    return dump
+
+
 def run_key(run: RunConfig) -> str:
     """A short stable hash of a run's configuration: the name of its result file."""
-    canonical = json.dumps(run.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(_without_unkeyed_defaults(run.model_dump(mode="json")), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

@@ -301,7 +301,7 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
     patch, img = _grid_of(cfg)
     cells = table_cells(
         cfg.table, num_classes=num_classes, label_smoothing=cfg.recipe.label_smoothing, prob=cfg.recipe.mix_prob,
-        patch_size=patch, img_size=img, depth=cfg.model.resolved_depth(),
+        patch_size=patch, img_size=img, depth=cfg.model.resolved_depth(), drop_path=cfg.model.drop_path,
     )
     if cfg.rows is not None:
         cells = [c for c in cells if c.row in cfg.rows]

@@ -9,6 +9,7 @@ use decodes the archive once, about 30 s). Runs are 2 optimizer steps of a
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 
 from benchmarks import ablation
 from benchmarks._archive import NAMED, REPO_ROOT, default_data_root
-from benchmarks._config import AblationConfig
+from benchmarks._config import AblationConfig, DataConfig, ModelConfig, RecipeConfig, RunConfig, run_key
 from benchmarks._data import _per_rank
 from benchmarks._rows import ROW_IDS, paper_layers, table_cells
 from mixlabels import NoAlignConfig, TLAlignConfig
@@ -55,7 +56,22 @@ def test_table8_rows() -> None:
     assert schemes["layers-2468"] == TLAlignConfig(layers=(0, 1, 2, 3))
     assert schemes["no-norm"] == TLAlignConfig(normalize=False)
     assert schemes["tl-align"] == TLAlignConfig()
-    assert [c.aligned for c in cells] == [False, True, True, True, True]
+    assert schemes["official-drop-path"] == TLAlignConfig(drop_path="official")
+    assert [c.aligned for c in cells] == [False, True, True, True, True, True]
+    labels = {c.row: c.label for c in table_cells(8, num_classes=10, label_smoothing=0.1, prob=1.0, patch_size=4,
+                                                  img_size=32, depth=6, drop_path=0.1)}
+    assert "drop-path 0.1" in labels["official-drop-path"]
+
+
+def test_new_scheme_fields_enter_the_run_key_only_off_their_default() -> None:
+    """A default TL-Align run keeps the key it had before ``drop_path`` existed: cached runs still resume."""
+    run = RunConfig(data=DataConfig(), model=ModelConfig(), recipe=RecipeConfig(), scheme=TLAlignConfig())
+    dump = run.model_dump(mode="json")
+    del dump["scheme"]["drop_path"]  # the run's config as written before the field existed
+    before = hashlib.sha256(json.dumps(dump, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    assert run_key(run) == before
+    official = run.model_copy(update={"scheme": TLAlignConfig(drop_path="official")})
+    assert run_key(official) != before
 
 
 def test_table7_rows() -> None:
