@@ -11,8 +11,10 @@ Every cell of the table is trained and evaluated once per seed. Each finished
 run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
 run's whole configuration), so a rerun skips what is done and an interrupted job
 loses at most the run in progress. At the end the table is printed in the
-paper's shape and written as ``table.md``, ``runs.csv``, ``results.json`` (the
-resolved config and every run) and ``table.png``.
+paper's shape and written as ``table.md``, ``runs.csv``, ``deltas.csv`` (every
+delta: the mean paired per-seed difference, its 95% t interval, the seeds where
+it was positive, and "no significant difference" where the interval spans 0),
+``results.json`` (the resolved config, every run and every delta) and ``table.png``.
 
 Default sizing (CIFAR-10 on 2 CPU cores, about 20 minutes for Table 7's 9 cells x 2 seeds):
 
@@ -35,8 +37,9 @@ Default sizing (CIFAR-10 on 2 CPU cores, about 20 minutes for Table 7's 9 cells 
     other jobs it takes longer (about 3x at the contention measured above), and the run
     files make an interrupted job resumable. In shortened trial runs, no mixing reached
     23.7% top-1 after 30 steps of 128 and CutMix 21.9% after 120 steps of 64, so the full
-    runs land well above chance (10%); the spread over seeds is printed next to every mean, and differences
-    smaller than about two such spreads are noise.
+    runs land well above chance (10%); the spread over seeds is printed next to every mean, and every
+    delta carries its paired 95% interval (``--seeds 0-9`` for ten seeds; with two, t(0.975, 1) = 12.7
+    makes the interval wide).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, run_k
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
 from benchmarks._rows import ROW_IDS, Cell, MixerFlags, table_cells
+from benchmarks._stats import NO_DIFFERENCE, PairedDelta, paired_delta
 from benchmarks._token_labels import TokenLabelSource, annotate_split
 from mixlabels import NoAlignConfig, TokenLabelingConfig
 from mixlabels.score_maps import ScoreMaps
@@ -119,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokenlabel (Token Labeling's CutMix / MixToken / annotator rows; trains a teacher first)")
     p.add_argument("--rows", type=_csv_list, help=f"only these rows, comma separated: table 7 {','.join(ROW_IDS[7])}; "
                    f"table 8 {','.join(ROW_IDS[8])}; tokenlabel {','.join(ROW_IDS['tokenlabel'])}")
-    p.add_argument("--seeds", type=_int_list, help="comma separated seeds (default 0,1)")
+    p.add_argument("--seeds", type=_int_list, help="seeds, comma separated, ranges inclusive: 0,1 or 0-9 or 0-4,7 "
+                   "(default 0,1)")
     p.add_argument("--data", help="cifar10, imagenette, or a path to an ImageFolder directory or .tar/.tar.gz")
     p.add_argument("--data-root", help="directory holding the named archives (default <project>/../shared/data)")
     p.add_argument("--loader", choices=("tensor", "folder"), help="tensor: decode once, augment batches; folder: DataLoader")
@@ -158,10 +163,22 @@ def _csv_list(text: str) -> list[str]:
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        return [int(t) for t in _csv_list(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma separated integers, got {text!r}") from None
+    """``"0,1"`` or ``"0-9"`` (inclusive) or a mix: ``"0-2,7"`` is ``[0, 1, 2, 7]``."""
+    out: list[int] = []
+    for part in _csv_list(text):
+        first, dash, last = part.partition("-") if not part.startswith("-") else ("", "", "")
+        try:
+            if dash:
+                lo, hi = int(first), int(last)
+                if hi < lo:
+                    raise argparse.ArgumentTypeError(f"seed range {part!r} runs backwards; write {hi}-{lo}")
+                out.extend(range(lo, hi + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma separated integers or inclusive ranges (0,1 or 0-9), got {text!r}") from None
+    return out
 
 
 def _table(text: str) -> int | str:
@@ -521,7 +538,7 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         write_outputs(out, cfg, planned, records, markdown, teacher)
         print()
         print(markdown, flush=True)
-        print(f"written: {out / 'table.md'}, runs.csv, results.json, table.png")
+        print(f"written: {out / 'table.md'}, runs.csv, deltas.csv, results.json, table.png")
         return Report(out, len(todo), len(planned) - len(todo), records, markdown)
     finally:
         teardown()
@@ -644,13 +661,34 @@ def _stat(values: Sequence[float]) -> Stat | None:
     return Stat(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values))
 
 
-def _delta(base: dict[int, float], other: dict[int, float]) -> str:
-    """Mean of the per-seed differences (same seed, same data order) ± their std."""
-    seeds = sorted(set(base) & set(other))
-    stat = _stat([other[s] - base[s] for s in seeds])
-    if stat is None:
-        return "-"
-    return f"{stat.mean:+.2f}" if stat.std is None else f"{stat.mean:+.2f} ± {stat.std:.2f}"
+@dataclass(frozen=True)
+class Delta:
+    """One reported difference: a row's cell against its reference (same seeds, same data order)."""
+
+    row: str
+    label: str
+    against: str  # "without TL-Align" (Table 7) or the baseline row's id
+    delta: PairedDelta
+
+
+def table_deltas(cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]]) -> list[Delta]:
+    """Every delta the table reports: Table 7's aligned minus unaligned per row, else each row minus the baseline."""
+    cells = summarise(records)
+    rows = list(dict.fromkeys((p.cell.row, p.cell.label) for p in planned))
+    out: list[Delta] = []
+    if cfg.table == 7:
+        for row, label in rows:
+            d = paired_delta(cells.get((row, False), {}), cells.get((row, True), {}))
+            if d is not None:
+                out.append(Delta(row, label, "without TL-Align", d))
+        return out
+    first = "cutmix" if cfg.table == "tokenlabel" else "none"
+    baseline = cells.get((first, False), {})
+    for row, label, aligned in dict.fromkeys((p.cell.row, p.cell.label, p.cell.aligned) for p in planned):
+        d = paired_delta(baseline, cells.get((row, aligned), {})) if row != first else None
+        if d is not None:
+            out.append(Delta(row, label, first, d))
+    return out
 
 
 def summarise(records: Sequence[dict[str, Any]]) -> dict[tuple[str, bool], dict[int, float]]:
@@ -670,6 +708,7 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
                     teacher: dict[str, Any] | None = None) -> str:
     """The table in the paper's shape, with a caption saying what was run."""
     cells = summarise(records)
+    deltas = {d.row: str(d.delta) for d in table_deltas(cfg, planned, records)}
     rows: list[Cell] = []
     for p in planned:
         if all(p.cell.row != c.row or p.cell.aligned != c.aligned for c in rows):
@@ -681,7 +720,8 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
     caption = (f"{name} on {cfg.data.source} ({cfg.data.subset or 'all'} train / "
                f"{cfg.data.test_subset or 'all'} test images), {size}, {'/'.join(map(str, sorted(steps)))} steps of "
                f"{cfg.recipe.batch_size}; top-1 (%) as mean ± std over seeds {', '.join(map(str, cfg.seeds))}; "
-               f"Δ = mean ± std of the per-seed differences.")
+               f"Δ = mean of the paired per-seed differences [95% t interval], seeds where it was positive / seeds, "
+               f"and '{NO_DIFFERENCE}' where the interval spans 0 (one seed: no interval).")
     lines = [caption, ""]
     mark = {True: "✓", False: "×"}
     if cfg.table == 7:
@@ -694,17 +734,16 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
             lines.append(
                 f"| {mark[flags.mixup]} | {mark[flags.cutmix]} | {mark[flags.random]} | {mark[flags.blockwise]} "
                 f"| {_fmt(base)} | {_fmt(aligned) if has_aligned else '-'} "
-                f"| {_delta(base, aligned) if base and aligned else '-'} |"
+                f"| {deltas.get(row, '-')} |"
             )
     else:  # one column, each row against the baseline row: Table 8's "none", the tokenlabel table's CutMix
         first = "cutmix" if cfg.table == "tokenlabel" else "none"
-        baseline = cells.get((first, False))
         against = "Δ vs CutMix (%)" if cfg.table == "tokenlabel" else "Δ (%)"
         lines += [f"| {'Training' if cfg.table == 'tokenlabel' else 'Alignment'} | Top-1 (%) | {against} |",
                   "| :-- | --: | --: |"]
         for c in rows:
             values = cells.get((c.row, c.aligned))
-            delta = _delta(baseline, values) if baseline and values and c.row != first else "-"
+            delta = deltas.get(c.row, "-") if c.row != first else "-"
             lines.append(f"| {c.label} | {_fmt(values)} | {delta} |")
         if teacher is not None:
             lines += ["", _teacher_line(teacher)]
@@ -727,9 +766,12 @@ _CSV_FIELDS = ("table", "row", "label", "aligned", "seed", "key", "mixer", "sche
                "train_loss", "steps", "train_seconds", "eval_seconds", "images_per_second", "world", "device")
 
 
+_DELTA_FIELDS = ("table", "row", "label", "against", "n", "mean", "ci_low", "ci_high", "positive", "verdict")
+
+
 def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
                   markdown: str, teacher: dict[str, Any] | None = None) -> None:
-    """``table.md``, ``runs.csv``, ``results.json`` and ``table.png`` in ``out``, each written atomically."""
+    """``table.md``, ``runs.csv``, ``deltas.csv``, ``results.json`` and ``table.png`` in ``out``, each atomically."""
     write_atomic(out / "table.md", markdown)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS)
@@ -742,7 +784,15 @@ def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], re
             **{k: rec["result"][k] for k in _CSV_FIELDS if k in rec["result"]},
         })
     write_atomic(out / "runs.csv", buf.getvalue())
-    results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records), "annotator": teacher}
+    deltas = [{"row": d.row, "label": d.label, "against": d.against, **d.delta.as_dict()}
+              for d in table_deltas(cfg, planned, records)]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=_DELTA_FIELDS)
+    writer.writeheader()
+    writer.writerows({"table": cfg.table, **d} for d in deltas)
+    write_atomic(out / "deltas.csv", buf.getvalue())
+    results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records), "deltas": deltas,
+               "annotator": teacher}
     write_atomic(out / "results.json", json.dumps(results, indent=1))
     plot(out / "table.png", cfg, planned, records)
 

@@ -134,7 +134,7 @@ def test_end_to_end_outputs_and_resume(tmp_path: Path) -> None:
     cfg, _ = ablation.resolve_config(argv)
     first = ablation.run_ablation(cfg)
     assert (first.trained, first.skipped) == (4, 0)
-    for name in ("table.md", "runs.csv", "results.json", "table.png"):
+    for name in ("table.md", "runs.csv", "deltas.csv", "results.json", "table.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "table.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
@@ -146,6 +146,11 @@ def test_end_to_end_outputs_and_resume(tmp_path: Path) -> None:
     assert {r["scheme"] for r in rows} == {"none", "tl_align"} and all(r["evaluated"] == "64" for r in rows)
     results = json.loads((out / "results.json").read_text())
     assert AblationConfig.model_validate(results["config"]) == cfg and len(results["runs"]) == 4
+    with (out / "deltas.csv").open() as f:
+        deltas = list(csv.DictReader(f))
+    assert [(d["row"], d["against"], d["n"]) for d in deltas] == [("cutmix", "without TL-Align", "2")]
+    assert results["deltas"][0]["verdict"] in ("no significant difference", "higher", "lower")
+    assert results["deltas"][0]["verdict"] in table
 
     # a rerun trains nothing and leaves every run file as it was
     before = _run_files(out)
