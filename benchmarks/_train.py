@@ -80,7 +80,7 @@ def train_and_evaluate(
     token_labels: TokenLabelSource | None = None,
     checkpoint: Path | None = None,
 ) -> RunResult:
-    """Train ``run`` from scratch on ``train`` and return its top-1 on ``test``.
+    """Train ``run`` (from scratch, or from ``run.model``'s init weights) on ``train``; return its top-1 on ``test``.
 
     Args:
         run: the run's configuration (model, recipe, mixer, scheme, seed).
@@ -101,7 +101,7 @@ def train_and_evaluate(
 
     seed_everything(run.seed, shard.rank)
     recipe = run.recipe
-    model = run.model.build(num_classes).to(shard.device)
+    model = run.model.initialised(num_classes).to(shard.device)  # random, or --init / --pretrained weights
     # same init on every rank (above); from here, per-rank streams so that stochastic depth differs across shards
     torch.manual_seed(run.seed * 1_000_003 + shard.rank)
     if token_labels is not None and (run.mixer is None or not isinstance(train, TensorBatches)):

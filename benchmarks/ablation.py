@@ -74,7 +74,8 @@ from benchmarks._archive import (
     train_split,
 )
 from benchmarks._archive import TensorSplit
-from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, run_key
+from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, keyed_dump, run_key
+from benchmarks._init import PretrainedUnavailable, file_digest
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
 from benchmarks._rows import ROW_IDS, Cell, MixerFlags, table_cells
@@ -137,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int)
     p.add_argument("--heads", type=int, dest="num_heads")
     p.add_argument("--drop-path", type=float)
+    p.add_argument("--init", help="fine-tune from this state dict or timm checkpoint (.pth/.safetensors; {'state_dict': "
+                   "...}, {'model': ...} or {'state_dict_ema': ...} as timm's train.py writes), loaded strictly")
+    p.add_argument("--pretrained", action="store_true", help="fine-tune from timm's hub weights for --model (needs "
+                   "network or the local hub cache; use a --model name without size overrides)")
     p.add_argument("--epochs", type=float, help="passes over the training (sub)set")
     p.add_argument("--max-steps", type=int, help="cap every run at this many optimizer steps")
     p.add_argument("--batch-size", type=int, help="global batch size, split over the ranks")
@@ -218,6 +223,7 @@ def _flags_to_tree(flags: dict[str, Any]) -> dict[str, Any]:
         "subset": ("data", "subset"), "test_subset": ("data", "test_subset"),
         "model": ("model", "name"), "patch_size": ("model", "patch_size"), "embed_dim": ("model", "embed_dim"),
         "depth": ("model", "depth"), "num_heads": ("model", "num_heads"), "drop_path": ("model", "drop_path"),
+        "init": ("model", "init"), "pretrained": ("model", "pretrained"),
         "epochs": ("recipe", "epochs"), "max_steps": ("recipe", "max_steps"), "batch_size": ("recipe", "batch_size"),
         "lr": ("recipe", "lr"), "weight_decay": ("recipe", "weight_decay"), "warmup": ("recipe", "warmup"),
     }
@@ -294,7 +300,8 @@ def teacher_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunC
     r = cfg.recipe
     cutmix = CutMixConfig(num_classes=num_classes, label_smoothing=r.label_smoothing, prob=r.mix_prob, alpha=1.0)
     return RunConfig(
-        data=cfg.data, model=cfg.model.model_copy(update={"class_token": False, "global_pool": "avg"}),
+        data=cfg.data,  # trained from scratch: a fine-tuning start has a class token the pooled teacher lacks
+        model=cfg.model.model_copy(update={"class_token": False, "global_pool": "avg", "init": None, "pretrained": False}),
         recipe=r.model_copy(update={"epochs": epochs}), mixer=cutmix, scheme=NoAlignConfig(),
         seed=0, device_type=device_type, bf16=cfg.use_bf16(),
     )
@@ -322,6 +329,7 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
     )
     if cfg.rows is not None:
         cells = [c for c in cells if c.row in cfg.rows]
+    digest = file_digest(cfg.model.init) if cfg.model.init is not None else None  # a missing file fails here
     annotator = None
     if any(c.annotated for c in cells):
         annotator = AnnotatorConfig(teacher=run_key(teacher_run(cfg, num_classes, device_type)))
@@ -329,7 +337,8 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
     for cell in cells:
         for seed in cfg.seeds:
             run = RunConfig(data=cfg.data, model=cfg.model, recipe=cfg.recipe, mixer=cell.mixer, scheme=cell.scheme,
-                            annotator=annotator if cell.annotated else None, seed=seed, device_type=device_type,
+                            annotator=annotator if cell.annotated else None, init_sha256=digest, seed=seed,
+                            device_type=device_type,
                             bf16=cfg.use_bf16())
             out.append(Planned(cell, seed, run, run_key(run)))
     return out
@@ -453,7 +462,8 @@ def _read_done(runs_dir: Path, planned: Sequence[Planned]) -> dict[str, dict[str
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # a torn or foreign file: the run is redone and the file replaced
-        if record.get("key") == p.key and record.get("run") == p.run.model_dump(mode="json"):
+        run = record.get("run")
+        if record.get("key") == p.key and isinstance(run, dict) and keyed_dump(run) == keyed_dump(p.run):
             done[p.key] = record
     return done
 
@@ -490,6 +500,8 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         data = load_data(cfg, shard) if not dry_run else None
         num_classes = data.num_classes if data else _peek_classes(cfg)
         planned = plan(cfg, num_classes, shard.device.type)
+        if data is not None and (cfg.model.init is not None or cfg.model.pretrained):
+            cfg.model.initialised(num_classes)  # a checkpoint that does not fit fails now, not after the first run
         # rank 0 alone reads the run files: every rank takes the same decision even on node-local disks
         done = broadcast_from_zero(_read_done(out / "runs", planned) if lead else {})
         ckpt_dir = out / "checkpoints"
@@ -850,7 +862,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, dry_run = resolve_config(argv)
         run_ablation(cfg, dry_run=dry_run)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, PretrainedUnavailable) as err:
         from pydantic import ValidationError
 
         if isinstance(err, ValidationError):
