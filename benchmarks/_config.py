@@ -167,6 +167,9 @@ class RunConfig(Config[None]):
     init_sha256: Annotated[
         str | None, Field(description="sha256 of model.init's file: the key follows the checkpoint's content")
     ] = None
+    base: Annotated[
+        str | None, Field(description="run key of the base run whose trained weights this run fine-tunes")
+    ] = None
     seed: int = 0
     device_type: Annotated[str, Field(description="'cpu' or 'cuda' (bf16 autocast changes numerics)")] = "cpu"
     bf16: bool = False
@@ -179,6 +182,7 @@ _UNKEYED_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("model", "pretrained"): False,
     ("model", "init"): None,
     ("init_sha256",): None,
+    ("base",): None,
 }
 
 
@@ -234,6 +238,19 @@ class AblationConfig(Config[None]):
     teacher_epochs: Annotated[
         float | None,
         Field(gt=0.0, description="tokenlabel table: the annotator's training epochs (default: twice the recipe's)"),
+    ] = None
+    profile: Annotated[
+        Literal["scratch", "finetune"],
+        Field(description="scratch: every run from its initialisation; finetune: train one base model on base_data "
+              "first (cached), then fine-tune every cell from it"),
+    ] = "scratch"
+    base_data: Annotated[
+        str | None,
+        Field(description="finetune: the base model's data set (default: imagenette for a cifar10 job, else cifar10), "
+              "decoded at the job's image size, all its training images"),
+    ] = None
+    base_epochs: Annotated[
+        float | None, Field(gt=0.0, description="finetune: the base model's training epochs (default: 4x the recipe's)")
     ] = None
 
     def use_bf16(self) -> bool:

@@ -140,7 +140,8 @@ def pretrained_model(name: str, build: Callable[[], nn.Module], *, reachable: Ca
     With ``HF_HUB_OFFLINE=1`` set, or the hub unreachable, the download runs offline: weights in
     the local cache load, anything else raises at once.
     """
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or not (reachable or hub_reachable)()
+    forced = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = forced or not (reachable or hub_reachable)()
     try:
         with _offline_hub(offline, timeout):
             return build()

@@ -6,6 +6,9 @@ Run from the repository root::
     python benchmarks/ablation.py --table 8             # Table 8's rows
     python benchmarks/ablation.py --data imagenette --model deit_small_patch16_224 --device cuda --epochs 100
     torchrun --nproc-per-node 8 benchmarks/ablation.py --data imagenette --device cuda ...   # DDP
+    python benchmarks/ablation.py --init base.pth       # fine-tune every cell from a checkpoint
+    python benchmarks/ablation.py --profile finetune --seeds 0-9   # base model on Imagenette at 32 px, once,
+                                                        # then every cell fine-tuned from it on CIFAR-10
 
 Every cell of the table is trained and evaluated once per seed. Each finished
 run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
@@ -159,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-checkpoints", action="store_true",
                    help="keep every trained model as <out>/checkpoints/<run key>.pth (for benchmarks/analysis.py)")
     p.add_argument("--teacher-epochs", type=float, help="tokenlabel: the annotator's epochs (default: twice --epochs)")
+    p.add_argument("--profile", choices=("scratch", "finetune"), help="finetune: train one base model on --base-data "
+                   "first (once, cached), then fine-tune every cell from it")
+    p.add_argument("--base-data", help="finetune: the base model's data (default imagenette for cifar10, else cifar10)")
+    p.add_argument("--base-epochs", type=float, help="finetune: the base model's epochs (default 4x --epochs)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the runs, train nothing")
     return p
 
@@ -268,7 +275,8 @@ def default_out(cfg: AblationConfig) -> Path:
     """``runs/ablation/table<N>-<data>-<model>`` (``tokenlabel-<data>-<model>``) under the repository root."""
     data = cfg.data.source if cfg.data.source in ("cifar10", "imagenette") else Path(cfg.data.source).name.split(".")[0]
     table = "tokenlabel" if cfg.table == "tokenlabel" else f"table{cfg.table}"
-    return REPO_ROOT / "runs" / "ablation" / f"{table}-{data}-{cfg.model.name}"
+    profile = "-finetune" if cfg.profile == "finetune" else ""
+    return REPO_ROOT / "runs" / "ablation" / f"{table}-{data}-{cfg.model.name}{profile}"
 
 
 # ------------------------------------------------------------------------------------------------- plan
@@ -307,6 +315,27 @@ def teacher_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunC
     )
 
 
+def base_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunConfig:
+    """The finetune profile's base model: the job's model trained with CutMix on ``base_data``, seed 0.
+
+    All of the base data's training images at the job's image size, for ``base_epochs``
+    (default: four times the rows' epochs); the cells then fine-tune it on the job's data.
+    """
+    source = cfg.base_data or ("imagenette" if cfg.data.source == "cifar10" else "cifar10")
+    r = cfg.recipe
+    epochs = cfg.base_epochs if cfg.base_epochs is not None else 4 * r.epochs
+    # the base data must have the job's class count: the cells load the base's head strictly
+    cutmix = CutMixConfig(num_classes=num_classes, label_smoothing=r.label_smoothing, prob=r.mix_prob, alpha=1.0)
+    data = cfg.data.model_copy(update={"source": source, "loader": "tensor", "subset": None})
+    return RunConfig(data=data, model=cfg.model, recipe=r.model_copy(update={"epochs": epochs}), mixer=cutmix,
+                     scheme=NoAlignConfig(), init_sha256=_init_digest(cfg), seed=0, device_type=device_type,
+                     bf16=cfg.use_bf16())
+
+
+def _init_digest(cfg: AblationConfig) -> str | None:
+    return file_digest(cfg.model.init) if cfg.model.init is not None else None  # a missing file fails here
+
+
 def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planned]:
     """Every (cell, seed) of the table in the paper's order, seeds innermost.
 
@@ -329,15 +358,19 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
     )
     if cfg.rows is not None:
         cells = [c for c in cells if c.row in cfg.rows]
-    digest = file_digest(cfg.model.init) if cfg.model.init is not None else None  # a missing file fails here
+    digest = _init_digest(cfg)
+    model, base = cfg.model, None
+    if cfg.profile == "finetune":  # every cell starts from the base run's weights: its key enters theirs
+        base = run_key(base_run(cfg, num_classes, device_type))
+        model, digest = cfg.model.model_copy(update={"init": None, "pretrained": False}), None
     annotator = None
     if any(c.annotated for c in cells):
         annotator = AnnotatorConfig(teacher=run_key(teacher_run(cfg, num_classes, device_type)))
     out = []
     for cell in cells:
         for seed in cfg.seeds:
-            run = RunConfig(data=cfg.data, model=cfg.model, recipe=cfg.recipe, mixer=cell.mixer, scheme=cell.scheme,
-                            annotator=annotator if cell.annotated else None, init_sha256=digest, seed=seed,
+            run = RunConfig(data=cfg.data, model=model, recipe=cfg.recipe, mixer=cell.mixer, scheme=cell.scheme,
+                            annotator=annotator if cell.annotated else None, init_sha256=digest, base=base, seed=seed,
                             device_type=device_type,
                             bf16=cfg.use_bf16())
             out.append(Planned(cell, seed, run, run_key(run)))
@@ -519,6 +552,10 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         if dry_run or data is None:
             return Report(out, 0, len(planned) - len(todo), [], "")
         progress = lead and not cfg.quiet
+        base: dict[str, Any] | None = None
+        base_ckpt: Path | None = None
+        if cfg.profile == "finetune":
+            base, base_ckpt = prepare_base(cfg, planned, num_classes, shard, out, progress=progress, needed=bool(todo))
         teacher: dict[str, Any] | None = None
         source: TokenLabelSource | None = None
         if any(p.run.annotator is not None for p in planned):
@@ -530,7 +567,7 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             if p.run.annotator is not None and source is not None and isinstance(p.run.scheme, TokenLabelingConfig):
                 labels = replace(source, beta=p.run.scheme.beta, fill=p.run.annotator.fill)
             result = train_and_evaluate(p.run, data.make_train(p.seed), data.test, shard, num_classes=data.num_classes,
-                                        progress=progress, desc=p.name, token_labels=labels,
+                                        progress=progress, desc=p.name, token_labels=labels, init=base_ckpt,
                                         checkpoint=ckpt_dir / f"{p.key}.pth" if cfg.save_checkpoints else None)
             if lead:
                 record = {"key": p.key, "run": p.run.model_dump(mode="json"), "result": asdict(result),
@@ -546,14 +583,57 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             return Report(out, len(todo), len(planned) - len(todo), [], "")
         records = [{"table": cfg.table, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned,
                     "seed": p.seed, **done[p.key]} for p in planned]
-        markdown = render_markdown(cfg, planned, records, teacher)
-        write_outputs(out, cfg, planned, records, markdown, teacher)
+        markdown = render_markdown(cfg, planned, records, teacher, base)
+        write_outputs(out, cfg, planned, records, markdown, teacher, base)
         print()
         print(markdown, flush=True)
         print(f"written: {out / 'table.md'}, runs.csv, deltas.csv, results.json, table.png")
         return Report(out, len(todo), len(planned) - len(todo), records, markdown)
     finally:
         teardown()
+
+
+def prepare_base(cfg: AblationConfig, planned: Sequence[Planned], num_classes: int, shard: Shard, out: Path, *,
+                 progress: bool, needed: bool) -> tuple[dict[str, Any], Path]:
+    """The finetune profile's base model: trained once (unless its run file and checkpoint exist), then reused.
+
+    Returns its run record and checkpoint ``<out>/base/base-<key>.pth``. ``needed``: a cell is
+    still to train, so the checkpoint must exist (a deleted one is retrained).
+    """
+    from benchmarks._train import train_and_evaluate
+
+    run = base_run(cfg, num_classes, planned[0].run.device_type)
+    key = run_key(run)
+    assert all(p.run.base == key for p in planned)
+    cell = Cell("base", "base model", MixerFlags(cutmix=True), False, run.mixer, run.scheme)
+    ckpt = out / "base" / f"base-{key}.pth"
+    found = _read_done(out / "runs", [Planned(cell, run.seed, run, key)]) if shard.rank == 0 else {}
+    done = broadcast_from_zero(found if ckpt.is_file() or not needed else {})
+    if key not in done:
+        data = load_data(cfg.model_copy(update={"data": run.data}), shard)
+        if data.num_classes != num_classes:
+            raise ValueError(f"the base data {run.data.source} has {data.num_classes} classes and the job's "
+                             f"{cfg.data.source} {num_classes}: the cells load the base's classifier strictly; "
+                             "pick a --base-data with as many classes")
+        result = train_and_evaluate(run, data.make_train(run.seed), data.test, shard, num_classes=num_classes,
+                                    progress=progress, desc="base model", checkpoint=ckpt)
+        record = {"key": key, "run": run.model_dump(mode="json"), "result": asdict(result), "world": shard.world,
+                  "device": str(shard.device), "finished": time.time()}
+        if shard.rank == 0:
+            write_atomic(out / "runs" / f"{key}.json", json.dumps(record, indent=1))
+            print(f"base model: top-1 {result.top1:.2f}% on {run.data.source} ({result.steps} steps, "
+                  f"{result.train_seconds:.0f} s)", flush=True)
+        done[key] = record
+    barrier()
+    return done[key], ckpt
+
+
+def _base_line(base: dict[str, Any]) -> str:
+    """The finetune profile's base model under the table."""
+    run, result = base["run"], base["result"]
+    return (f"Fine-tuned from one base model: {run['model']['name']} trained with CutMix on {run['data']['source']} "
+            f"at {run['data']['img_size']} px for {run['recipe']['epochs']:g} epochs ({result['steps']} steps, seed "
+            f"{run['seed']}; top-1 {result['top1']:.2f}% on its own test images), then every cell from it.")
 
 
 def planned_teacher(cfg: AblationConfig, planned: Sequence[Planned], num_classes: int) -> Planned:
@@ -717,7 +797,7 @@ def _fmt(values: dict[int, float] | None) -> str:
 
 
 def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
-                    teacher: dict[str, Any] | None = None) -> str:
+                    teacher: dict[str, Any] | None = None, base_model: dict[str, Any] | None = None) -> str:
     """The table in the paper's shape, with a caption saying what was run."""
     cells = summarise(records)
     deltas = {d.row: str(d.delta) for d in table_deltas(cfg, planned, records)}
@@ -759,6 +839,8 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
             lines.append(f"| {c.label} | {_fmt(values)} | {delta} |")
         if teacher is not None:
             lines += ["", _teacher_line(teacher)]
+    if base_model is not None:
+        lines += ["", _base_line(base_model)]
     return "\n".join(lines) + "\n"
 
 
@@ -782,7 +864,7 @@ _DELTA_FIELDS = ("table", "row", "label", "against", "n", "mean", "ci_low", "ci_
 
 
 def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
-                  markdown: str, teacher: dict[str, Any] | None = None) -> None:
+                  markdown: str, teacher: dict[str, Any] | None = None, base: dict[str, Any] | None = None) -> None:
     """``table.md``, ``runs.csv``, ``deltas.csv``, ``results.json`` and ``table.png`` in ``out``, each atomically."""
     write_atomic(out / "table.md", markdown)
     buf = io.StringIO()
@@ -804,7 +886,7 @@ def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], re
     writer.writerows({"table": cfg.table, **d} for d in deltas)
     write_atomic(out / "deltas.csv", buf.getvalue())
     results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records), "deltas": deltas,
-               "annotator": teacher}
+               "annotator": teacher, "base": base}
     write_atomic(out / "results.json", json.dumps(results, indent=1))
     plot(out / "table.png", cfg, planned, records)
 

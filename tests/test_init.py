@@ -16,15 +16,25 @@ from torch import nn
 from torch.testing import assert_close
 
 from benchmarks import _init, ablation
+from benchmarks._archive import NAMED, default_data_root
 from benchmarks._config import ModelConfig, keyed_dump
 from benchmarks._init import PretrainedUnavailable, load_init, read_state_dict
 
 TINY = dict(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2)
+CIFAR = default_data_root() / NAMED["cifar10"]
+TINY_RUN = ["--subset", "64", "--test-subset", "64", "--batch-size", "16", "--max-steps", "2", "--eval-batch-size", "64",
+            "--embed-dim", "16", "--depth", "2", "--heads", "2", "--quiet", "--threads", "1"]
 
 
 def tiny(seed: int, **overrides: Any) -> ModelConfig:
     torch.manual_seed(seed)
     return ModelConfig(**{**TINY, **overrides})
+
+
+def tiny_init(seed: int) -> dict[str, torch.Tensor]:
+    """The seed's own initialisation of the test's run model (what a cell would start from without the base)."""
+    torch.manual_seed(seed)
+    return ModelConfig(img_size=32, patch_size=4, embed_dim=16, depth=2, num_heads=2).build(10).state_dict()
 
 
 def params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -135,7 +145,7 @@ def test_run_files_from_before_the_new_fields_still_resume(tmp_path: Path) -> No
                                       "--depth", "2", "--heads", "2"])
     (planned,) = ablation.plan(cfg, 10, "cpu")
     old = planned.run.model_dump(mode="json")
-    del old["scheme"]["drop_path"], old["model"]["init"], old["model"]["pretrained"], old["init_sha256"]
+    del old["scheme"]["drop_path"], old["model"]["init"], old["model"]["pretrained"], old["init_sha256"], old["base"]
     assert keyed_dump(planned.run) == old
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / f"{planned.key}.json").write_text(json.dumps({"key": planned.key, "run": old, "result": {}}))
@@ -144,3 +154,32 @@ def test_run_files_from_before_the_new_fields_still_resume(tmp_path: Path) -> No
     other["scheme"]["drop_path"] = "official"  # a file of another run is not taken for this one
     (tmp_path / "runs" / f"{planned.key}.json").write_text(json.dumps({"key": planned.key, "run": other, "result": {}}))
     assert planned.key not in ablation._read_done(tmp_path / "runs", [planned])
+
+
+@pytest.mark.skipif(not CIFAR.is_file(), reason=f"the CIFAR-10 archive is not at {CIFAR} (../shared/data)")
+def test_finetune_profile_trains_the_base_once_and_starts_every_cell_from_it(tmp_path: Path) -> None:
+    """Tiny sizes, base on CIFAR-10 too (no second archive to decode). With lr 1e-9 a fine-tuned cell ends
+    where the base ended, not at its own seed's initialisation (the base is seed 0, the cell seed 1)."""
+    out = tmp_path / "out"
+    argv = ["--profile", "finetune", "--base-data", "cifar10", "--base-epochs", "1", "--rows", "cutmix", "--seeds",
+            "1", "--out", str(out), "--save-checkpoints", *TINY_RUN]
+    cfg, _ = ablation.resolve_config([*argv, "--lr", "1e-9", "--warmup", "0"])
+    first = ablation.run_ablation(cfg)
+    assert (first.trained, first.skipped) == (2, 0)
+    (base_ckpt,) = (out / "base").glob("base-*.pth")
+    base_key = base_ckpt.stem.removeprefix("base-")
+    assert all(r["run"]["base"] == base_key for r in first.records)
+    assert "Fine-tuned from one base model" in first.markdown
+    base_state = torch.load(base_ckpt, weights_only=True)
+    for rec in first.records:
+        tuned = torch.load(out / "checkpoints" / f"{rec['key']}.pth", weights_only=True)
+        for k, v in base_state.items():
+            assert_close(tuned[k], v, rtol=0, atol=1e-3, msg=k)
+        assert any((own - base_state[k]).abs().max() > 1e-2 for k, own in tiny_init(seed=1).items() if own.ndim > 1)
+    scratch_cfg, _ = ablation.resolve_config([*argv[6:], "--lr", "1e-9", "--warmup", "0"])  # no profile
+    scratch = ablation.plan(scratch_cfg, 10, "cpu")
+    assert {p.key for p in scratch}.isdisjoint(r["key"] for r in first.records)
+    # rerun: the base and the cells are reused
+    base_mtime = base_ckpt.stat().st_mtime_ns
+    again = ablation.run_ablation(cfg)
+    assert (again.trained, again.skipped) == (0, 2) and base_ckpt.stat().st_mtime_ns == base_mtime
