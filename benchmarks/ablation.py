@@ -597,7 +597,7 @@ def prepare_base(cfg: AblationConfig, planned: Sequence[Planned], num_classes: i
                  progress: bool, needed: bool) -> tuple[dict[str, Any], Path]:
     """The finetune profile's base model: trained once (unless its run file and checkpoint exist), then reused.
 
-    Returns its run record and checkpoint ``<out>/base/base-<key>.pth``. ``needed``: a cell is
+    Returns its run record and checkpoint ``<out>/base/<key>.pth``. ``needed``: a cell is
     still to train, so the checkpoint must exist (a deleted one is retrained).
     """
     from benchmarks._train import train_and_evaluate
@@ -606,7 +606,7 @@ def prepare_base(cfg: AblationConfig, planned: Sequence[Planned], num_classes: i
     key = run_key(run)
     assert all(p.run.base == key for p in planned)
     cell = Cell("base", "base model", MixerFlags(cutmix=True), False, run.mixer, run.scheme)
-    ckpt = out / "base" / f"base-{key}.pth"
+    ckpt = out / "base" / f"{key}.pth"  # <out>/runs/<key>.json beside it: benchmarks/analysis.py reads its heads
     found = _read_done(out / "runs", [Planned(cell, run.seed, run, key)]) if shard.rank == 0 else {}
     done = broadcast_from_zero(found if ckpt.is_file() or not needed else {})
     if key not in done:

@@ -166,8 +166,9 @@ def test_finetune_profile_trains_the_base_once_and_starts_every_cell_from_it(tmp
     cfg, _ = ablation.resolve_config([*argv, "--lr", "1e-9", "--warmup", "0"])
     first = ablation.run_ablation(cfg)
     assert (first.trained, first.skipped) == (2, 0)
-    (base_ckpt,) = (out / "base").glob("base-*.pth")
-    base_key = base_ckpt.stem.removeprefix("base-")
+    (base_ckpt,) = (out / "base").glob("*.pth")
+    base_key = base_ckpt.stem
+    assert (out / "runs" / f"{base_key}.json").is_file()
     assert all(r["run"]["base"] == base_key for r in first.records)
     assert "Fine-tuned from one base model" in first.markdown
     base_state = torch.load(base_ckpt, weights_only=True)
