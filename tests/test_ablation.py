@@ -183,4 +183,4 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     assert len(runs) == 2 and all(r["world"] == 2 for r in runs)
     assert all(r["result"]["evaluated"] == 64 for r in runs)  # the two eval shards cover the test subset once
     assert not list(out.rglob("*.tmp*"))  # atomic writes leave no temporaries behind
-    assert {p.name for p in out.iterdir()} == {"runs", "table.md", "runs.csv", "results.json", "table.png"}
+    assert {p.name for p in out.iterdir()} == {"runs", "table.md", "runs.csv", "deltas.csv", "results.json", "table.png"}
