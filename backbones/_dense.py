@@ -89,9 +89,11 @@ class DenseRules:
         self.p = num_prefix
         self.align: set[int] = set()
         self.normalize = True
+        self.follow_drop = True  # TLAlign(drop_path="official"): a dropped sample's labels mix anyway
         if isinstance(scheme, TLAlign):
             layers = range(depth) if scheme.layers is None else scheme.layers
             self.align, self.normalize = {i % depth for i in layers}, scheme.normalize
+            self.follow_drop = scheme.drop_path == "follow"
         elif isinstance(scheme, TokenLabeling):
             if scheme.annotator is not None:
                 raise NotImplementedError("the reference path covers label-map token targets only")
@@ -111,7 +113,7 @@ class DenseRules:
             return
         mixed = matrix.double() @ self.y
         new = (self.y + mixed) / 2 if self.normalize else mixed
-        self.y = new if keep is None else torch.where(keep.view(-1, 1, 1), new, self.y)
+        self.y = new if keep is None or not self.follow_drop else torch.where(keep.view(-1, 1, 1), new, self.y)
 
     def aggregate(self, matrix: Tensor) -> None:
         """Tokens merged by the 0/1 (or weighted) matrix ``(n', n)``; rows renormalised."""

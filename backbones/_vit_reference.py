@@ -48,10 +48,11 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
     grid = check_batch(images, label_map, tuple(m.patch_embed.patch_size))
     depth, p = len(m.blocks), m.num_prefix_tokens
     align: set[int] = set()
-    normalize = True
+    normalize, follow_drop = True, True
     if isinstance(scheme, TLAlign):
         layers = range(depth) if scheme.layers is None else scheme.layers
         align, normalize = {i % depth for i in layers}, scheme.normalize
+        follow_drop = scheme.drop_path == "follow"  # "official": a dropped sample's labels mix anyway
     elif isinstance(scheme, TokenLabeling):
         if scheme.annotator is not None:
             raise NotImplementedError("the reference path covers label-map token targets only")
@@ -89,7 +90,7 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
         if i in align:
             mixed = a.detach().float().mean(dim=1) @ y  # Eq. 9: head-mean attention on the labels
             new = (y + mixed) / 2 if normalize else mixed  # Eq. 11 (or the residual dropped)
-            y = new if keep is None else torch.where(keep.view(-1, 1, 1), new, y)
+            y = new if keep is None or not follow_drop else torch.where(keep.view(-1, 1, 1), new, y)
         if i == depth - 1:
             class_row = a.detach().float()[:, :, 0, p:].mean(dim=1)  # b n: TransMix's class attention
         x = x + branch

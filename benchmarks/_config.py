@@ -8,12 +8,13 @@ directory, workers, output directory, progress bars, threads) lives in
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from mixlabels import Config
@@ -21,7 +22,8 @@ from mixlabels._scheme_config import SchemeConfig
 from mixlabels.score_maps import Fill
 from mixlabels.strategies import MixerConfig
 
-__all__ = ["DataConfig", "ModelConfig", "RecipeConfig", "AnnotatorConfig", "RunConfig", "AblationConfig", "run_key"]
+__all__ = ["DataConfig", "ModelConfig", "RecipeConfig", "AnnotatorConfig", "RunConfig", "AblationConfig", "run_key",
+           "keyed_dump"]
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -61,9 +63,37 @@ class ModelConfig(Config[nn.Module]):
     drop_path: Annotated[float, Field(ge=0.0, lt=1.0, description="stochastic depth rate")] = 0.1
     class_token: Annotated[bool | None, Field(description="timm's class_token (False for a pooled annotator)")] = None
     global_pool: Annotated[str | None, Field(description="timm's global_pool ('token', 'avg', ...)")] = None
+    pretrained: Annotated[
+        bool, Field(description="start from timm's hub weights (network, or the local hub cache)")
+    ] = False
+    init: Annotated[
+        str | None,
+        Field(description="start from this file: a state dict or timm checkpoint, loaded strictly (fine-tuning)"),
+    ] = None
+
+    @model_validator(mode="after")
+    def _one_start(self) -> ModelConfig:
+        if self.pretrained and self.init is not None:
+            raise ValueError("pass --init PATH or --pretrained, not both: --init would overwrite the hub weights")
+        return self
 
     def build(self, num_classes: int) -> nn.Module:
-        """The timm model with ``num_classes`` outputs, randomly initialised (``pretrained=False``)."""
+        """The timm architecture with ``num_classes`` outputs, randomly initialised (``initialised`` loads weights)."""
+        return self._create(num_classes, pretrained=False)
+
+    def initialised(self, num_classes: int) -> nn.Module:
+        """The model a run starts from: ``build``, or timm's hub weights (``pretrained``), or ``init``'s file."""
+        from benchmarks._init import load_init, pretrained_model
+
+        if self.pretrained:
+            model = pretrained_model(self.name, lambda: self._create(num_classes, pretrained=True))
+        else:
+            model = self.build(num_classes)
+        if self.init is not None:
+            load_init(model, self.init, name=f"{self.name} with {num_classes} classes")
+        return model
+
+    def _create(self, num_classes: int, pretrained: bool) -> nn.Module:
         import timm  # imports torchvision: keep it off the import path of the CLI's --help
 
         overrides: dict[str, Any] = {
@@ -81,7 +111,7 @@ class ModelConfig(Config[nn.Module]):
             if v is not None
         }
         model: nn.Module = timm.create_model(
-            self.name, pretrained=False, num_classes=num_classes, drop_path_rate=self.drop_path, **overrides
+            self.name, pretrained=pretrained, num_classes=num_classes, drop_path_rate=self.drop_path, **overrides
         )
         return model
 
@@ -134,14 +164,46 @@ class RunConfig(Config[None]):
     annotator: Annotated[
         AnnotatorConfig | None, Field(description="token labels from a teacher's score maps (needs TokenLabeling)")
     ] = None
+    init_sha256: Annotated[
+        str | None, Field(description="sha256 of model.init's file: the key follows the checkpoint's content")
+    ] = None
+    base: Annotated[
+        str | None, Field(description="run key of the base run whose trained weights this run fine-tunes")
+    ] = None
     seed: int = 0
     device_type: Annotated[str, Field(description="'cpu' or 'cuda' (bf16 autocast changes numerics)")] = "cpu"
     bf16: bool = False
 
 
+# Fields added after runs were cached, at the value that reproduces those runs: left out of the
+# key there, so old run files still resume; any other value enters the key (it changes results).
+_UNKEYED_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("scheme", "drop_path"): "follow",
+    ("model", "pretrained"): False,
+    ("model", "init"): None,
+    ("init_sha256",): None,
+    ("base",): None,
+}
+
+
+def keyed_dump(run: RunConfig | dict[str, Any]) -> dict[str, Any]:
+    """A run's JSON dump as its key sees it: fields added later left out where at their old-result default.
+
+    Also applied to the dump stored in a run file, so files written before a field existed still match.
+    """
+    dump = copy.deepcopy(run if isinstance(run, dict) else run.model_dump(mode="json"))
+    for path, default in _UNKEYED_DEFAULTS.items():
+        parent: Any = dump
+        for name in path[:-1]:
+            parent = parent.get(name) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and path[-1] in parent and parent[path[-1]] == default:
+            del parent[path[-1]]
+    return dump
+
+
 def run_key(run: RunConfig) -> str:
     """A short stable hash of a run's configuration: the name of its result file."""
-    canonical = json.dumps(run.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(keyed_dump(run), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -176,6 +238,19 @@ class AblationConfig(Config[None]):
     teacher_epochs: Annotated[
         float | None,
         Field(gt=0.0, description="tokenlabel table: the annotator's training epochs (default: twice the recipe's)"),
+    ] = None
+    profile: Annotated[
+        Literal["scratch", "finetune"],
+        Field(description="scratch: every run from its initialisation; finetune: train one base model on base_data "
+              "first (cached), then fine-tune every cell from it"),
+    ] = "scratch"
+    base_data: Annotated[
+        str | None,
+        Field(description="finetune: the base model's data set (default: imagenette for a cifar10 job, else cifar10), "
+              "decoded at the job's image size, all its training images"),
+    ] = None
+    base_epochs: Annotated[
+        float | None, Field(gt=0.0, description="finetune: the base model's training epochs (default: 4x the recipe's)")
     ] = None
 
     def use_bf16(self) -> bool:

@@ -12,7 +12,12 @@ Table 8 (all with CutMix): none; TL-Align at layer 12 only (the last layer); at
 layers 2, 4, 6, 8 of 12; normalisation disabled; full TL-Align. For a model of
 depth ``d`` the paper's 1-based layer ``l`` of 12 becomes the 0-based layer
 ``round(l * d / 12) - 1``: layers 0, 1, 2, 3 for the default depth 6 (the first
-two thirds of the network, as in the paper); 1, 3, 5, 7 for depth 12.
+two thirds of the network, as in the paper); 1, 3, 5, 7 for depth 12. One row
+beyond the paper, ``official-drop-path``: full TL-Align with the official code's
+stochastic-depth rule (a sample whose attention branch was dropped still mixes
+its labels), against the default where its labels stay; the two differ only
+where stochastic depth drops branches (the model's ``drop_path`` rate, 0.1 by
+default as in DeiT).
 
 Table "tokenlabel" (Token Labeling's Table 2, from its baseline to MixToken and
 token labeling): CutMix with image labels; MixToken (Eq. 6-7: mixed patch
@@ -39,7 +44,7 @@ Table = int | str  # 7, 8 or "tokenlabel"
 
 ROW_IDS: dict[Table, tuple[str, ...]] = {
     7: ("none", "cutmix", "mixup+cutmix", "random", "blockwise"),
-    8: ("none", "layer-last", "layers-2468", "no-norm", "tl-align"),
+    8: ("none", "layer-last", "layers-2468", "no-norm", "tl-align", "official-drop-path"),
     "tokenlabel": ("cutmix", "mixtoken", "mixtoken+mask-labels", "mixtoken+annotator"),
 }
 
@@ -81,6 +86,16 @@ def paper_layers(depth: int, layers: tuple[int, ...] = (2, 4, 6, 8), paper_depth
     return tuple(sorted(set(scaled)))
 
 
+def _official_label(drop_path: float | None) -> str:
+    """Table 8's drop-path row, naming the rate that makes it differ from the default."""
+    label = "TL-Align, official code's drop-path rule (dropped samples' labels mix too)"
+    if drop_path is None:
+        return label
+    if drop_path == 0.0:
+        return f"{label}; drop-path 0: identical to the default"
+    return f"{label}; drop-path {drop_path:g}"
+
+
 def _mixers(num_classes: int, label_smoothing: float, prob: float, cell: int, grid_cells: int) -> dict[str, MixerConfig]:
     """Table 7's mixers for ``num_classes`` classes on a grid of ``grid_cells`` cells of side ``cell``."""
     n, ls, p = num_classes, label_smoothing, prob
@@ -120,8 +135,12 @@ def table_cells(
     patch_size: int,
     img_size: int,
     depth: int,
+    drop_path: float | None = None,
 ) -> list[Cell]:
-    """Every cell of Table 7, Table 8 or the token-labeling table, in the paper's order."""
+    """Every cell of Table 7, Table 8 or the token-labeling table, in the paper's order.
+
+    ``drop_path``: the model's stochastic depth rate, named in Table 8's drop-path row.
+    """
     grid = img_size // patch_size
     mixers = _mixers(num_classes, label_smoothing, prob, patch_size, grid * grid)
     cutmix = mixers["cutmix"]
@@ -142,6 +161,8 @@ def table_cells(
                  True, cutmix, TLAlignConfig(layers=layers)),
             Cell("no-norm", "Normalization disabled", _FLAGS["cutmix"], True, cutmix, TLAlignConfig(normalize=False)),
             Cell("tl-align", "Default (TL-Align)", _FLAGS["cutmix"], True, cutmix, TLAlignConfig()),
+            Cell("official-drop-path", _official_label(drop_path), _FLAGS["cutmix"], True, cutmix,
+                 TLAlignConfig(drop_path="official")),
         ]
     if table == "tokenlabel":
         n, ls, p = num_classes, label_smoothing, prob

@@ -79,8 +79,9 @@ def train_and_evaluate(
     desc: str = "",
     token_labels: TokenLabelSource | None = None,
     checkpoint: Path | None = None,
+    init: Path | None = None,
 ) -> RunResult:
-    """Train ``run`` from scratch on ``train`` and return its top-1 on ``test``.
+    """Train ``run`` (from scratch, or from ``run.model``'s init weights) on ``train``; return its top-1 on ``test``.
 
     Args:
         run: the run's configuration (model, recipe, mixer, scheme, seed).
@@ -94,6 +95,8 @@ def train_and_evaluate(
             ``TokenLabeling`` scheme whose token targets are the batch's aligned, mixed maps
             (``train`` must be ``TensorBatches``, which report each image's index and crop).
         checkpoint: where rank 0 saves the trained model's state dict (before evaluation).
+        init: the weights to start from (the finetune profile's base checkpoint), replacing ``run.model.init``;
+            the run's key names them through ``run.base``.
     """
     # the defining modules: timm's package __init__ files re-export without __all__, which mypy --strict refuses
     from timm.optim._optim_factory import create_optimizer_v2
@@ -101,7 +104,8 @@ def train_and_evaluate(
 
     seed_everything(run.seed, shard.rank)
     recipe = run.recipe
-    model = run.model.build(num_classes).to(shard.device)
+    start_from = run.model if init is None else run.model.model_copy(update={"init": str(init)})
+    model = start_from.initialised(num_classes).to(shard.device)  # random, or --init / --pretrained / base weights
     # same init on every rank (above); from here, per-rank streams so that stochastic depth differs across shards
     torch.manual_seed(run.seed * 1_000_003 + shard.rank)
     if token_labels is not None and (run.mixer is None or not isinstance(train, TensorBatches)):

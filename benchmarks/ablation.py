@@ -6,13 +6,18 @@ Run from the repository root::
     python benchmarks/ablation.py --table 8             # Table 8's rows
     python benchmarks/ablation.py --data imagenette --model deit_small_patch16_224 --device cuda --epochs 100
     torchrun --nproc-per-node 8 benchmarks/ablation.py --data imagenette --device cuda ...   # DDP
+    python benchmarks/ablation.py --init base.pth       # fine-tune every cell from a checkpoint
+    python benchmarks/ablation.py --profile finetune --seeds 0-9   # base model on Imagenette at 32 px, once,
+                                                        # then every cell fine-tuned from it on CIFAR-10
 
 Every cell of the table is trained and evaluated once per seed. Each finished
 run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
 run's whole configuration), so a rerun skips what is done and an interrupted job
 loses at most the run in progress. At the end the table is printed in the
-paper's shape and written as ``table.md``, ``runs.csv``, ``results.json`` (the
-resolved config and every run) and ``table.png``.
+paper's shape and written as ``table.md``, ``runs.csv``, ``deltas.csv`` (every
+delta: the mean paired per-seed difference, its 95% t interval, the seeds where
+it was positive, and "no significant difference" where the interval spans 0),
+``results.json`` (the resolved config, every run and every delta) and ``table.png``.
 
 Default sizing (CIFAR-10 on 2 CPU cores, about 20 minutes for Table 7's 9 cells x 2 seeds):
 
@@ -35,8 +40,9 @@ Default sizing (CIFAR-10 on 2 CPU cores, about 20 minutes for Table 7's 9 cells 
     other jobs it takes longer (about 3x at the contention measured above), and the run
     files make an interrupted job resumable. In shortened trial runs, no mixing reached
     23.7% top-1 after 30 steps of 128 and CutMix 21.9% after 120 steps of 64, so the full
-    runs land well above chance (10%); the spread over seeds is printed next to every mean, and differences
-    smaller than about two such spreads are noise.
+    runs land well above chance (10%); the spread over seeds is printed next to every mean, and every
+    delta carries its paired 95% interval (``--seeds 0-9`` for ten seeds; with two, t(0.975, 1) = 12.7
+    makes the interval wide).
 """
 
 from __future__ import annotations
@@ -71,10 +77,12 @@ from benchmarks._archive import (
     train_split,
 )
 from benchmarks._archive import TensorSplit
-from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, run_key
+from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, keyed_dump, run_key
+from benchmarks._init import PretrainedUnavailable, file_digest
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
 from benchmarks._rows import ROW_IDS, Cell, MixerFlags, table_cells
+from benchmarks._stats import NO_DIFFERENCE, PairedDelta, paired_delta
 from benchmarks._token_labels import TokenLabelSource, annotate_split
 from mixlabels import NoAlignConfig, TokenLabelingConfig
 from mixlabels.score_maps import ScoreMaps
@@ -119,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokenlabel (Token Labeling's CutMix / MixToken / annotator rows; trains a teacher first)")
     p.add_argument("--rows", type=_csv_list, help=f"only these rows, comma separated: table 7 {','.join(ROW_IDS[7])}; "
                    f"table 8 {','.join(ROW_IDS[8])}; tokenlabel {','.join(ROW_IDS['tokenlabel'])}")
-    p.add_argument("--seeds", type=_int_list, help="comma separated seeds (default 0,1)")
+    p.add_argument("--seeds", type=_int_list, help="seeds, comma separated, ranges inclusive: 0,1 or 0-9 or 0-4,7 "
+                   "(default 0,1)")
     p.add_argument("--data", help="cifar10, imagenette, or a path to an ImageFolder directory or .tar/.tar.gz")
     p.add_argument("--data-root", help="directory holding the named archives (default <project>/../shared/data)")
     p.add_argument("--loader", choices=("tensor", "folder"), help="tensor: decode once, augment batches; folder: DataLoader")
@@ -132,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int)
     p.add_argument("--heads", type=int, dest="num_heads")
     p.add_argument("--drop-path", type=float)
+    p.add_argument("--init", help="fine-tune from this state dict or timm checkpoint (.pth/.safetensors; {'state_dict': "
+                   "...}, {'model': ...} or {'state_dict_ema': ...} as timm's train.py writes), loaded strictly")
+    p.add_argument("--pretrained", action="store_true", help="fine-tune from timm's hub weights for --model (needs "
+                   "network or the local hub cache; use a --model name without size overrides)")
     p.add_argument("--epochs", type=float, help="passes over the training (sub)set")
     p.add_argument("--max-steps", type=int, help="cap every run at this many optimizer steps")
     p.add_argument("--batch-size", type=int, help="global batch size, split over the ranks")
@@ -149,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-checkpoints", action="store_true",
                    help="keep every trained model as <out>/checkpoints/<run key>.pth (for benchmarks/analysis.py)")
     p.add_argument("--teacher-epochs", type=float, help="tokenlabel: the annotator's epochs (default: twice --epochs)")
+    p.add_argument("--profile", choices=("scratch", "finetune"), help="finetune: train one base model on --base-data "
+                   "first (once, cached), then fine-tune every cell from it")
+    p.add_argument("--base-data", help="finetune: the base model's data (default imagenette for cifar10, else cifar10)")
+    p.add_argument("--base-epochs", type=float, help="finetune: the base model's epochs (default 4x --epochs)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the runs, train nothing")
     return p
 
@@ -158,10 +175,22 @@ def _csv_list(text: str) -> list[str]:
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        return [int(t) for t in _csv_list(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma separated integers, got {text!r}") from None
+    """``"0,1"`` or ``"0-9"`` (inclusive) or a mix: ``"0-2,7"`` is ``[0, 1, 2, 7]``."""
+    out: list[int] = []
+    for part in _csv_list(text):
+        first, dash, last = part.partition("-") if not part.startswith("-") else ("", "", "")
+        try:
+            if dash:
+                lo, hi = int(first), int(last)
+                if hi < lo:
+                    raise argparse.ArgumentTypeError(f"seed range {part!r} runs backwards; write {hi}-{lo}")
+                out.extend(range(lo, hi + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma separated integers or inclusive ranges (0,1 or 0-9), got {text!r}") from None
+    return out
 
 
 def _table(text: str) -> int | str:
@@ -201,6 +230,7 @@ def _flags_to_tree(flags: dict[str, Any]) -> dict[str, Any]:
         "subset": ("data", "subset"), "test_subset": ("data", "test_subset"),
         "model": ("model", "name"), "patch_size": ("model", "patch_size"), "embed_dim": ("model", "embed_dim"),
         "depth": ("model", "depth"), "num_heads": ("model", "num_heads"), "drop_path": ("model", "drop_path"),
+        "init": ("model", "init"), "pretrained": ("model", "pretrained"),
         "epochs": ("recipe", "epochs"), "max_steps": ("recipe", "max_steps"), "batch_size": ("recipe", "batch_size"),
         "lr": ("recipe", "lr"), "weight_decay": ("recipe", "weight_decay"), "warmup": ("recipe", "warmup"),
     }
@@ -245,7 +275,8 @@ def default_out(cfg: AblationConfig) -> Path:
     """``runs/ablation/table<N>-<data>-<model>`` (``tokenlabel-<data>-<model>``) under the repository root."""
     data = cfg.data.source if cfg.data.source in ("cifar10", "imagenette") else Path(cfg.data.source).name.split(".")[0]
     table = "tokenlabel" if cfg.table == "tokenlabel" else f"table{cfg.table}"
-    return REPO_ROOT / "runs" / "ablation" / f"{table}-{data}-{cfg.model.name}"
+    profile = "-finetune" if cfg.profile == "finetune" else ""
+    return REPO_ROOT / "runs" / "ablation" / f"{table}-{data}-{cfg.model.name}{profile}"
 
 
 # ------------------------------------------------------------------------------------------------- plan
@@ -277,10 +308,32 @@ def teacher_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunC
     r = cfg.recipe
     cutmix = CutMixConfig(num_classes=num_classes, label_smoothing=r.label_smoothing, prob=r.mix_prob, alpha=1.0)
     return RunConfig(
-        data=cfg.data, model=cfg.model.model_copy(update={"class_token": False, "global_pool": "avg"}),
+        data=cfg.data,  # trained from scratch: a fine-tuning start has a class token the pooled teacher lacks
+        model=cfg.model.model_copy(update={"class_token": False, "global_pool": "avg", "init": None, "pretrained": False}),
         recipe=r.model_copy(update={"epochs": epochs}), mixer=cutmix, scheme=NoAlignConfig(),
         seed=0, device_type=device_type, bf16=cfg.use_bf16(),
     )
+
+
+def base_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunConfig:
+    """The finetune profile's base model: the job's model trained with CutMix on ``base_data``, seed 0.
+
+    All of the base data's training images at the job's image size, for ``base_epochs``
+    (default: four times the rows' epochs); the cells then fine-tune it on the job's data.
+    """
+    source = cfg.base_data or ("imagenette" if cfg.data.source == "cifar10" else "cifar10")
+    r = cfg.recipe
+    epochs = cfg.base_epochs if cfg.base_epochs is not None else 4 * r.epochs
+    # the base data must have the job's class count: the cells load the base's head strictly
+    cutmix = CutMixConfig(num_classes=num_classes, label_smoothing=r.label_smoothing, prob=r.mix_prob, alpha=1.0)
+    data = cfg.data.model_copy(update={"source": source, "loader": "tensor", "subset": None})
+    return RunConfig(data=data, model=cfg.model, recipe=r.model_copy(update={"epochs": epochs}), mixer=cutmix,
+                     scheme=NoAlignConfig(), init_sha256=_init_digest(cfg), seed=0, device_type=device_type,
+                     bf16=cfg.use_bf16())
+
+
+def _init_digest(cfg: AblationConfig) -> str | None:
+    return file_digest(cfg.model.init) if cfg.model.init is not None else None  # a missing file fails here
 
 
 def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planned]:
@@ -301,18 +354,24 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
     patch, img = _grid_of(cfg)
     cells = table_cells(
         cfg.table, num_classes=num_classes, label_smoothing=cfg.recipe.label_smoothing, prob=cfg.recipe.mix_prob,
-        patch_size=patch, img_size=img, depth=cfg.model.resolved_depth(),
+        patch_size=patch, img_size=img, depth=cfg.model.resolved_depth(), drop_path=cfg.model.drop_path,
     )
     if cfg.rows is not None:
         cells = [c for c in cells if c.row in cfg.rows]
+    digest = _init_digest(cfg)
+    model, base = cfg.model, None
+    if cfg.profile == "finetune":  # every cell starts from the base run's weights: its key enters theirs
+        base = run_key(base_run(cfg, num_classes, device_type))
+        model, digest = cfg.model.model_copy(update={"init": None, "pretrained": False}), None
     annotator = None
     if any(c.annotated for c in cells):
         annotator = AnnotatorConfig(teacher=run_key(teacher_run(cfg, num_classes, device_type)))
     out = []
     for cell in cells:
         for seed in cfg.seeds:
-            run = RunConfig(data=cfg.data, model=cfg.model, recipe=cfg.recipe, mixer=cell.mixer, scheme=cell.scheme,
-                            annotator=annotator if cell.annotated else None, seed=seed, device_type=device_type,
+            run = RunConfig(data=cfg.data, model=model, recipe=cfg.recipe, mixer=cell.mixer, scheme=cell.scheme,
+                            annotator=annotator if cell.annotated else None, init_sha256=digest, base=base, seed=seed,
+                            device_type=device_type,
                             bf16=cfg.use_bf16())
             out.append(Planned(cell, seed, run, run_key(run)))
     return out
@@ -436,7 +495,8 @@ def _read_done(runs_dir: Path, planned: Sequence[Planned]) -> dict[str, dict[str
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # a torn or foreign file: the run is redone and the file replaced
-        if record.get("key") == p.key and record.get("run") == p.run.model_dump(mode="json"):
+        run = record.get("run")
+        if record.get("key") == p.key and isinstance(run, dict) and keyed_dump(run) == keyed_dump(p.run):
             done[p.key] = record
     return done
 
@@ -473,6 +533,8 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         data = load_data(cfg, shard) if not dry_run else None
         num_classes = data.num_classes if data else _peek_classes(cfg)
         planned = plan(cfg, num_classes, shard.device.type)
+        if data is not None and (cfg.model.init is not None or cfg.model.pretrained):
+            cfg.model.initialised(num_classes)  # a checkpoint that does not fit fails now, not after the first run
         # rank 0 alone reads the run files: every rank takes the same decision even on node-local disks
         done = broadcast_from_zero(_read_done(out / "runs", planned) if lead else {})
         ckpt_dir = out / "checkpoints"
@@ -490,6 +552,10 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         if dry_run or data is None:
             return Report(out, 0, len(planned) - len(todo), [], "")
         progress = lead and not cfg.quiet
+        base: dict[str, Any] | None = None
+        base_ckpt: Path | None = None
+        if cfg.profile == "finetune":
+            base, base_ckpt = prepare_base(cfg, planned, num_classes, shard, out, progress=progress, needed=bool(todo))
         teacher: dict[str, Any] | None = None
         source: TokenLabelSource | None = None
         if any(p.run.annotator is not None for p in planned):
@@ -501,7 +567,7 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             if p.run.annotator is not None and source is not None and isinstance(p.run.scheme, TokenLabelingConfig):
                 labels = replace(source, beta=p.run.scheme.beta, fill=p.run.annotator.fill)
             result = train_and_evaluate(p.run, data.make_train(p.seed), data.test, shard, num_classes=data.num_classes,
-                                        progress=progress, desc=p.name, token_labels=labels,
+                                        progress=progress, desc=p.name, token_labels=labels, init=base_ckpt,
                                         checkpoint=ckpt_dir / f"{p.key}.pth" if cfg.save_checkpoints else None)
             if lead:
                 record = {"key": p.key, "run": p.run.model_dump(mode="json"), "result": asdict(result),
@@ -517,14 +583,57 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             return Report(out, len(todo), len(planned) - len(todo), [], "")
         records = [{"table": cfg.table, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned,
                     "seed": p.seed, **done[p.key]} for p in planned]
-        markdown = render_markdown(cfg, planned, records, teacher)
-        write_outputs(out, cfg, planned, records, markdown, teacher)
+        markdown = render_markdown(cfg, planned, records, teacher, base)
+        write_outputs(out, cfg, planned, records, markdown, teacher, base)
         print()
         print(markdown, flush=True)
-        print(f"written: {out / 'table.md'}, runs.csv, results.json, table.png")
+        print(f"written: {out / 'table.md'}, runs.csv, deltas.csv, results.json, table.png")
         return Report(out, len(todo), len(planned) - len(todo), records, markdown)
     finally:
         teardown()
+
+
+def prepare_base(cfg: AblationConfig, planned: Sequence[Planned], num_classes: int, shard: Shard, out: Path, *,
+                 progress: bool, needed: bool) -> tuple[dict[str, Any], Path]:
+    """The finetune profile's base model: trained once (unless its run file and checkpoint exist), then reused.
+
+    Returns its run record and checkpoint ``<out>/base/<key>.pth``. ``needed``: a cell is
+    still to train, so the checkpoint must exist (a deleted one is retrained).
+    """
+    from benchmarks._train import train_and_evaluate
+
+    run = base_run(cfg, num_classes, planned[0].run.device_type)
+    key = run_key(run)
+    assert all(p.run.base == key for p in planned)
+    cell = Cell("base", "base model", MixerFlags(cutmix=True), False, run.mixer, run.scheme)
+    ckpt = out / "base" / f"{key}.pth"  # <out>/runs/<key>.json beside it: benchmarks/analysis.py reads its heads
+    found = _read_done(out / "runs", [Planned(cell, run.seed, run, key)]) if shard.rank == 0 else {}
+    done = broadcast_from_zero(found if ckpt.is_file() or not needed else {})
+    if key not in done:
+        data = load_data(cfg.model_copy(update={"data": run.data}), shard)
+        if data.num_classes != num_classes:
+            raise ValueError(f"the base data {run.data.source} has {data.num_classes} classes and the job's "
+                             f"{cfg.data.source} {num_classes}: the cells load the base's classifier strictly; "
+                             "pick a --base-data with as many classes")
+        result = train_and_evaluate(run, data.make_train(run.seed), data.test, shard, num_classes=num_classes,
+                                    progress=progress, desc="base model", checkpoint=ckpt)
+        record = {"key": key, "run": run.model_dump(mode="json"), "result": asdict(result), "world": shard.world,
+                  "device": str(shard.device), "finished": time.time()}
+        if shard.rank == 0:
+            write_atomic(out / "runs" / f"{key}.json", json.dumps(record, indent=1))
+            print(f"base model: top-1 {result.top1:.2f}% on {run.data.source} ({result.steps} steps, "
+                  f"{result.train_seconds:.0f} s)", flush=True)
+        done[key] = record
+    barrier()
+    return done[key], ckpt
+
+
+def _base_line(base: dict[str, Any]) -> str:
+    """The finetune profile's base model under the table."""
+    run, result = base["run"], base["result"]
+    return (f"Fine-tuned from one base model: {run['model']['name']} trained with CutMix on {run['data']['source']} "
+            f"at {run['data']['img_size']} px for {run['recipe']['epochs']:g} epochs ({result['steps']} steps, seed "
+            f"{run['seed']}; top-1 {result['top1']:.2f}% on its own test images), then every cell from it.")
 
 
 def planned_teacher(cfg: AblationConfig, planned: Sequence[Planned], num_classes: int) -> Planned:
@@ -644,13 +753,34 @@ def _stat(values: Sequence[float]) -> Stat | None:
     return Stat(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None, len(values))
 
 
-def _delta(base: dict[int, float], other: dict[int, float]) -> str:
-    """Mean of the per-seed differences (same seed, same data order) ± their std."""
-    seeds = sorted(set(base) & set(other))
-    stat = _stat([other[s] - base[s] for s in seeds])
-    if stat is None:
-        return "-"
-    return f"{stat.mean:+.2f}" if stat.std is None else f"{stat.mean:+.2f} ± {stat.std:.2f}"
+@dataclass(frozen=True)
+class Delta:
+    """One reported difference: a row's cell against its reference (same seeds, same data order)."""
+
+    row: str
+    label: str
+    against: str  # "without TL-Align" (Table 7) or the baseline row's id
+    delta: PairedDelta
+
+
+def table_deltas(cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]]) -> list[Delta]:
+    """Every delta the table reports: Table 7's aligned minus unaligned per row, else each row minus the baseline."""
+    cells = summarise(records)
+    rows = list(dict.fromkeys((p.cell.row, p.cell.label) for p in planned))
+    out: list[Delta] = []
+    if cfg.table == 7:
+        for row, label in rows:
+            d = paired_delta(cells.get((row, False), {}), cells.get((row, True), {}))
+            if d is not None:
+                out.append(Delta(row, label, "without TL-Align", d))
+        return out
+    first = "cutmix" if cfg.table == "tokenlabel" else "none"
+    baseline = cells.get((first, False), {})
+    for row, label, aligned in dict.fromkeys((p.cell.row, p.cell.label, p.cell.aligned) for p in planned):
+        d = paired_delta(baseline, cells.get((row, aligned), {})) if row != first else None
+        if d is not None:
+            out.append(Delta(row, label, first, d))
+    return out
 
 
 def summarise(records: Sequence[dict[str, Any]]) -> dict[tuple[str, bool], dict[int, float]]:
@@ -667,9 +797,10 @@ def _fmt(values: dict[int, float] | None) -> str:
 
 
 def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
-                    teacher: dict[str, Any] | None = None) -> str:
+                    teacher: dict[str, Any] | None = None, base_model: dict[str, Any] | None = None) -> str:
     """The table in the paper's shape, with a caption saying what was run."""
     cells = summarise(records)
+    deltas = {d.row: str(d.delta) for d in table_deltas(cfg, planned, records)}
     rows: list[Cell] = []
     for p in planned:
         if all(p.cell.row != c.row or p.cell.aligned != c.aligned for c in rows):
@@ -681,7 +812,8 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
     caption = (f"{name} on {cfg.data.source} ({cfg.data.subset or 'all'} train / "
                f"{cfg.data.test_subset or 'all'} test images), {size}, {'/'.join(map(str, sorted(steps)))} steps of "
                f"{cfg.recipe.batch_size}; top-1 (%) as mean ± std over seeds {', '.join(map(str, cfg.seeds))}; "
-               f"Δ = mean ± std of the per-seed differences.")
+               f"Δ = mean of the paired per-seed differences [95% t interval], seeds where it was positive / seeds, "
+               f"and '{NO_DIFFERENCE}' where the interval spans 0 (one seed: no interval).")
     lines = [caption, ""]
     mark = {True: "✓", False: "×"}
     if cfg.table == 7:
@@ -694,20 +826,21 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
             lines.append(
                 f"| {mark[flags.mixup]} | {mark[flags.cutmix]} | {mark[flags.random]} | {mark[flags.blockwise]} "
                 f"| {_fmt(base)} | {_fmt(aligned) if has_aligned else '-'} "
-                f"| {_delta(base, aligned) if base and aligned else '-'} |"
+                f"| {deltas.get(row, '-')} |"
             )
     else:  # one column, each row against the baseline row: Table 8's "none", the tokenlabel table's CutMix
         first = "cutmix" if cfg.table == "tokenlabel" else "none"
-        baseline = cells.get((first, False))
         against = "Δ vs CutMix (%)" if cfg.table == "tokenlabel" else "Δ (%)"
         lines += [f"| {'Training' if cfg.table == 'tokenlabel' else 'Alignment'} | Top-1 (%) | {against} |",
                   "| :-- | --: | --: |"]
         for c in rows:
             values = cells.get((c.row, c.aligned))
-            delta = _delta(baseline, values) if baseline and values and c.row != first else "-"
+            delta = deltas.get(c.row, "-") if c.row != first else "-"
             lines.append(f"| {c.label} | {_fmt(values)} | {delta} |")
         if teacher is not None:
             lines += ["", _teacher_line(teacher)]
+    if base_model is not None:
+        lines += ["", _base_line(base_model)]
     return "\n".join(lines) + "\n"
 
 
@@ -727,9 +860,12 @@ _CSV_FIELDS = ("table", "row", "label", "aligned", "seed", "key", "mixer", "sche
                "train_loss", "steps", "train_seconds", "eval_seconds", "images_per_second", "world", "device")
 
 
+_DELTA_FIELDS = ("table", "row", "label", "against", "n", "mean", "ci_low", "ci_high", "positive", "verdict")
+
+
 def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
-                  markdown: str, teacher: dict[str, Any] | None = None) -> None:
-    """``table.md``, ``runs.csv``, ``results.json`` and ``table.png`` in ``out``, each written atomically."""
+                  markdown: str, teacher: dict[str, Any] | None = None, base: dict[str, Any] | None = None) -> None:
+    """``table.md``, ``runs.csv``, ``deltas.csv``, ``results.json`` and ``table.png`` in ``out``, each atomically."""
     write_atomic(out / "table.md", markdown)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS)
@@ -742,7 +878,15 @@ def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], re
             **{k: rec["result"][k] for k in _CSV_FIELDS if k in rec["result"]},
         })
     write_atomic(out / "runs.csv", buf.getvalue())
-    results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records), "annotator": teacher}
+    deltas = [{"row": d.row, "label": d.label, "against": d.against, **d.delta.as_dict()}
+              for d in table_deltas(cfg, planned, records)]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=_DELTA_FIELDS)
+    writer.writeheader()
+    writer.writerows({"table": cfg.table, **d} for d in deltas)
+    write_atomic(out / "deltas.csv", buf.getvalue())
+    results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records), "deltas": deltas,
+               "annotator": teacher, "base": base}
     write_atomic(out / "results.json", json.dumps(results, indent=1))
     plot(out / "table.png", cfg, planned, records)
 
@@ -800,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, dry_run = resolve_config(argv)
         run_ablation(cfg, dry_run=dry_run)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, PretrainedUnavailable) as err:
         from pydantic import ValidationError
 
         if isinstance(err, ValidationError):

@@ -3,7 +3,7 @@
 Example:
     >>> from pydantic import TypeAdapter
     >>> TypeAdapter(SchemeConfig).validate_python({"kind": "tl_align", "layers": [1, 3, 5, 7]}).build()
-    TLAlign(layers=(1, 3, 5, 7), normalize=True)
+    TLAlign(layers=(1, 3, 5, 7), normalize=True, drop_path='follow')
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from mixlabels._config import Config
-from mixlabels._schemes import NoAlign, TLAlign, TokenLabeling, TransMix
+from mixlabels._schemes import DropPathRule, NoAlign, TLAlign, TokenLabeling, TransMix
 
 __all__ = ["NoAlignConfig", "TransMixConfig", "TLAlignConfig", "TokenLabelingConfig", "SchemeConfig"]
 
@@ -37,7 +37,7 @@ class TransMixConfig(Config[TransMix]):
 
 
 class TLAlignConfig(Config[TLAlign]):
-    """TL-Align; ``layers`` and ``normalize`` give Table 8's ablations."""
+    """TL-Align; ``layers``, ``normalize`` and ``drop_path`` give Table 8's ablations."""
 
     kind: Literal["tl_align"] = "tl_align"
     layers: Annotated[
@@ -45,9 +45,13 @@ class TLAlignConfig(Config[TLAlign]):
         Field(description="0-based aligned layers (negative from the end); None aligns all"),
     ] = None
     normalize: Annotated[bool, Field(description="False: Table 8's 'Normalization Disabled'")] = True
+    drop_path: Annotated[
+        DropPathRule,
+        Field(description="'follow': a sample whose attention branch was dropped keeps its labels; 'official': they mix anyway"),
+    ] = "follow"
 
     def build(self) -> TLAlign:
-        return TLAlign(layers=self.layers, normalize=self.normalize)
+        return TLAlign(layers=self.layers, normalize=self.normalize, drop_path=self.drop_path)
 
 
 class TokenLabelingConfig(Config[TokenLabeling]):

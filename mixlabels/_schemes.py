@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -24,7 +24,14 @@ from torch import Tensor
 from mixlabels._align import AlignedTargets, LabelTracker, Readout, TokenLayout, initial_weights
 from mixlabels._label_map import TokenLabelMap
 
-__all__ = ["NoAlign", "TransMix", "TLAlign", "TokenLabeling", "TokenAnnotator"]
+__all__ = ["NoAlign", "TransMix", "TLAlign", "TokenLabeling", "TokenAnnotator", "DropPathRule"]
+
+DropPathRule = Literal["follow", "official"]
+"""What a block's label update does for a sample whose attention branch stochastic depth dropped.
+
+``"follow"``: labels follow the tokens; the sample's tokens did not mix, so its labels stay.
+``"official"``: the official TL-Align code's rule, ``Y <- Norm(Y + A Y)`` for every sample.
+"""
 
 
 class TokenAnnotator(Protocol):
@@ -58,6 +65,7 @@ class _Tracker:
         *,
         align: frozenset[int] = frozenset(),
         normalize: bool = True,
+        follow_drop: bool = True,
         transmix_layer: int | None = None,
         aligned_target: bool = False,
         token_targets: bool = False,
@@ -68,6 +76,7 @@ class _Tracker:
         self._layout = layout
         self._align = align
         self._normalize = normalize
+        self._follow_drop = follow_drop
         self._transmix_layer = transmix_layer
         self._aligned_target = aligned_target
         self._token_targets = token_targets
@@ -118,7 +127,7 @@ class _Tracker:
         # Eq. 11: Norm(Y + A Y), Norm a simple average. Without normalisation (Table 8)
         # the label residual is not modelled: the branch's labels replace Y (see TLAlign).
         new = (self._y + branch) / 2 if self._normalize else branch
-        if keep is not None:  # a sample whose branch was dropped keeps its labels
+        if keep is not None and self._follow_drop:  # a sample whose branch was dropped keeps its labels
             new = torch.where(keep.view(-1, 1, 1), new, self._y)
         self._y = new
 
@@ -221,7 +230,7 @@ class TLAlign:
     Labels start as in Eq. 5 (prefix tokens: the image weights; patch tokens: their exact
     area fractions). In each aligned layer, ``Y <- Norm(Y + mean_h(A_h) Y)`` (Eq. 11, Norm a
     simple average); MLP residuals leave labels unchanged; a sample whose attention branch
-    is dropped by stochastic depth keeps its labels. The target is the class token's label,
+    is dropped by stochastic depth keeps its labels (``drop_path="follow"``). The target is the class token's label,
     or the mean of the patch tokens' labels for pooled models.
 
     Args:
@@ -236,18 +245,33 @@ class TLAlign:
             at the presence of residual connections": the label update drops the residual,
             ``Y <- mean_h(A_h) Y`` (labels follow the attention alone). Rows stay on the
             simplex, so targets remain distributions (renormalised at readout anyway).
+        drop_path: ``"follow"`` (default): a sample whose attention branch stochastic depth
+            dropped keeps its labels in that layer: its tokens did not mix, and labels follow
+            the tokens. ``"official"``: the official TL-Align code's rule, which updates every
+            sample's labels (``Y <- Norm(Y + mean_h(A_h) Y)``) whether or not its branch was
+            dropped; use it to reproduce the official numbers. Identical without stochastic
+            depth (``drop_path_rate=0`` or eval mode).
 
     Example:
         >>> TLAlign(layers=(-1,)), TLAlign(layers=(1, 3, 5, 7)), TLAlign(normalize=False)  # Table 8
-        (TLAlign(layers=(-1,), normalize=True), TLAlign(layers=(1, 3, 5, 7), normalize=True), TLAlign(layers=None, normalize=False))
+        (TLAlign(layers=(-1,), normalize=True, drop_path='follow'), TLAlign(layers=(1, 3, 5, 7), normalize=True, drop_path='follow'), TLAlign(layers=None, normalize=False, drop_path='follow'))
+        >>> TLAlign(drop_path="official").drop_path
+        'official'
     """
 
     layers: tuple[int, ...] | None = None
     normalize: bool = True
+    drop_path: DropPathRule = "follow"
 
-    def __init__(self, layers: Sequence[int] | None = None, normalize: bool = True) -> None:
+    def __init__(self, layers: Sequence[int] | None = None, normalize: bool = True, drop_path: DropPathRule = "follow") -> None:
+        if drop_path not in ("follow", "official"):
+            raise ValueError(
+                f"TLAlign drop_path={drop_path!r} is not a rule: use 'follow' (labels of a sample whose "
+                "attention branch was dropped stay) or 'official' (the official code: they mix anyway)"
+            )
         object.__setattr__(self, "layers", None if layers is None else tuple(int(i) for i in layers))
         object.__setattr__(self, "normalize", bool(normalize))
+        object.__setattr__(self, "drop_path", drop_path)
 
     @property
     def needs_token_logits(self) -> bool:
@@ -259,6 +283,7 @@ class TLAlign:
             layout,
             align=_resolve_layers(self.layers, layout.depth),
             normalize=self.normalize,
+            follow_drop=self.drop_path == "follow",
             aligned_target=True,
         )
 

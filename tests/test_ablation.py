@@ -9,6 +9,7 @@ use decodes the archive once, about 30 s). Runs are 2 optimizer steps of a
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 
 from benchmarks import ablation
 from benchmarks._archive import NAMED, REPO_ROOT, default_data_root
-from benchmarks._config import AblationConfig
+from benchmarks._config import AblationConfig, DataConfig, ModelConfig, RecipeConfig, RunConfig, run_key
 from benchmarks._data import _per_rank
 from benchmarks._rows import ROW_IDS, paper_layers, table_cells
 from mixlabels import NoAlignConfig, TLAlignConfig
@@ -55,7 +56,24 @@ def test_table8_rows() -> None:
     assert schemes["layers-2468"] == TLAlignConfig(layers=(0, 1, 2, 3))
     assert schemes["no-norm"] == TLAlignConfig(normalize=False)
     assert schemes["tl-align"] == TLAlignConfig()
-    assert [c.aligned for c in cells] == [False, True, True, True, True]
+    assert schemes["official-drop-path"] == TLAlignConfig(drop_path="official")
+    assert [c.aligned for c in cells] == [False, True, True, True, True, True]
+    labels = {c.row: c.label for c in table_cells(8, num_classes=10, label_smoothing=0.1, prob=1.0, patch_size=4,
+                                                  img_size=32, depth=6, drop_path=0.1)}
+    assert "drop-path 0.1" in labels["official-drop-path"]
+
+
+def test_new_scheme_fields_enter_the_run_key_only_off_their_default() -> None:
+    """A default TL-Align run keeps the key it had before ``drop_path`` and ``init`` existed: cached runs resume."""
+    run = RunConfig(data=DataConfig(), model=ModelConfig(), recipe=RecipeConfig(), scheme=TLAlignConfig())
+    dump = run.model_dump(mode="json")
+    # the run's config as written before the fields existed
+    del dump["scheme"]["drop_path"], dump["model"]["init"], dump["model"]["pretrained"]
+    del dump["init_sha256"], dump["base"]
+    before = hashlib.sha256(json.dumps(dump, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    assert run_key(run) == before
+    official = run.model_copy(update={"scheme": TLAlignConfig(drop_path="official")})
+    assert run_key(official) != before
 
 
 def test_table7_rows() -> None:
@@ -118,7 +136,7 @@ def test_end_to_end_outputs_and_resume(tmp_path: Path) -> None:
     cfg, _ = ablation.resolve_config(argv)
     first = ablation.run_ablation(cfg)
     assert (first.trained, first.skipped) == (4, 0)
-    for name in ("table.md", "runs.csv", "results.json", "table.png"):
+    for name in ("table.md", "runs.csv", "deltas.csv", "results.json", "table.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "table.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
@@ -130,6 +148,11 @@ def test_end_to_end_outputs_and_resume(tmp_path: Path) -> None:
     assert {r["scheme"] for r in rows} == {"none", "tl_align"} and all(r["evaluated"] == "64" for r in rows)
     results = json.loads((out / "results.json").read_text())
     assert AblationConfig.model_validate(results["config"]) == cfg and len(results["runs"]) == 4
+    with (out / "deltas.csv").open() as f:
+        deltas = list(csv.DictReader(f))
+    assert [(d["row"], d["against"], d["n"]) for d in deltas] == [("cutmix", "without TL-Align", "2")]
+    assert results["deltas"][0]["verdict"] in ("no significant difference", "higher", "lower")
+    assert results["deltas"][0]["verdict"] in table
 
     # a rerun trains nothing and leaves every run file as it was
     before = _run_files(out)
@@ -160,4 +183,4 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     assert len(runs) == 2 and all(r["world"] == 2 for r in runs)
     assert all(r["result"]["evaluated"] == 64 for r in runs)  # the two eval shards cover the test subset once
     assert not list(out.rglob("*.tmp*"))  # atomic writes leave no temporaries behind
-    assert {p.name for p in out.iterdir()} == {"runs", "table.md", "runs.csv", "results.json", "table.png"}
+    assert {p.name for p in out.iterdir()} == {"runs", "table.md", "runs.csv", "deltas.csv", "results.json", "table.png"}

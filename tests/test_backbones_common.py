@@ -24,6 +24,7 @@ SCHEMES: dict[str, Any] = {
     "tl_last": TLAlign(layers=(-1,)),
     "tl_first": TLAlign(layers=(0,)),
     "tl_no_norm": TLAlign(normalize=False),
+    "tl_official": TLAlign(drop_path="official"),  # the official code's drop-path rule
     "tokens": TokenLabeling(beta=0.5),
     "tokens_aligned": TokenLabeling(beta=0.5, aligned=True),
 }

@@ -37,6 +37,7 @@ SCHEMES: dict[str, Any] = {
     "tl_last": TLAlign(layers=(-1,)),  # Table 8: "Layer 12"
     "tl_some": TLAlign(layers=(0, 2)),  # Table 8: "Layer 2,4,6,8" in spirit
     "tl_no_norm": TLAlign(normalize=False),  # Table 8: "Normalization Disabled"
+    "tl_official": TLAlign(drop_path="official"),  # the official code's drop-path rule
     "tokens": TokenLabeling(beta=0.5),
     "tokens_aligned": TokenLabeling(beta=0.5, aligned=True),
 }
@@ -152,6 +153,21 @@ def test_mixtoken_fast_equals_reference(scheme: str) -> None:
     assert_close(a.target, b.target, rtol=1e-5, atol=1e-5)
     # MixToken mixes embeddings: the logits differ from the model on the unmixed images.
     assert (a.logits - model.eval()(images)).abs().max() > 1e-4
+
+
+def test_drop_path_rules_differ_only_under_stochastic_depth() -> None:
+    """Same draws: the two rules give different targets in train mode (some sample dropped), equal ones in eval."""
+    model = make_model("cls", drop_path_rate=0.5, sharpen=8.0)
+    images, lm = cutmix_batch()
+    targets = {}
+    for rule in ("follow", "official"):
+        torch.manual_seed(3)
+        targets[rule] = backbones.adapt(model.train(), TLAlign(drop_path=rule))(images, lm).target
+    assert (targets["follow"] - targets["official"]).abs().max() > 1e-3
+    with torch.no_grad():
+        follow = backbones.adapt(model.eval(), TLAlign())(images, lm).target
+        official = backbones.adapt(model.eval(), TLAlign(drop_path="official"))(images, lm).target
+    assert_close(follow, official, rtol=0, atol=0)
 
 
 def test_training_step_runs_and_eval_mode_is_allowed() -> None:

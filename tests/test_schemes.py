@@ -119,6 +119,52 @@ def test_dropped_branch_keeps_labels_and_layers_select() -> None:
     assert TLAlign(layers=(-1,)).start(lm, LAYOUT).wants_labels(2)
 
 
+def dense_drop_path_reference(lm: TokenLabelMap, attn: torch.Tensor, keeps: torch.Tensor, rule: str) -> torch.Tensor:
+    """The class token's label after every layer's ``Y <- (Y + A Y) / 2``, sample by sample, on class distributions.
+
+    ``"official"`` (the official TL-Align block): the update runs whatever stochastic depth drew.
+    ``"follow"``: a sample whose attention branch was dropped keeps its labels in that layer.
+    """
+    targets = []
+    for s in range(lm.batch_size):
+        y = torch.cat([lm.image_targets()[s : s + 1], lm.targets(lm.token_weights(GRID))[s]]).double()  # n c
+        for layer in range(attn.shape[0]):
+            if rule == "official" or bool(keeps[layer, s]):
+                y = (y + attn[layer, s].double() @ y) / 2
+        targets.append(y[0])
+    return torch.stack(targets).float()
+
+
+@pytest.mark.parametrize("rule", ["follow", "official"])
+def test_drop_path_rule_against_a_dense_reference(rule: str) -> None:
+    """Fixed drop-path draws over three layers; sample 2 is never dropped, samples 0 and 1 are."""
+    lm = left_half_map(b=3)
+    n = LAYOUT.num_tokens
+    attn = torch.softmax(4.0 * torch.randn(LAYOUT.depth, 3, n, n, generator=torch.Generator().manual_seed(0)), dim=-1)
+    keeps = torch.tensor([[True, False, True], [False, False, True], [True, True, True]])  # layer b
+    tracker = TLAlign(drop_path=rule).start(lm, LAYOUT)
+    for layer in range(LAYOUT.depth):
+        tracker.spatial_mix(layer, attn[layer] @ tracker.labels())
+        tracker.residual(layer, keeps[layer])  # attention residual
+        tracker.residual(layer, ~keeps[layer])  # MLP residual: no spatial mix, labels unchanged whatever the draw
+    tracker.pool("token", 0)  # the class token, as the ViT adapter reads it
+    got = tracker.finish().target
+    assert_close(got, dense_drop_path_reference(lm, attn, keeps, rule))
+    other = dense_drop_path_reference(lm, attn, keeps, "official" if rule == "follow" else "follow")
+    assert ((got[:2] - other[:2]).abs().amax(dim=-1) > 1e-3).all()  # dropped somewhere: the rules differ
+    assert_close(got[2], other[2])  # never dropped: both rules agree
+
+
+def test_drop_path_rule_is_checked_and_configurable() -> None:
+    with pytest.raises(ValueError, match="'follow'.*'official'"):
+        TLAlign(drop_path="offical")
+    adapter: TypeAdapter[SchemeConfig] = TypeAdapter(SchemeConfig)
+    assert adapter.validate_python({"kind": "tl_align", "drop_path": "official"}).build() == TLAlign(drop_path="official")
+    assert adapter.validate_python({"kind": "tl_align"}).build().drop_path == "follow"
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"kind": "tl_align", "drop_path": "offical"})
+
+
 def test_aggregate_sums_and_renormalises() -> None:
     lm = left_half_map()
     tracker = TLAlign().start(lm, TokenLayout(GRID, 0, 1, class_token=False))
