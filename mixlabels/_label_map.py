@@ -121,8 +121,11 @@ class _BoxMask:
     def device(self) -> torch.device:
         return self.boxes.device
 
-    def to(self, device: torch.device | str) -> _BoxMask:
-        return replace(self, boxes=self.boxes.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> _BoxMask:
+        return replace(self, boxes=self.boxes.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> _BoxMask:
+        return replace(self, boxes=self.boxes.pin_memory())
 
     def partner_cells(self) -> Tensor:
         """Cells inside each box (source 1's), ``(b, gh, gw)`` bool."""
@@ -458,14 +461,28 @@ class TokenLabelMap:
     def device(self) -> torch.device:
         return self.sources.device
 
-    def to(self, device: torch.device | str) -> TokenLabelMap:
-        """The same map on another device."""
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TokenLabelMap:
+        """The same map on another device; ``non_blocking`` as ``Tensor.to`` (timm's prefetcher passes it).
+
+        Only the device changes: the weights stay fp32 and the labels keep their dtype whatever
+        the images are cast to, so ``to`` takes no dtype.
+        """
         return replace(
             self,
-            sources=self.sources.to(device),
-            mask=_field(self._mask.to(device)),  # boxes move as boxes
-            image_weights=self.image_weights.to(device),
-            labels=self.labels.to(device),
+            sources=self.sources.to(device, non_blocking=non_blocking),
+            mask=_field(self._mask.to(device, non_blocking=non_blocking)),  # boxes move as boxes
+            image_weights=self.image_weights.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> TokenLabelMap:
+        """The same map in page-locked memory (a ``DataLoader(pin_memory=True)`` calls this on each batch)."""
+        return replace(
+            self,
+            sources=self.sources.pin_memory(),
+            mask=_field(self._mask.pin_memory()),
+            image_weights=self.image_weights.pin_memory(),
+            labels=self.labels.pin_memory(),
         )
 
     def check(self) -> None:

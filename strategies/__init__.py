@@ -14,6 +14,7 @@ With kornia: ``seq = AugmentationSequential(K.RandomHorizontalFlip(), mixer, dat
 """
 
 from mixlabels.strategies._base import MixParams, Mixer, PairMixer, mix_images
+from mixlabels.strategies._collate import CollateMixer, timm_collate_mixup
 from mixlabels.strategies._config import (
     BlockwiseMixConfig,
     CutMixConfig,
@@ -24,12 +25,14 @@ from mixlabels.strategies._config import (
     SwitchConfig,
 )
 from mixlabels.strategies._cutmix import BoxParams, CutMix, cutmix_boxes
+from mixlabels.strategies._elem_switch import ElemSwitch, ElemSwitchParams
 from mixlabels.strategies._mixtoken import MixToken
 from mixlabels.strategies._mixup import MixUp, MixUpParams
 from mixlabels.strategies._patch import BlockwiseMix, CellParams, RandomPatchMix
 from mixlabels.strategies._sampling import Mode, Pairing
 from mixlabels.strategies._sequential import sequential_label_map
 from mixlabels.strategies._switch import Switch, SwitchParams
+from mixlabels.strategies._timm_mixup import timm_mixup
 
 __all__ = [
     "CutMix",
@@ -38,6 +41,10 @@ __all__ = [
     "BlockwiseMix",
     "MixToken",
     "Switch",
+    "ElemSwitch",
+    "timm_mixup",
+    "CollateMixer",
+    "timm_collate_mixup",
     "Mixer",
     "PairMixer",
     "MixParams",
@@ -45,6 +52,7 @@ __all__ = [
     "MixUpParams",
     "CellParams",
     "SwitchParams",
+    "ElemSwitchParams",
     "Mode",
     "Pairing",
     "mix_images",
