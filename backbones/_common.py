@@ -30,6 +30,7 @@ from timm.layers.drop import DropPath
 from torch import Tensor, nn
 
 from mixlabels.backbones._attention import _widen, drop_path_with_keep
+from mixlabels.backbones._timm_face import TimmFace, check_distributed
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 
-class AdaptedBase(nn.Module):
+class AdaptedBase(TimmFace):
     """``adapted(images)`` is ``model(images)``; ``adapted(images, label_map)`` an ``AlignedOutput``.
 
     Subclasses set ``refusal`` and ``family`` and implement ``aligned_forward`` (events,
@@ -82,6 +83,7 @@ class AdaptedBase(nn.Module):
                 "gradient checkpointing re-runs block forwards, which would update the labels twice; "
                 "call model.set_grad_checkpointing(False) before training with a label map"
             )
+        check_distributed(self)
         if self.reference:
             return self.reference_forward(images, label_map)
         return self.aligned_forward(images, label_map)
