@@ -120,6 +120,10 @@ class AlignedClassificationTask(TrainingTask):
             )
         if _has_ddp(self.trainable_module):
             raise RuntimeError("prepare_distributed was already called: the adapter is wrapped in DDP once")
+        if device_ids is not None and all(torch.device(d).type == "cpu" for d in device_ids):
+            # DDP takes device_ids for accelerator modules only; timm's train.py passes [device] even on the CPU
+            # (where its own ClassificationTask then fails), so CPU ranks get None, which is what DDP wants.
+            device_ids = None
         self.trainable_module = DistributedDataParallel(self.trainable_module, device_ids=device_ids, **ddp_kwargs)
         return self
 

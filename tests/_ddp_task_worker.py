@@ -76,7 +76,7 @@ def main() -> None:
 
     # 3. the task through DDP, as train.py drives it: accumulation of 2 micro-batches under no_sync
     task = AlignedClassificationTask(FAMILIES[0].example(), mixlabels.TLAlign(), verbose=False)
-    task.prepare_distributed()
+    task.prepare_distributed(device_ids=[torch.device("cpu")])  # what train.py passes on the CPU
     opt = torch.optim.SGD(task.get_trainable_module().parameters(), lr=0.1)
     losses = []
     for i, (images, lm) in enumerate(data):
