@@ -235,3 +235,20 @@ def test_timm_mixup_refusals() -> None:
         mixup_from_timm_args(mode="half")
     with pytest.raises(ValueError, match="'elem' or 'pair'"):
         ElemSwitch(NC, mode="batch")
+
+
+def test_mixup_enabled_off_inside_kornia_sequential() -> None:
+    import kornia.augmentation as K
+
+    from mixlabels.strategies import sequential_label_map
+
+    x, y = batch(4)
+    mixer = mixup_from_timm_args(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=NC)
+    seq = K.AugmentationSequential(mixer, data_keys=["input"])
+    mixer.mixup_enabled = False
+    assert torch.equal(seq(x), x)
+    lm = sequential_label_map(seq, y)
+    assert lm.num_sources == 1 and lm.image_size == (12, 16)
+    mixer.mixup_enabled = True
+    assert not torch.equal(seq(x), x)
+    assert sequential_label_map(seq, y).num_sources == 2

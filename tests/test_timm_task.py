@@ -227,3 +227,15 @@ def test_timm_create_model_is_accepted_and_eval_model_is_plain() -> None:
     task = AlignedClassificationTask(model, mixlabels.NoAlign(), verbose=False)
     assert task.get_eval_model() is model and task.get_trainable_module().model is model
     assert list(task.get_clip_parameters()) == list(model.parameters())
+
+
+def test_bce_criterion_sees_the_aligned_soft_targets() -> None:
+    from timm.loss import BinaryCrossEntropy
+
+    model = tiny()
+    model.eval()
+    task = AlignedClassificationTask(model, mixlabels.TLAlign(), criterion=BinaryCrossEntropy(), verbose=False)
+    images, lm = mixed_batch(5)
+    result = task(images, lm)
+    out = task.get_trainable_module()(images, lm)
+    assert_close(result["loss"], BinaryCrossEntropy()(out.logits, out.target))
