@@ -472,8 +472,9 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         if params is None and not self.mixup_enabled:
             typed = None
         elif params is None:
+            if generator is None:  # the mixer's own generator: a copy of one state in every worker
+                check_worker_generator(self, self.generator)
             gen = generator if generator is not None else self.generator
-            check_worker_generator(self, gen)
             typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else images.device)
         else:
             typed = self._unwrap(params)

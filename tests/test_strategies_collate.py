@@ -163,3 +163,13 @@ def test_label_map_pins_and_moves_without_blocking() -> None:
                         collate_fn=timm_collate_mixup(cutmix_alpha=1.0, mixup_alpha=0.0, num_classes=10))  # fmt: skip
     _, lm2 = next(iter(loader))
     assert lm2.sources.is_pinned()
+
+
+def test_cutmix_box_maps_cross_the_worker_boundary() -> None:
+    from mixlabels.strategies import CutMix
+
+    loader = DataLoader(Uint8Images(), batch_size=4, num_workers=1, collate_fn=CollateMixer(CutMix(10), seed=0))
+    images, lm = next(iter(loader))
+    assert type(lm._mask).__name__ == "_BoxMask"  # the boxes travel as boxes
+    lm.check()
+    assert torch.equal(lm.mix_pixels(Uint8Images().images[:4].float()).round().to(torch.uint8), images)
