@@ -141,6 +141,7 @@ def timm_collate_mixup(
     correct_lam: bool = True,
     label_smoothing: float = 0.1,
     num_classes: int = 1000,
+    multi_label: bool = False,
     *,
     seed: int | None = None,
 ) -> CollateMixer:
@@ -152,6 +153,7 @@ def timm_collate_mixup(
         'Switch'
     """
     mixer = timm_mixup(
-        mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob, mode, correct_lam, label_smoothing, num_classes
+        mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob, mode, correct_lam, label_smoothing, num_classes,
+        multi_label,
     )
     return CollateMixer(mixer, seed)

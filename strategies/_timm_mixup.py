@@ -41,6 +41,7 @@ def timm_mixup(
     correct_lam: bool = True,
     label_smoothing: float = 0.1,
     num_classes: int = 1000,
+    multi_label: bool = False,
     *,
     generator: torch.Generator | None = None,
 ) -> Mixer[Any]:
@@ -56,6 +57,7 @@ def timm_mixup(
         correct_lam: a box's lambda is its clipped area.
         label_smoothing: timm's default 0.1 (this library's mixers default to 0).
         num_classes: timm's default 1000.
+        multi_label: timm 1.0.31's dense multi-label targets; only ``False`` is supported.
         generator: source of randomness (``None``: torch's global RNG; in DataLoader workers use
             ``CollateMixer`` or ``timm_collate_mixup``).
 
@@ -64,7 +66,7 @@ def timm_mixup(
         working ``mixup_enabled``.
 
     Raises:
-        ValueError: no kind is active, or timm's ``mode="half"`` (its collate-only variant).
+        ValueError: no kind is active, timm's ``mode="half"`` (its collate-only variant), or ``multi_label``.
 
     Example:
         >>> mixer = timm_mixup(mixup_alpha=0.8, cutmix_alpha=1.0, num_classes=10)
@@ -75,6 +77,11 @@ def timm_mixup(
         >>> lm.num_sources, round(lm.image_targets()[0, 1].item(), 4)
         (1, 0.91)
     """
+    if multi_label:
+        raise ValueError(
+            "multi_label=True (timm's dense multi-label targets, smoothed towards 0.5) is not supported: the label "
+            "map's targets are class distributions. Train single-label targets, or keep timm's Mixup for multi-label"
+        )
     if mode not in MODES:
         extra = " timm's 'half' mode (mixing half the batch while collating) is not supported;" if "half" in mode else ""
         raise ValueError(f"mode must be one of {MODES} (one draw per batch, per pair, per element), got {mode!r};{extra} use 'elem'")

@@ -233,6 +233,8 @@ def test_timm_mixup_refusals() -> None:
         mixup_from_timm_args(mixup_alpha=0.0)
     with pytest.raises(ValueError, match="half"):
         mixup_from_timm_args(mode="half")
+    with pytest.raises(ValueError, match="multi_label"):
+        mixup_from_timm_args(multi_label=True)
     with pytest.raises(ValueError, match="'elem' or 'pair'"):
         ElemSwitch(NC, mode="batch")
 
