@@ -5,6 +5,7 @@ Replacing timm's ``mixup_fn`` in a training loop::
     # before: mixup_fn = timm.data.Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=1000)
     #         images, targets = mixup_fn(images, labels)
     mixer = Switch([MixUp(1000, alpha=0.8, label_smoothing=0.1), CutMix(1000, alpha=1.0, label_smoothing=0.1)])
+    # or, with timm's own arguments and defaults: mixer = timm_mixup(mixup_alpha=0.8, cutmix_alpha=1.0)
     images, label_map = mixer(images, labels)        # labels: (b,) ids or (b, c) probabilities
     targets = label_map.image_targets()              # (b, c): timm's mixed target
     loss = mixlabels.soft_target_cross_entropy(model(images), targets)

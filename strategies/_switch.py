@@ -37,8 +37,8 @@ class Switch(Mixer[SwitchParams]):
 
     timm's ``Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5)`` is
     ``Switch([MixUp(c, 0.8), CutMix(c, 1.0)], probs=[0.5, 0.5])``. The choice is per
-    batch: timm's per-element switching in ``elem`` mode is not reproduced (a batch
-    mixes with one kind; each child keeps its own ``mode`` and ``prob``).
+    batch (each child keeps its own ``mode`` and ``prob``); timm's per-sample switching
+    in ``pair``/``elem`` mode is ``ElemSwitch``, and ``timm_mixup`` picks the right one.
 
     Args:
         mixers: two or more mixers with the same ``num_classes``.
