@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
+from mixlabels.backbones._timm_face import TimmFace, check_distributed
 
 __all__ = [
     "AdaptedBase",
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-class AdaptedBase(nn.Module):
+class AdaptedBase(TimmFace):
     """``adapted(images)`` is ``model(images)``; ``adapted(images, label_map)`` an ``AlignedOutput``.
 
     Subclasses set ``refusal`` and ``family`` and implement ``aligned_forward`` (events,
@@ -81,6 +82,7 @@ class AdaptedBase(nn.Module):
                 "gradient checkpointing re-runs block forwards, which would update the labels twice; "
                 "call model.set_grad_checkpointing(False) before training with a label map"
             )
+        check_distributed(self)
         if self.reference:
             return self.reference_forward(images, label_map)
         return self.aligned_forward(images, label_map)

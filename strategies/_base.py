@@ -260,6 +260,22 @@ def pair_label_map(
     )
 
 
+def check_worker_generator(mixer: object, generator: torch.Generator | None) -> None:
+    """Refuse a seeded generator inside a DataLoader worker: every worker holds a copy of the same state.
+
+    Each worker process receives a pickled copy of the mixer, so a generator seeded once in the
+    main process would make every worker draw the same params, batch after batch.
+    """
+    info = torch.utils.data.get_worker_info()
+    if generator is not None and info is not None:
+        raise RuntimeError(
+            f"{type(mixer).__name__} was called with a seeded torch.Generator inside DataLoader worker {info.id} of "
+            f"{info.num_workers}: every worker holds a copy of the same generator state and would draw the same "
+            "params. Mix in the workers with mixlabels.strategies.CollateMixer(mixer, seed=...) (one generator per "
+            "worker, derived from the seed and the worker), or construct the mixer with generator=None"
+        )
+
+
 def check_images(images: Tensor) -> None:
     """Raise a clear error unless ``images`` is a floating ``(b, c, H, W)`` batch."""
     if not isinstance(images, Tensor) or images.ndim != 4:
@@ -298,6 +314,10 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         self.label_smoothing = float(label_smoothing)
         self.generator = generator
         self.last_params: P | None = None
+        # timm's switch (``mixup_fn.mixup_enabled = False`` at ``--mixup-off-epoch``): when off, a call
+        # returns the images as they are and the identity map (label smoothing kept, as timm keeps it).
+        self.mixup_enabled = True
+        self._unmixed_size: tuple[int, int] | None = None  # image size of the last call made while off
 
     # ---------------------------------------------------------------- to implement
     def sample(
@@ -331,25 +351,34 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         return self.apply_images(images, params), self.label_map_from(params, labels.to(images.device))
 
     def forward_parameters(self, batch_shape: tuple[int, ...]) -> dict[str, Any]:
-        """Kornia hook (``AugmentationSequential``): sample with ``self.generator``, wrapped for kornia."""
-        params = self.sample(tuple(batch_shape), generator=self.generator)
+        """Kornia hook (``AugmentationSequential``): sample with ``self.generator``, wrapped for kornia.
+
+        With ``mixup_enabled`` off the recorded params are ``None``: the replay leaves the images
+        alone and ``sequential_label_map`` gives the identity map.
+        """
+        params = self.sample(tuple(batch_shape), generator=self.generator) if self.mixup_enabled else None
         return self._kornia_params(params, int(batch_shape[0]), tuple(batch_shape))
 
-    def _kornia_params(self, params: P, b: int, shape: Sequence[int]) -> dict[str, Any]:
+    def unmixed_map(self, labels: Tensor, image_size: tuple[int, int]) -> TokenLabelMap:
+        """The identity map of ``labels`` (what a call returns while ``mixup_enabled`` is off)."""
+        return TokenLabelMap.unmixed(labels, self.num_classes, image_size, self.label_smoothing)
+
+    def _kornia_params(self, params: P | None, b: int, shape: Sequence[int]) -> dict[str, Any]:
         return {
             "batch_prob": torch.ones(b, dtype=torch.bool),
             "forward_input_shape": torch.tensor(tuple(shape), dtype=torch.long),
             PARAMS_KEY: params,
         }
 
-    def _unwrap(self, params: P | dict[str, Any]) -> P:
+    def _unwrap(self, params: P | dict[str, Any]) -> P | None:
+        """Typed params, or ``None`` for kornia params recorded while ``mixup_enabled`` was off."""
         if isinstance(params, dict):
             if PARAMS_KEY not in params:
                 raise ValueError(
                     f"kornia params for {type(self).__name__} must hold the sampled params under {PARAMS_KEY!r}; "
                     "pass the params this mixer (or its AugmentationSequential) recorded"
                 )
-            inner: P = params[PARAMS_KEY]
+            inner: P | None = params[PARAMS_KEY]
             return inner
         return params
 
@@ -360,11 +389,20 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         ``sequential_label_map``.
         """
         if params is None:
+            if self.last_params is None and self._unmixed_size is not None:  # the last call ran with mixing off
+                self._check_labels(labels, labels.shape[0] if isinstance(labels, Tensor) and labels.ndim else -1)
+                return self.unmixed_map(labels, self._unmixed_size)
             if self.last_params is None:
                 raise ValueError(f"{type(self).__name__} has not mixed a batch yet: call it first or pass params")
             typed = self.last_params
         else:
-            typed = self._unwrap(params)
+            unwrapped = self._unwrap(params)
+            if unwrapped is None:  # recorded by kornia while mixup_enabled was off
+                assert isinstance(params, dict)
+                shape = tuple(int(s) for s in params["forward_input_shape"].tolist())
+                self._check_labels(labels, shape[0])
+                return self.unmixed_map(labels, (shape[-2], shape[-1]))
+            typed = unwrapped
         b, _ = self.params_batch_size(typed)
         self._check_labels(labels, b)
         return self.label_map_from(typed, labels)
@@ -430,11 +468,25 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             if keys == [DataKey.INPUT] and labels is not None:
                 raise ValueError("labels were given but data_keys is ['input']; drop the labels or add 'class'")
         check_images(images)
-        if params is None:
+        typed: P | None
+        if params is None and not self.mixup_enabled:
+            typed = None
+        elif params is None:
+            if generator is None:  # the mixer's own generator: a copy of one state in every worker
+                check_worker_generator(self, self.generator)
             gen = generator if generator is not None else self.generator
             typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else images.device)
         else:
             typed = self._unwrap(params)
+        if typed is None:  # mixing switched off (now, or when kornia recorded these params)
+            size = (int(images.shape[2]), int(images.shape[3]))
+            self.last_params, self._unmixed_size = None, size
+            self._params = self._kornia_params(None, int(images.shape[0]), tuple(images.shape))
+            if labels is None:
+                return images
+            self._check_labels(labels, int(images.shape[0]))
+            return images, self.unmixed_map(labels.to(images.device), size)
+        self._unmixed_size = None
         b, size = self.params_batch_size(typed)
         if b != images.shape[0] or size != tuple(images.shape[2:]):
             raise ValueError(

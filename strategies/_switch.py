@@ -37,8 +37,8 @@ class Switch(Mixer[SwitchParams]):
 
     timm's ``Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5)`` is
     ``Switch([MixUp(c, 0.8), CutMix(c, 1.0)], probs=[0.5, 0.5])``. The choice is per
-    batch: timm's per-element switching in ``elem`` mode is not reproduced (a batch
-    mixes with one kind; each child keeps its own ``mode`` and ``prob``).
+    batch (each child keeps its own ``mode`` and ``prob``); timm's per-sample switching
+    in ``pair``/``elem`` mode is ``ElemSwitch``, and ``timm_mixup`` picks the right one.
 
     Args:
         mixers: two or more mixers with the same ``num_classes``.
@@ -69,7 +69,10 @@ class Switch(Mixer[SwitchParams]):
             raise ValueError(
                 f"probs must hold one non-negative number per mixer ({len(mixers)}) with a positive sum, got {probs}"
             )
-        super().__init__(mixers[0].num_classes, 0.0, generator)
+        smoothing = {m.label_smoothing for m in mixers}
+        # Unmixed batches (mixup_enabled off) take the children's smoothing, when they agree on one.
+        super().__init__(mixers[0].num_classes, smoothing.pop() if len(smoothing) == 1 else 0.0, generator)
+        self._one_smoothing = not smoothing
         self.mixers = nn.ModuleList(mixers)
         total = sum(weights)
         self.probs = tuple(p / total for p in weights)
@@ -97,6 +100,14 @@ class Switch(Mixer[SwitchParams]):
                 break
         params = self._child(choice).sample(batch_shape, generator=generator, device=device)
         return SwitchParams(choice=choice, params=params)
+
+    def unmixed_map(self, labels: Tensor, image_size: tuple[int, int]) -> TokenLabelMap:
+        if not self._one_smoothing:
+            raise ValueError(
+                "mixup_enabled is off, but this Switch's mixers smooth labels differently, so the unmixed "
+                "targets are ambiguous; give every mixer the same label_smoothing"
+            )
+        return super().unmixed_map(labels, image_size)
 
     def params_batch_size(self, params: SwitchParams) -> tuple[int, tuple[int, int]]:
         return self._child(params.choice).params_batch_size(params.params)
