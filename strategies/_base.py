@@ -120,6 +120,13 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
         >>> mix_images(x, torch.tensor([1, 0]), torch.tensor([[[1.0, 0.0]], [[0.5, 0.5]]]))[0, 0].tolist()
         [[0.0, 5.0], [2.0, 7.0]]
     """
+    check_images(images)
+    b, _, hh, ww = images.shape
+    if partner.shape != (b,) or weight.ndim != 3 or weight.shape[0] != b or hh % weight.shape[1] or ww % weight.shape[2]:
+        raise ValueError(
+            f"mix_images takes images (b, c, H, W), partner (b,) and weight (b, mh, mw) with mh dividing H and mw "
+            f"dividing W; got images {tuple(images.shape)}, partner {tuple(partner.shape)}, weight {tuple(weight.shape)}"
+        )
     compute = torch.float32 if images.dtype in (torch.float16, torch.bfloat16) else images.dtype
     w0 = weight.to(device=images.device, dtype=torch.float32)
     # Where a weight is exactly 1 (0) the pixel is the image's own (the partner's), selected, not

@@ -36,7 +36,15 @@ from mixlabels import (
     token_soft_target_cross_entropy,
 )
 from mixlabels.backbones import AdaptedViT, adapt
-from mixlabels.score_maps import ScoreMapDataset, ScoreMapError, ScoreMaps, ScoreMapWriter, compress, to_dense
+from mixlabels.score_maps import (
+    ScoreMapDataset,
+    ScoreMapError,
+    ScoreMaps,
+    ScoreMapWriter,
+    compress,
+    sample_resized_crops,
+    to_dense,
+)
 from mixlabels.strategies import (
     BlockwiseMix,
     CutMix,
@@ -65,6 +73,13 @@ def vit() -> nn.Module:
     torch.manual_seed(0)
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16,
                              depth=2, num_heads=2, num_classes=C)
+
+
+@functools.cache
+def _vit24() -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=24, patch_size=4, embed_dim=16,
+                             depth=1, num_heads=2, num_classes=C)
 
 
 def cutmix_map(images: Tensor = X) -> TokenLabelMap:
@@ -252,7 +267,17 @@ def _bad() -> list[Bad]:
         ("aligned batch differs", lambda _: adapt(vit(), TLAlign())(X[:2], cutmix_map()), ValueError, r"batch size 2 but the label map has 4"),
         ("aligned num_classes differs", lambda _: adapt(vit(), NoAlign())(X, CutMix(3, generator=gen())(X, Y % 3)[1]).loss(), ValueError, r"outputs 5 classes but the label map has num_classes=3"),
         ("TransMix on a pooled ViT", lambda _: adapt(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, class_token=False, global_pool="avg"), TransMix())(X, cutmix_map()), ValueError, r"no class token.*TLAlign\(\) or NoAlign\(\)"),
+        ("aligned uint8 images", lambda _: adapt(vit(), TLAlign())((X * 255).byte(), cutmix_map()), ValueError, r"images must be floating point, got torch.uint8"),
+        ("aligned map on another device", lambda _: adapt(vit(), TLAlign())(X, cutmix_map().to("meta")), ValueError, r"label map on meta.*label_map.to\(images.device\)"),
+        ("token-space map not lining up with patches", lambda _: adapt(_vit24(), NoAlign())(torch.rand(2, 3, 24, 24), TokenLabelMap.from_mask(torch.ones(2, 4, 4), torch.tensor([1, 0]), Y[:2], C, image_size=(24, 24), token_space=True)), ValueError, r"4x4 cells, which do not line up with the model's 6x6 patches.*patch_size=4"),
+        ("mix_images weight not dividing", lambda _: mix_images(X, FLIP, torch.ones(4, 5, 5)), ValueError, r"mh dividing H.*weight \(4, 5, 5\)"),
+        ("mix_images partner batch", lambda _: mix_images(X, FLIP[:2], torch.ones(4, 1, 1)), ValueError, r"partner \(2,\)"),
         # ---- score maps
+        ("dataset size int", lambda p: ScoreMapDataset([(torch.rand(3, 8, 8), 0)] * 3, ScoreMaps(_store(p / "s")), size=8, grid=(2, 2)), ValueError, r"size must be \(height, width\), two positive integers, got 8"),  # type: ignore[arg-type]
+        ("dataset store a path", lambda p: ScoreMapDataset([(torch.rand(3, 8, 8), 0)], str(p), size=(8, 8), grid=(2, 2)), TypeError, r"store must be a ScoreMaps"),  # type: ignore[arg-type]
+        ("crops scale reversed", lambda _: sample_resized_crops((16, 16), 2, scale=(0.9, 0.1)), ValueError, r"scale must be \(min, max\) area fractions with 0 < min <= max <= 1"),
+        ("crops ratio zero", lambda _: sample_resized_crops((16, 16), 2, ratio=(0.0, 1.0)), ValueError, r"ratio must be \(min, max\) aspect ratios"),
+        ("crops hflip 2", lambda _: sample_resized_crops((16, 16), 2, hflip=2.0), ValueError, r"hflip must be a probability in \[0, 1\], got 2.0"),
         ("writer duplicate ids", lambda p: ScoreMapWriter(p / "s", num_classes=C, map_size=(2, 2), k=2).append(["a", "a"], compress(torch.rand(2, 2, 2, C).softmax(-1), 2)), ValueError, r"image ids must be unique"),
         ("writer wrong map size", lambda p: ScoreMapWriter(p / "s", num_classes=C, map_size=(2, 2), k=2).append(["a"], compress(torch.rand(1, 3, 3, C).softmax(-1), 2)), ValueError, r"maps must be top-2 of 5 classes with shape \(1, 2, 2, 2\)"),
         ("writer invalid class ids", lambda p: ScoreMapWriter(p / "s", num_classes=3, map_size=(2, 2), k=2).append(["a"], compress(torch.rand(1, 2, 2, C).softmax(-1), 2).__class__(torch.rand(1, 2, 2, 2).half(), torch.full((1, 2, 2, 2), 4, dtype=torch.int16), 3)), ValueError, r"class ids in \[4, 4\] but num_classes=3"),
