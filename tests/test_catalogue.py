@@ -301,6 +301,8 @@ def _bad() -> list[Bad]:
         ("config file missing", lambda p: _load_config(p, None, ""), FileNotFoundError, r"no config file at"),
         ("ablation model resnet", lambda _: _model_config("resnet18").build(num_classes=C), ValueError, r"'resnet18' does not take the ablation's ViT arguments.*vit_\*, deit_\*"),
         ("ablation model unknown", lambda _: _model_config("deit_tinyy").build(num_classes=C), ValueError, r"unknown timm model 'deit_tinyy'"),
+        ("annotate --model-kwargs not JSON", lambda _: _annotate(["--model-kwargs", "{img", "--data", "cifar10"]), SystemExit, r"--model-kwargs is not valid JSON"),
+        ("annotate --model-kwargs a list", lambda _: _annotate(["--model-kwargs", "[1]", "--data", "cifar10"]), SystemExit, r"must be a JSON object"),
         ("ablation config table", lambda _: _ablation_config({"table": 9}), pydantic.ValidationError, r"table"),
         ("ablation config extra", lambda _: _ablation_config({"tabel": 7}), pydantic.ValidationError, r"tabel"),
     ]
@@ -345,6 +347,12 @@ def _load_config(p: Path, name: str | None, text: str) -> object:
     if name is not None:
         path.write_text(text)
     return load_config_file(path)
+
+
+def _annotate(argv: list[str]) -> object:
+    from benchmarks.annotate import main
+
+    return main(argv)
 
 
 def _model_config(name: str) -> Any:
