@@ -342,6 +342,14 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         label_smoothing: applied when the map expands targets, in ``[0, 1)``.
         generator: default source of randomness (also used inside ``AugmentationSequential``);
             a ``generator`` given to a call takes precedence. ``None`` uses torch's global RNG.
+            A ``torch.Generator``, as torch's own samplers take: an int seed is refused (pass
+            ``torch.Generator().manual_seed(seed)`` once; a seed per call would repeat the params).
+
+    Attributes:
+        check_values: label values (ids in range, soft rows on the simplex) cost a host read.
+            ``None`` (default): checked at every call for labels on the CPU and at the first
+            call for labels on an accelerator (no device sync per step); ``True``: every call;
+            ``False``: never. Shapes and dtypes are always checked; ``mix`` checks shapes only.
     """
 
     def __init__(self, num_classes: int, label_smoothing: float = 0.0, generator: torch.Generator | None = None) -> None:
