@@ -620,9 +620,11 @@ class TokenLabelMap:
         n = grid[0] * grid[1]
         if tokens.ndim != 3 or tokens.shape[0] != self.batch_size or tokens.shape[1] != n:
             _fail(f"tokens must have shape (batch={self.batch_size}, n={n}, dim), got {tuple(tokens.shape)}")
-        weights = self.token_weights(grid).to(tokens.dtype)  # b n k
+        weights = rearrange(self.token_weights(grid).to(tokens.dtype), "b n k -> b k n 1")
         gathered = tokens[self.sources]  # b k n d
-        return torch.einsum("bknd,bnk->bnd", gathered, weights)
+        # A source with weight 0 contributes nothing, selected: 0 * a NaN or inf token would be NaN.
+        terms = torch.where(weights == 0, torch.zeros((), dtype=tokens.dtype, device=tokens.device), gathered * weights)
+        return reduce(terms, "b k n d -> b n d", "sum")
 
     def dense_pixel_targets(self) -> Tensor:
         """Per-pixel class distributions ``(b, c, H, W)``; for pictures and tests, not hot paths."""

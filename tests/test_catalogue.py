@@ -492,6 +492,14 @@ def _mix_pixels() -> None:
     assert torch.equal(out[:3], x[:3])
 
 
+@edge("mix_tokens: an unmixed sample's tokens stay exact beside a partner's inf token")
+def _mix_tokens() -> None:
+    tokens = torch.randn(4, 16, 8, generator=gen(8))
+    tokens[3, 0, 0] = float("inf")
+    lm = TokenLabelMap.from_mask(torch.ones(4, 4, 4), FLIP, Y, C, image_size=(16, 16), token_space=True)
+    assert torch.equal(lm.mix_tokens(tokens, (4, 4))[:3], tokens[:3])
+
+
 @edge("soft labels: targets are the probabilities mixed by lambda")
 def _soft_labels() -> None:
     probs = torch.softmax(torch.randn(4, C, generator=gen(3)), -1)
@@ -525,6 +533,23 @@ def _values_opt_out() -> None:
     mixer(X, torch.tensor([0, 1, 2, 9]))  # no host read of the values
     with pytest.raises(ValueError, match="batch size 3"):
         mixer(X, Y[:3])
+
+
+@edge("label values on an accelerator: checked at the first call only (no device sync per step)")
+def _values_first_call_off_cpu() -> None:
+    from unittest import mock
+
+    from mixlabels.strategies import _base
+
+    mixer = MixUp(C)
+    off_cpu = torch.zeros(4, dtype=torch.long, device="meta")  # stands in for labels on a GPU
+    with mock.patch.object(_base, "check_labels") as check:
+        for _ in range(3):
+            mixer._check_labels(off_cpu, 4)
+        assert check.call_count == 1
+        mixer.check_values = True
+        mixer._check_labels(off_cpu, 4)
+        assert check.call_count == 2
 
 
 @edge("replay: mix() equals the call that drew the params")
