@@ -475,6 +475,20 @@ def _mixup_prob() -> None:
     assert seen > 0  # the draws left some samples unmixed
 
 
+@edge("keep_unmixed: the copy (CPU) and the select (accelerators) routes restore the same rows bit for bit")
+def _keep_unmixed_routes() -> None:
+    from mixlabels.strategies._base import keep_unmixed
+
+    own = X.clone()
+    own[1, 0, 0, 0] = float("inf")
+    unmixed = torch.tensor([False, True, False, True])
+    for select in (False, True):
+        out = torch.full_like(own, float("nan"))
+        got = keep_unmixed(out, own, unmixed, select)
+        assert_close(got[unmixed], own[unmixed], rtol=0, atol=0)
+        assert torch.isnan(got[~unmixed]).all()
+
+
 @edge("mix_images: weight 1 selects the image's own pixels")
 def _mix_images_select() -> None:
     x = torch.tensor([[[[1.0, 2.0]]], [[[float("nan"), float("inf")]]]])
