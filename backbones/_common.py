@@ -61,6 +61,10 @@ class AdaptedBase(TimmFace):
 
     def __init__(self, model: nn.Module, scheme: Scheme, reference: bool = False) -> None:
         super().__init__()
+        from mixlabels.backbones._adapt import _check_model, check_scheme  # one set of checks with adapt()
+
+        _check_model(model)
+        check_scheme(scheme)
         why = self.refusal(model)
         if why is not None:
             raise TypeError(f"cannot adapt this model: {why}. Supported: {self.family}")
@@ -77,6 +81,12 @@ class AdaptedBase(TimmFace):
     def forward(self, images: Tensor, label_map: TokenLabelMap | None = None) -> Any:
         if label_map is None:
             return self.model(images)
+        if not isinstance(label_map, TokenLabelMap):
+            raise TypeError(
+                f"the second argument must be the mixer's TokenLabelMap (mixed, label_map = mixer(images, labels)), "
+                f"got {type(label_map).__name__}; for an unmixed batch pass "
+                "TokenLabelMap.unmixed(labels, num_classes, image_size=images.shape[-2:])"
+            )
         if any(getattr(mod, "grad_checkpointing", False) for mod in self.model.modules()):
             raise RuntimeError(
                 "gradient checkpointing re-runs block forwards, which would update the labels twice; "

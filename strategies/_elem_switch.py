@@ -158,6 +158,13 @@ class ElemSwitch(Mixer[ElemSwitchParams]):
             partner=pairs.partner, applied=pairs.applied, image_size=(hh, ww), cut=cut, mixup=mixup, cutmix=cutmix
         )
 
+    def check_params(self, params: object) -> None:
+        if not isinstance(params, ElemSwitchParams):
+            raise TypeError(
+                f"ElemSwitch mixes with ElemSwitchParams, got {type(params).__name__}; replay params that this "
+                "mixer sampled (mixer.sample(images.shape) or mixer.last_params)"
+            )
+
     def params_batch_size(self, params: ElemSwitchParams) -> tuple[int, tuple[int, int]]:
         return params.batch_size, params.image_size
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from mixlabels import TokenLabelMap
-from mixlabels.strategies._base import Mixer
+from mixlabels.strategies._base import Mixer, check_generator
 from mixlabels.strategies._sampling import sample_uniform
 
 __all__ = ["Switch", "SwitchParams"]
@@ -61,11 +61,14 @@ class Switch(Mixer[SwitchParams]):
     ) -> None:
         if len(mixers) < 1:
             raise ValueError("Switch needs at least one mixer")
+        wrong = [type(m).__name__ for m in mixers if not isinstance(m, Mixer)]
+        if wrong:
+            raise TypeError(f"Switch takes mixers (MixUp(c), CutMix(c), ...), got {wrong}; build them first")
         classes = {m.num_classes for m in mixers}
         if len(classes) != 1:
             raise ValueError(f"all mixers of a Switch must have the same num_classes, got {sorted(classes)}")
         weights = [1.0] * len(mixers) if probs is None else [float(p) for p in probs]
-        if len(weights) != len(mixers) or any(not p >= 0 for p in weights) or sum(weights) <= 0:
+        if len(weights) != len(mixers) or any(not 0 <= p < float("inf") for p in weights) or sum(weights) <= 0:
             raise ValueError(
                 f"probs must hold one non-negative number per mixer ({len(mixers)}) with a positive sum, got {probs}"
             )
@@ -90,6 +93,7 @@ class Switch(Mixer[SwitchParams]):
         device: torch.device | str | None = None,
     ) -> SwitchParams:
         """Draw the mixer, then its params, from the same generator."""
+        check_generator(generator, "Switch.sample")
         dev = generator.device if generator is not None else torch.device(device if device is not None else "cpu")
         u = float(sample_uniform((1,), generator, dev).item())  # the choice picks Python code: one host read
         cumulative, choice = 0.0, len(self.probs) - 1
@@ -108,6 +112,14 @@ class Switch(Mixer[SwitchParams]):
                 "targets are ambiguous; give every mixer the same label_smoothing"
             )
         return super().unmixed_map(labels, image_size)
+
+    def check_params(self, params: object) -> None:
+        if not isinstance(params, SwitchParams) or not 0 <= params.choice < len(self.mixers):
+            raise TypeError(
+                f"Switch mixes with SwitchParams whose choice indexes its {len(self.mixers)} mixers, got "
+                f"{type(params).__name__}; replay params this Switch sampled (switch.sample(images.shape))"
+            )
+        self._child(params.choice).check_params(params.params)
 
     def params_batch_size(self, params: SwitchParams) -> tuple[int, tuple[int, int]]:
         return self._child(params.choice).params_batch_size(params.params)

@@ -85,7 +85,8 @@ def test_mixup_pixels_and_targets_equal_timm(monkeypatch: pytest.MonkeyPatch, mo
 
 
 @pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
-@pytest.mark.parametrize(("correct_lam", "minmax"), [(True, None), (False, None), (True, (0.2, 0.8))])
+# (False, minmax): timm corrects lambda whenever minmax is set, whatever correct_lam says
+@pytest.mark.parametrize(("correct_lam", "minmax"), [(True, None), (False, None), (True, (0.2, 0.8)), (False, (0.2, 0.8))])
 def test_cutmix_pixels_and_targets_equal_timm(
     monkeypatch: pytest.MonkeyPatch, mode: str, correct_lam: bool, minmax: tuple[float, float] | None
 ) -> None:
@@ -101,7 +102,7 @@ def test_cutmix_pixels_and_targets_equal_timm(
     ref_x, ref_t = ref(x.clone(), y)
     assert torch.equal(mixed, ref_x)
     assert_close(lm.targets(lm.image_weights), ref_t)
-    if correct_lam:  # the label weight is then the true pasted area
+    if correct_lam or minmax is not None:  # the label weight is then the true pasted area
         assert_close(lm.image_weights[:, 0], lm.mask.dense()[:, 0].mean((1, 2)))
 
 
