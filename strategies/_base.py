@@ -322,12 +322,22 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         """Batch size and image size the params were drawn for."""
         raise NotImplementedError
 
+    def place(self, params: P, images: Tensor) -> P:
+        """The params completed from the pixels they will mix; unchanged by default.
+
+        A mixer whose draws depend on the images (SaliencyMix centres its box on the
+        partner's saliency peak) completes them here, as pure tensor ops; already
+        completed params come back unchanged, so replaying them never looks at the pixels.
+        """
+        return params
+
     # ---------------------------------------------------------------- shared
     def mix(self, images: Tensor, labels: Tensor, params: P) -> tuple[Tensor, TokenLabelMap]:
         """Apply ``params``: mix ``images`` and build the label map; pure, replayable, compilable.
 
         (Not named ``apply``: ``nn.Module.apply(fn)`` recurses into children and must keep working.)
         """
+        params = self.place(params, images)
         return self.apply_images(images, params), self.label_map_from(params, labels.to(images.device))
 
     def forward_parameters(self, batch_shape: tuple[int, ...]) -> dict[str, Any]:
@@ -441,6 +451,9 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
                 f"params were drawn for {b} images of size {size} but got {images.shape[0]} images of size "
                 f"{tuple(images.shape[2:])}; sample new params for this batch"
             )
+        typed = self.place(typed, images)
+        if isinstance(params, dict):  # kornia's record of this call then holds what was applied
+            params[PARAMS_KEY] = typed
         if labels is not None:
             self._check_labels(labels, b)
         self.last_params = typed
