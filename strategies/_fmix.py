@@ -22,6 +22,7 @@ from mixlabels.strategies._base import PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._mixup import check_alpha
 from mixlabels.strategies._patch import CellParams
+from mixlabels.strategies._paste import fast_paths, paste_cells, shared_cells
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
 __all__ = ["FMix", "FMixSampler", "fourier_noise", "top_cells"]
@@ -138,3 +139,11 @@ class FMix(PairMixer[CellParams]):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(FMixSampler(alpha, decay_power, cell_size, mode, pairing, prob), num_classes, label_smoothing, generator)
+
+    def apply_images(self, images: Tensor, params: CellParams) -> Tensor:
+        """On the CPU with one mask for every mixed sample (``mode="batch"``), copy only the partner's runs."""
+        if fast_paths(images):
+            cells = shared_cells(params)
+            if cells is not None:
+                return paste_cells(images, params.partner, cells)
+        return super().apply_images(images, params)

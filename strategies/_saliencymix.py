@@ -28,9 +28,10 @@ from torch import Tensor
 from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._cutmix import box_inside, box_mask, cutmix_boxes, grid_of
 from mixlabels.strategies._mixup import check_alpha
+from mixlabels.strategies._paste import fast_paths, paste_boxes, pixel_boxes
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
-__all__ = ["SaliencyMix", "SaliencyParams", "SaliencySampler", "spectral_residual_saliency", "saliency_peaks", "paste_boxes", "pixel_boxes"]
+__all__ = ["SaliencyMix", "SaliencyParams", "SaliencySampler", "spectral_residual_saliency", "saliency_peaks"]
 
 WORK_SIZE = 64  # OpenCV's spectral-residual working resolution
 
@@ -200,25 +201,7 @@ class SaliencyMix(PairMixer[SaliencyParams]):
 
     def apply_images(self, images: Tensor, params: SaliencyParams) -> Tensor:
         """Paste each partner's box; on the CPU box by box, elsewhere (or traced) as one select."""
-        if images.device.type == "cpu" and not torch.compiler.is_compiling():
+        if fast_paths(images):
             return paste_boxes(images, params.partner, pixel_boxes(params.placed_boxes(), params.grid, params.image_size))
         return super().apply_images(images, params)
 
-
-def pixel_boxes(boxes: Tensor, grid: tuple[int, int], image_size: tuple[int, int]) -> Tensor:
-    """``(b, 4)`` long boxes in cells of ``grid`` scaled to pixels."""
-    ch, cw = image_size[0] // grid[0], image_size[1] // grid[1]
-    return boxes * torch.tensor([ch, ch, cw, cw], device=boxes.device)
-
-
-def paste_boxes(images: Tensor, partner: Tensor, boxes: Tensor) -> Tensor:
-    """A copy of ``images`` where sample ``i``'s pixel box ``boxes[i]`` shows ``images[partner[i]]``; one copy a box.
-
-    Reads and writes only the boxes (plus the batch copy); the select of ``PairMixer``
-    gathers every partner pixel first. Empty boxes leave their sample bit-identical.
-    """
-    out = images.clone()
-    for i, ((y0, y1, x0, x1), j) in enumerate(zip(boxes.tolist(), partner.tolist())):
-        if y1 > y0 and x1 > x0 and i != j:
-            out[i, :, y0:y1, x0:x1] = images[j, :, y0:y1, x0:x1]
-    return out

@@ -42,6 +42,9 @@ from mixlabels.strategies import (
     TokenMix,
     sequential_label_map,
 )
+from mixlabels.strategies._base import select_images
+from mixlabels.strategies._cutmix import box_inside
+from mixlabels.strategies._paste import paste_boxes, paste_cells, shared_cells
 from mixlabels.strategies._saliencymix import saliency_peaks, spectral_residual_saliency
 from test_strategies_kornia import CELL, NC, H, W, batch, maps_equal
 
@@ -519,3 +522,38 @@ def test_bf16_batch_keeps_class_ids_exact(kind: str, b: int, mode: str, pairing:
     expected[rows, ids] += lm.image_weights[:, 0] * (1 - smoothing)
     expected[rows, ids[partner]] += lm.image_weights[:, 1] * (1 - smoothing)
     assert_close(targets, expected, rtol=0, atol=1e-6)
+
+
+# ====================================================================== the CPU copy paths
+@given(st.integers(1, 6), st.sampled_from([(16, 12), (4, 3), (8, 6), (1, 1)]), seeds)
+def test_paste_cells_equals_the_select(b: int, grid: tuple[int, int], seed: int) -> None:
+    """Copying the partner's runs gives the select's pixels bit for bit, and leaves the input alone."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(b, 3, H, W, generator=gen, dtype=torch.float64)
+    partner = torch.randperm(b, generator=gen)
+    cells = torch.rand(grid, generator=gen) < 0.5
+    before = x.clone()
+    out = paste_cells(x, partner, cells)
+    assert torch.equal(out, select_images(x, partner, ~cells.expand(b, *grid))) and torch.equal(x, before)
+
+
+@given(st.integers(1, 6), seeds)
+def test_paste_boxes_equals_the_select(b: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(b, 3, H, W, generator=gen, dtype=torch.float64)
+    partner = torch.randint(0, b, (b,), generator=gen)  # self-pairs included
+    ys, xs = torch.randint(0, H + 1, (b, 2), generator=gen).sort(1).values, torch.randint(0, W + 1, (b, 2), generator=gen).sort(1).values
+    boxes = torch.cat([ys, xs], dim=1)
+    keep = ~box_inside(boxes, (H, W))
+    assert torch.equal(paste_boxes(x, partner, boxes), select_images(x, partner, keep))
+
+
+def test_shared_cells_only_when_every_mixed_sample_shares_them() -> None:
+    x, y = batch(5)
+    for mode, prob, shared in (("batch", 1.0, True), ("batch", 0.0, True), ("elem", 1.0, False), ("pair", 1.0, False)):
+        mixer = FMix(NC, cell_size=CELL, mode=mode, prob=prob)  # type: ignore[arg-type]
+        p = mixer.sample(x.shape, generator=torch.Generator().manual_seed(0))
+        cells = shared_cells(p)
+        assert (cells is not None) == shared
+        if cells is not None:
+            assert torch.equal(p.cells[p.applied], cells.expand(int(p.applied.sum()), *cells.shape))
