@@ -25,7 +25,7 @@ from mixlabels.strategies._base import PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._mixup import check_alpha
 from mixlabels.strategies._patch import CellParams
-from mixlabels.strategies._paste import fast_paths, paste_cells, shared_cells
+from mixlabels.strategies._paste import apply_cells
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
 __all__ = ["GridMix", "GridSampler"]
@@ -119,9 +119,6 @@ class GridMix(PairMixer[CellParams]):
         super().__init__(GridSampler(cell_sizes, alpha, mode, pairing, prob), num_classes, label_smoothing, generator)
 
     def apply_images(self, images: Tensor, params: CellParams) -> Tensor:
-        """On the CPU with one mask for every mixed sample (``mode="batch"``), copy only the partner's runs."""
-        if fast_paths(images):
-            cells = shared_cells(params)
-            if cells is not None:
-                return paste_cells(images, params.partner, cells)
-        return super().apply_images(images, params)
+        """On the CPU copy only what moves (``apply_cells``); elsewhere the select."""
+        out = apply_cells(images, params)
+        return super().apply_images(images, params) if out is None else out

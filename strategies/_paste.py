@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mixlabels.strategies._patch import CellParams
 
-__all__ = ["paste_boxes", "pixel_boxes", "shared_cells", "paste_cells", "fast_paths"]
+__all__ = ["paste_boxes", "pixel_boxes", "shared_cells", "paste_cells", "select_each", "fast_paths", "apply_cells"]
 
 
 def fast_paths(images: Tensor) -> bool:
@@ -66,9 +66,9 @@ def shared_cells(params: CellParams) -> Tensor | None:
 def paste_cells(images: Tensor, partner: Tensor, cells: Tensor) -> Tensor:
     """A copy of ``images`` where the ``(gh, gw)`` True cells show each sample's partner, run by run.
 
-    Each row of cells is copied as its runs of consecutive partner cells: one strided copy
-    per run for the whole batch (a smooth FMix mask has a few runs a row, a cell grid a few
-    runs in all).
+    Each row of cells is copied as its runs of consecutive partner cells, one strided
+    copy per run and sample, straight from the partner (a batched gather would first
+    write the run to a temporary). Meant for cell grids: a few runs in all.
 
     Example:
         >>> x = torch.arange(8.0).view(2, 1, 2, 2)
@@ -80,8 +80,36 @@ def paste_cells(images: Tensor, partner: Tensor, cells: Tensor) -> Tensor:
     ch, cw = images.shape[2] // gh, images.shape[3] // gw
     edges = torch.diff(F.pad(cells.to(torch.int8), (1, 1)), dim=1)  # +1 where a run starts, -1 after it ends
     starts, ends = (edges == 1).nonzero().tolist(), (edges == -1).nonzero().tolist()  # row-major: runs pair up
-    partner = partner.to(images.device)
+    pairs = [(i, j) for i, j in enumerate(partner.tolist()) if i != j]
     for (r, q0), (_, q1) in zip(starts, ends):
-        ys, xs = slice(r * ch, (r + 1) * ch), slice(q0 * cw, q1 * cw)
-        out[:, :, ys, xs] = images[:, :, ys, xs].index_select(0, partner)
+        src, dst = images[:, :, r * ch : (r + 1) * ch, q0 * cw : q1 * cw], out[:, :, r * ch : (r + 1) * ch, q0 * cw : q1 * cw]
+        for i, j in pairs:
+            dst[i].copy_(src[j])
     return out
+
+
+def select_each(images: Tensor, partner: Tensor, keep: Tensor) -> Tensor:
+    """``select_images`` for a per-pixel ``(b, H, W)`` mask, one select per sample straight into the output.
+
+    No gathered copy of the partners: each sample reads its own and its partner's pixels
+    once and writes its output once. Not under autograd (``out=`` is not differentiable).
+    """
+    out = torch.empty_like(images)
+    for i, j in enumerate(partner.tolist()):
+        if i == j:
+            out[i].copy_(images[i])
+        else:
+            torch.where(keep[i], images[i], images[j], out=out[i])
+    return out
+
+
+def apply_cells(images: Tensor, params: CellParams) -> Tensor | None:
+    """The copy path for binary cell params, or ``None`` where the select must run (traced, autograd, GPU, ...)."""
+    if not fast_paths(images):
+        return None
+    if params.grid == tuple(images.shape[2:]):  # a per-pixel mask (FMix): select sample by sample
+        if torch.is_grad_enabled() and images.requires_grad:
+            return None
+        return select_each(images, params.partner, ~params.cells)
+    cells = shared_cells(params)
+    return None if cells is None else paste_cells(images, params.partner, cells)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mixlabels.strategies._paste import fast_paths, paste_cells, shared_cells
+from mixlabels.strategies._paste import apply_cells
 from mixlabels.strategies._patch import BlockwiseMix, CellParams
 from mixlabels.strategies._sampling import Mode, Pairing
 
@@ -60,9 +60,6 @@ class TokenMix(BlockwiseMix):
         super().__init__(num_classes, patch_size, alpha, None, min_tokens, None, min_aspect, None, label_smoothing, prob, mode, pairing, generator)
 
     def apply_images(self, images: Tensor, params: CellParams) -> Tensor:
-        """On the CPU with one mask for every mixed sample (``mode="batch"``), copy only the partner's runs."""
-        if fast_paths(images):
-            cells = shared_cells(params)
-            if cells is not None:
-                return paste_cells(images, params.partner, cells)
-        return super().apply_images(images, params)
+        """On the CPU copy only what moves (``apply_cells``); elsewhere the select."""
+        out = apply_cells(images, params)
+        return super().apply_images(images, params) if out is None else out

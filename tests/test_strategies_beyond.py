@@ -42,9 +42,9 @@ from mixlabels.strategies import (
     TokenMix,
     sequential_label_map,
 )
-from mixlabels.strategies._base import select_images
+from mixlabels.strategies._base import pair_label_map, select_images
 from mixlabels.strategies._cutmix import box_inside
-from mixlabels.strategies._paste import paste_boxes, paste_cells, shared_cells
+from mixlabels.strategies._paste import paste_boxes, paste_cells, select_each, shared_cells
 from mixlabels.strategies._saliencymix import saliency_peaks, spectral_residual_saliency
 from test_strategies_kornia import CELL, NC, H, W, batch, maps_equal
 
@@ -535,6 +535,8 @@ def test_paste_cells_equals_the_select(b: int, grid: tuple[int, int], seed: int)
     before = x.clone()
     out = paste_cells(x, partner, cells)
     assert torch.equal(out, select_images(x, partner, ~cells.expand(b, *grid))) and torch.equal(x, before)
+    keep = ~cells.repeat_interleave(H // grid[0], 0).repeat_interleave(W // grid[1], 1).expand(b, H, W)
+    assert torch.equal(select_each(x, partner, keep), select_images(x, partner, keep))
 
 
 @given(st.integers(1, 6), seeds)
@@ -557,3 +559,15 @@ def test_shared_cells_only_when_every_mixed_sample_shares_them() -> None:
         assert (cells is not None) == shared
         if cells is not None:
             assert torch.equal(p.cells[p.applied], cells.expand(int(p.applied.sum()), *cells.shape))
+
+
+@given(st.sampled_from(["fmix", "fmix_cell"]), st.integers(1, 6), pairings, st.sampled_from([0.5, 1.0]), seeds)
+def test_fmix_shared_mask_map_equals_the_dense_map(kind: str, b: int, pairing: str, prob: float, seed: int) -> None:
+    """The expanded map of a batch-mode mask holds the same weights, bit for bit, as ``pair_label_map``'s dense one."""
+    mixer = make(kind, mode="batch", pairing=pairing, prob=prob, label_smoothing=0.1)
+    p = mixer.sample((b, 3, H, W), generator=torch.Generator().manual_seed(seed))
+    y = torch.arange(b) % NC
+    lm, dense = mixer.label_map_from(p, y), pair_label_map(p, y, NC, 0.1)
+    assert maps_equal(lm, dense) and torch.equal(lm.image_targets(), dense.image_targets())
+    for grid in ((H // CELL, W // CELL), (2, 3), (H, W)):
+        assert torch.equal(lm.token_weights(grid), dense.token_weights(grid))
