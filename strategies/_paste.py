@@ -2,9 +2,9 @@
 
 ``PairMixer``'s select gathers every partner pixel and selects (about three passes
 over the batch); timm's CutMix copies the batch once and the box twice. On the
-CPU, outside autograd tracing by dynamo, these helpers do the same as timm: copy
-the batch, then copy the partner's regions only (a box per sample, or the runs of
-partner cells of a mask that every mixed sample shares, as in ``mode="batch"``).
+CPU, outside tracing by dynamo, these helpers do the same as timm: copy the batch,
+then copy the partner's regions only (a box per sample, or the runs of partner
+cells of a cell mask that every mixed sample shares, as in ``mode="batch"``).
 Results are bit-identical to the select: the same pixels are copied.
 """
 
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mixlabels.strategies._patch import CellParams
 
-__all__ = ["paste_boxes", "pixel_boxes", "shared_cells", "paste_cells", "select_each", "fast_paths", "apply_cells"]
+__all__ = ["paste_boxes", "pixel_boxes", "shared_cells", "paste_cells", "fast_paths", "apply_cells"]
 
 
 def fast_paths(images: Tensor) -> bool:
@@ -88,28 +88,10 @@ def paste_cells(images: Tensor, partner: Tensor, cells: Tensor) -> Tensor:
     return out
 
 
-def select_each(images: Tensor, partner: Tensor, keep: Tensor) -> Tensor:
-    """``select_images`` for a per-pixel ``(b, H, W)`` mask, one select per sample straight into the output.
-
-    No gathered copy of the partners: each sample reads its own and its partner's pixels
-    once and writes its output once. Not under autograd (``out=`` is not differentiable).
-    """
-    out = torch.empty_like(images)
-    for i, j in enumerate(partner.tolist()):
-        if i == j:
-            out[i].copy_(images[i])
-        else:
-            torch.where(keep[i], images[i], images[j], out=out[i])
-    return out
-
-
 def apply_cells(images: Tensor, params: CellParams) -> Tensor | None:
     """The copy path for binary cell params, or ``None`` where the select must run (traced, autograd, GPU, ...)."""
-    if not fast_paths(images):
+    # A per-pixel mask (FMix) has hundreds of runs: copying them costs more than the select, which runs instead.
+    if not fast_paths(images) or params.grid == tuple(images.shape[2:]):
         return None
-    if params.grid == tuple(images.shape[2:]):  # a per-pixel mask (FMix): select sample by sample
-        if torch.is_grad_enabled() and images.requires_grad:
-            return None
-        return select_each(images, params.partner, ~params.cells)
     cells = shared_cells(params)
     return None if cells is None else paste_cells(images, params.partner, cells)
