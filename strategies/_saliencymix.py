@@ -7,8 +7,8 @@ peak, and there the box of timm's ``rand_bbox`` for that lambda, clipped to the
 image. The placed params are ordinary boxes: replaying them never looks at the
 pixels again, and the label weight is the clipped box's true area.
 
-The saliency is computed in torch on the images' device: grey levels, shrunk to
-at most 64 x 64 by area averaging (OpenCV's working size); ``log |F|`` minus its
+The saliency is computed in torch on the images' device: grey levels, subsampled
+to at most 64 x 64 (OpenCV's working size); ``log |F|`` minus its
 3 x 3 mean, back with the original phase; squared magnitude, blurred by an
 11 x 11 Gaussian of sigma 2.5, as OpenCV's ``StaticSaliencySpectralResidual``.
 The official code boxes one partner's peak for the whole batch; here every
@@ -90,7 +90,10 @@ def _gaussian_blur(maps: Tensor, size: int = 11, sigma: float = 2.5) -> Tensor:
 
 
 def spectral_residual_saliency(images: Tensor) -> Tensor:
-    """Spectral-residual saliency of every image, ``(b, sh, sw)`` fp32 at the working size (at most 64 x 64).
+    """Spectral-residual saliency of every image, ``(b, sh, sw)`` fp32 at the working size.
+
+    The working size is ``ceil(H / ceil(H / 64))`` x ``ceil(W / ceil(W / 64))`` (at most 64 x 64): every
+    ``f``-th pixel of the grey image.
 
     Example:
         >>> img = 0.2 * torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -99,12 +102,12 @@ def spectral_residual_saliency(images: Tensor) -> Tensor:
         >>> s.shape, divmod(int(s[0].argmax()), s.shape[2])
         (torch.Size([1, 32, 32]), (23, 6))
     """
-    grey = images.float().mean(dim=1, keepdim=True)  # b 1 H W
-    hh, ww = grey.shape[2:]
-    size = (min(hh, WORK_SIZE), min(ww, WORK_SIZE))
-    if size != (hh, ww):
-        grey = F.adaptive_avg_pool2d(grey, size)
-    spectrum = torch.fft.fft2(grey[:, 0])
+    hh, ww = images.shape[2:]
+    fh, fw = -(-hh // WORK_SIZE), -(-ww // WORK_SIZE)  # ceil: at most WORK_SIZE samples a side
+    # Every f-th pixel, at the window centres: like OpenCV's linear resize it reads a few pixels
+    # a window, not all of them (averaging every pixel cost more than the rest of the mixer).
+    grey = images[:, :, fh // 2 :: fh, fw // 2 :: fw].float().mean(dim=1)
+    spectrum = torch.fft.fft2(grey)
     log_amp = torch.log(spectrum.abs() + 1e-8)
     # 3 x 3 mean of the log amplitude, edges replicated
     smooth = F.avg_pool2d(F.pad(log_amp[:, None], (1, 1, 1, 1), mode="replicate"), 3, stride=1)[:, 0]
@@ -116,12 +119,13 @@ def spectral_residual_saliency(images: Tensor) -> Tensor:
 def saliency_peaks(images: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """Row and column (in cells of ``grid``) of every image's saliency peak, ``(b,)`` long each."""
     sal = spectral_residual_saliency(images)
-    sh, sw = sal.shape[1:]
+    hh, ww = images.shape[2:]
+    fh, fw = -(-hh // WORK_SIZE), -(-ww // WORK_SIZE)  # the subsampling of spectral_residual_saliency
     flat = sal.flatten(1).argmax(dim=1)
-    py, px = flat // sw, flat % sw
-    # the centre of the peak's working-size pixel, in cells
-    cy = torch.div((2 * py + 1) * grid[0], 2 * sh, rounding_mode="floor").clamp(max=grid[0] - 1)
-    cx = torch.div((2 * px + 1) * grid[1], 2 * sw, rounding_mode="floor").clamp(max=grid[1] - 1)
+    py, px = flat // sal.shape[2], flat % sal.shape[2]
+    # the peak's pixel in the image (the sampled window centre), then its cell
+    cy = torch.div((py * fh + fh // 2) * grid[0], hh, rounding_mode="floor")
+    cx = torch.div((px * fw + fw // 2) * grid[1], ww, rounding_mode="floor")
     return cy, cx
 
 
