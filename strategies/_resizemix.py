@@ -154,8 +154,18 @@ class ResizeMix(PairMixer[ResizeParams]):
         rows = resize_index(boxes[:, 0], boxes[:, 1], hh)  # b H
         cols = resize_index(boxes[:, 2], boxes[:, 3], ww)  # b W
         if images.device.type == "cpu" and not torch.compiler.is_compiling():
-            # Only the boxes are read and written: one small gather per sample instead of gathering
-            # every pixel of every partner (the traced path below, whose shapes do not depend on the draw).
+            # Only the boxes are read and written, instead of gathering every pixel of every partner
+            # (the traced path below, whose shapes do not depend on the draw): one batched paste when
+            # every mixed sample has the same box (mode "batch"), else one small gather per sample.
+            applied = params.applied.to(images.device)
+            mixed = applied.nonzero()[:, 0]
+            if mixed.numel() and bool((boxes[mixed] == boxes[mixed[0]]).all()):
+                y0, y1, x0, x1 = boxes[mixed[0]].tolist()
+                out = images.clone()
+                if y1 > y0 and x1 > x0:
+                    shrunk = images[:, :, rows[mixed[0], y0:y1]][:, :, :, cols[mixed[0], x0:x1]]  # b c bh bw, all samples
+                    out[mixed, :, y0:y1, x0:x1] = shrunk[partner[mixed]]
+                return out
             out = images.clone()
             for i, ((y0, y1, x0, x1), j) in enumerate(zip(boxes.tolist(), partner.tolist())):
                 if y1 > y0 and x1 > x0:
