@@ -163,8 +163,14 @@ class ResizeMix(PairMixer[ResizeParams]):
                 y0, y1, x0, x1 = boxes[mixed[0]].tolist()
                 out = images.clone()
                 if y1 > y0 and x1 > x0:
-                    shrunk = images[:, :, rows[mixed[0], y0:y1]][:, :, :, cols[mixed[0], x0:x1]]  # b c bh bw, all samples
-                    out[mixed, :, y0:y1, x0:x1] = shrunk[partner[mixed]]
+                    r, c = rows[mixed[0], y0:y1], cols[mixed[0], x0:x1]
+                    # one gather of just the pasted pixels, straight from each partner: m bh bw c
+                    shrunk = images[rearrange(partner[mixed], "m -> m 1 1"), :, rearrange(r, "h -> 1 h 1"), rearrange(c, "w -> 1 1 w")]
+                    shrunk = rearrange(shrunk, "m h w c -> m c h w")
+                    if mixed.numel() == images.shape[0]:
+                        out[:, :, y0:y1, x0:x1] = shrunk  # every sample: a slice, no scattered write
+                    else:
+                        out[mixed, :, y0:y1, x0:x1] = shrunk
                 return out
             out = images.clone()
             for i, ((y0, y1, x0, x1), j) in enumerate(zip(boxes.tolist(), partner.tolist())):
