@@ -19,6 +19,13 @@ its labels), against the default where its labels stay; the two differ only
 where stochastic depth drops branches (the model's ``drop_path`` rate, 0.1 by
 default as in DeiT).
 
+Table 7's extension beyond the paper (only when asked for by ``--rows``): FMix,
+ResizeMix, SaliencyMix, GridMix (MaskMix) and TokenMix's mixing, each without and
+with TL-Align. On the model's grid: FMix and ResizeMix and SaliencyMix with
+their papers' settings on pixels (alpha 1, decay 3; scale 0.1-0.8); GridMix cells
+of 1, 2 and 4 patches; TokenMix's smallest block of 14 of 196 tokens scaled by
+area like BEiT's (5 of 64 at 8x8).
+
 Table "tokenlabel" (Token Labeling's Table 2, from its baseline to MixToken and
 token labeling): CutMix with image labels; MixToken (Eq. 6-7: mixed patch
 tokens, class target the mask's mean) with image labels; MixToken with the
@@ -31,14 +38,16 @@ nothing may be downloaded here, so the job trains its own teacher first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mixlabels import NoAlignConfig, TLAlignConfig, TokenLabelingConfig
 from mixlabels._scheme_config import SchemeConfig
 from mixlabels.strategies import BlockwiseMixConfig, CutMixConfig, MixTokenConfig, MixUpConfig, RandomPatchMixConfig, SwitchConfig
+from mixlabels.strategies import FMixConfig, GridMixConfig, ResizeMixConfig, SaliencyMixConfig, TokenMixConfig
 from mixlabels.strategies import MixerConfig
 
-__all__ = ["Cell", "MixerFlags", "Table", "table_cells", "paper_layers", "ROW_IDS"]
+__all__ = ["Cell", "MixerFlags", "Table", "table_cells", "paper_layers", "ROW_IDS", "EXTENSION_ROWS", "row_ids"]
 
 Table = int | str  # 7, 8 or "tokenlabel"
 
@@ -47,6 +56,13 @@ ROW_IDS: dict[Table, tuple[str, ...]] = {
     8: ("none", "layer-last", "layers-2468", "no-norm", "tl-align", "official-drop-path"),
     "tokenlabel": ("cutmix", "mixtoken", "mixtoken+mask-labels", "mixtoken+annotator"),
 }
+# Rows beyond the paper, run only when ``--rows`` names them (the default job stays the paper's table).
+EXTENSION_ROWS: dict[Table, tuple[str, ...]] = {7: ("fmix", "resizemix", "saliencymix", "gridmix", "tokenmix")}
+
+
+def row_ids(table: Table) -> tuple[str, ...]:
+    """Every row id ``--rows`` accepts for ``table``: the paper's, then the extension's."""
+    return ROW_IDS[table] + EXTENSION_ROWS.get(table, ())
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class MixerFlags:
     cutmix: bool = False
     random: bool = False
     blockwise: bool = False
+    other: str = ""  # a mixer beyond the paper's columns (Table 7's extension rows)
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,7 @@ def _mixers(num_classes: int, label_smoothing: float, prob: float, cell: int, gr
     n, ls, p = num_classes, label_smoothing, prob
     # BEiT's smallest block (16 of 196 cells) scaled by area to this grid
     min_cells = max(1, round(16 * grid_cells / 196))
+    side = math.isqrt(grid_cells)
     return {
         "cutmix": CutMixConfig(num_classes=n, label_smoothing=ls, prob=p, alpha=1.0),
         "mixup+cutmix": SwitchConfig(
@@ -114,6 +132,15 @@ def _mixers(num_classes: int, label_smoothing: float, prob: float, cell: int, gr
         "blockwise": BlockwiseMixConfig(
             num_classes=n, label_smoothing=ls, prob=p, cell_size=cell, alpha=1.0, min_cells=min_cells
         ),
+        "fmix": FMixConfig(num_classes=n, label_smoothing=ls, prob=p, alpha=1.0, decay_power=3.0),
+        "resizemix": ResizeMixConfig(num_classes=n, label_smoothing=ls, prob=p, scale=(0.1, 0.8)),
+        "saliencymix": SaliencyMixConfig(num_classes=n, label_smoothing=ls, prob=p, alpha=1.0),
+        "gridmix": GridMixConfig(
+            num_classes=n, label_smoothing=ls, prob=p, alpha=1.0, cell_sizes=tuple(cell * k for k in (1, 2, 4) if side % k == 0)
+        ),
+        "tokenmix": TokenMixConfig(
+            num_classes=n, label_smoothing=ls, prob=p, patch_size=cell, alpha=1.0, min_tokens=max(1, round(14 * grid_cells / 196))
+        ),
     }
 
 
@@ -123,6 +150,11 @@ _FLAGS = {
     "mixup+cutmix": MixerFlags(mixup=True, cutmix=True),
     "random": MixerFlags(random=True),
     "blockwise": MixerFlags(blockwise=True),
+    "fmix": MixerFlags(other="FMix"),
+    "resizemix": MixerFlags(other="ResizeMix"),
+    "saliencymix": MixerFlags(other="SaliencyMix"),
+    "gridmix": MixerFlags(other="GridMix"),
+    "tokenmix": MixerFlags(other="TokenMix"),
 }
 
 
@@ -136,17 +168,19 @@ def table_cells(
     img_size: int,
     depth: int,
     drop_path: float | None = None,
+    extension: bool = False,
 ) -> list[Cell]:
     """Every cell of Table 7, Table 8 or the token-labeling table, in the paper's order.
 
     ``drop_path``: the model's stochastic depth rate, named in Table 8's drop-path row.
+    ``extension``: Table 7 also gets the rows beyond the paper (``EXTENSION_ROWS``), after its own.
     """
     grid = img_size // patch_size
     mixers = _mixers(num_classes, label_smoothing, prob, patch_size, grid * grid)
     cutmix = mixers["cutmix"]
     if table == 7:
         cells = [Cell("none", "no mixing", _FLAGS["none"], False, None, None)]
-        for row in ROW_IDS[7][1:]:
+        for row in ROW_IDS[7][1:] + (EXTENSION_ROWS[7] if extension else ()):
             cells.append(Cell(row, row, _FLAGS[row], False, mixers[row], NoAlignConfig()))
             cells.append(Cell(row, row, _FLAGS[row], True, mixers[row], TLAlignConfig()))
         return cells

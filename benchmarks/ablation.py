@@ -82,7 +82,7 @@ from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, keyed
 from benchmarks._init import PretrainedUnavailable, file_digest
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
-from benchmarks._rows import ROW_IDS, Cell, MixerFlags, table_cells
+from benchmarks._rows import EXTENSION_ROWS, ROW_IDS, Cell, MixerFlags, row_ids, table_cells
 from benchmarks._stats import NO_DIFFERENCE, PairedDelta, paired_delta
 from benchmarks._token_labels import TokenLabelSource, annotate_split
 from mixlabels import NoAlignConfig, TokenLabelingConfig
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="AblationConfig as .json or .yaml; flags override it")
     p.add_argument("--table", type=_table, help="7 (mixers x TL-Align, the default), 8 (TL-Align operations) or "
                    "tokenlabel (Token Labeling's CutMix / MixToken / annotator rows; trains a teacher first)")
-    p.add_argument("--rows", type=_csv_list, help=f"only these rows, comma separated: table 7 {','.join(ROW_IDS[7])}; "
+    p.add_argument("--rows", type=_csv_list, help=f"only these rows, comma separated: table 7 {','.join(ROW_IDS[7])} "
+                   f"(beyond the paper: {','.join(EXTENSION_ROWS[7])}); "
                    f"table 8 {','.join(ROW_IDS[8])}; tokenlabel {','.join(ROW_IDS['tokenlabel'])}")
     p.add_argument("--seeds", type=_int_list, help="seeds, comma separated, ranges inclusive: 0,1 or 0-9 or 0-4,7 "
                    "(default 0,1)")
@@ -353,7 +354,7 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
         raise ValueError("no seeds: pass --seeds 0,1 (at least one)")
     if len(set(cfg.seeds)) != len(cfg.seeds):
         raise ValueError(f"seeds must be distinct, got {list(cfg.seeds)}")
-    known = ROW_IDS[cfg.table]
+    known = row_ids(cfg.table)
     if cfg.rows is not None:
         unknown = [r for r in cfg.rows if r not in known]
         if unknown or not cfg.rows:
@@ -362,6 +363,7 @@ def plan(cfg: AblationConfig, num_classes: int, device_type: str) -> list[Planne
     cells = table_cells(
         cfg.table, num_classes=num_classes, label_smoothing=cfg.recipe.label_smoothing, prob=cfg.recipe.mix_prob,
         patch_size=patch, img_size=img, depth=cfg.model.resolved_depth(), drop_path=cfg.model.drop_path,
+        extension=cfg.rows is not None,
     )
     if cfg.rows is not None:
         cells = [c for c in cells if c.row in cfg.rows]
@@ -842,15 +844,18 @@ def render_markdown(cfg: AblationConfig, planned: Sequence[Planned], records: Se
     lines = [caption, ""]
     mark = {True: "✓", False: "×"}
     if cfg.table == 7:
-        lines += ["| MixUp | CutMix | Random | Block-wise | Top-1 (%) | +TL-Align Top-1 (%) | Δ |",
-                  "| :-: | :-: | :-: | :-: | --: | --: | --: |"]
+        beyond = any(c.flags.other for c in rows)  # rows beyond the paper get a column naming their mixer
+        lines += ["| MixUp | CutMix | Random | Block-wise |" + (" Beyond the paper |" if beyond else "")
+                  + " Top-1 (%) | +TL-Align Top-1 (%) | Δ |",
+                  "| :-: | :-: | :-: | :-: |" + (" :-: |" if beyond else "") + " --: | --: | --: |"]
         for row in dict.fromkeys(c.row for c in rows):
             flags = next(c.flags for c in rows if c.row == row)
             base, aligned = cells.get((row, False)), cells.get((row, True))
             has_aligned = any(c.row == row and c.aligned for c in rows)
+            other = f" {flags.other or '×'} |" if beyond else ""
             lines.append(
-                f"| {mark[flags.mixup]} | {mark[flags.cutmix]} | {mark[flags.random]} | {mark[flags.blockwise]} "
-                f"| {_fmt(base)} | {_fmt(aligned) if has_aligned else '-'} "
+                f"| {mark[flags.mixup]} | {mark[flags.cutmix]} | {mark[flags.random]} | {mark[flags.blockwise]} |{other}"
+                f" {_fmt(base)} | {_fmt(aligned) if has_aligned else '-'} "
                 f"| {deltas.get(row, '-')} |"
             )
     else:  # one column, each row against the baseline row: Table 8's "none", the tokenlabel table's CutMix

@@ -19,21 +19,31 @@ from mixlabels.strategies._collate import CollateMixer, timm_collate_mixup
 from mixlabels.strategies._config import (
     BlockwiseMixConfig,
     CutMixConfig,
+    FMixConfig,
+    GridMixConfig,
     MixerConfig,
     MixTokenConfig,
     MixUpConfig,
     RandomPatchMixConfig,
+    ResizeMixConfig,
+    SaliencyMixConfig,
     SwitchConfig,
+    TokenMixConfig,
 )
 from mixlabels.strategies._cutmix import BoxParams, CutMix, cutmix_boxes
 from mixlabels.strategies._elem_switch import ElemSwitch, ElemSwitchParams
+from mixlabels.strategies._fmix import FMix
+from mixlabels.strategies._gridmix import GridMix
 from mixlabels.strategies._mixtoken import MixToken
 from mixlabels.strategies._mixup import MixUp, MixUpParams
 from mixlabels.strategies._patch import BlockwiseMix, CellParams, RandomPatchMix
+from mixlabels.strategies._resizemix import ResizeMix, ResizeParams
+from mixlabels.strategies._saliencymix import SaliencyMix, SaliencyParams
 from mixlabels.strategies._sampling import Mode, Pairing
 from mixlabels.strategies._sequential import sequential_label_map
 from mixlabels.strategies._switch import Switch, SwitchParams
 from mixlabels.strategies._timm_mixup import timm_mixup
+from mixlabels.strategies._tokenmix import TokenMix
 
 __all__ = [
     "CutMix",
@@ -41,6 +51,11 @@ __all__ = [
     "RandomPatchMix",
     "BlockwiseMix",
     "MixToken",
+    "FMix",
+    "ResizeMix",
+    "SaliencyMix",
+    "GridMix",
+    "TokenMix",
     "Switch",
     "ElemSwitch",
     "timm_mixup",
@@ -52,6 +67,8 @@ __all__ = [
     "BoxParams",
     "MixUpParams",
     "CellParams",
+    "ResizeParams",
+    "SaliencyParams",
     "SwitchParams",
     "ElemSwitchParams",
     "Mode",
@@ -64,6 +81,11 @@ __all__ = [
     "RandomPatchMixConfig",
     "BlockwiseMixConfig",
     "MixTokenConfig",
+    "FMixConfig",
+    "ResizeMixConfig",
+    "SaliencyMixConfig",
+    "GridMixConfig",
+    "TokenMixConfig",
     "SwitchConfig",
     "MixerConfig",
 ]

@@ -18,11 +18,16 @@ from pydantic import Field, model_validator
 
 from mixlabels import Config
 from mixlabels.strategies._cutmix import CutMix
+from mixlabels.strategies._fmix import FMix
+from mixlabels.strategies._gridmix import GridMix
 from mixlabels.strategies._mixtoken import MixToken
 from mixlabels.strategies._mixup import MixUp
 from mixlabels.strategies._patch import BlockwiseMix, RandomPatchMix
+from mixlabels.strategies._resizemix import ResizeMix
+from mixlabels.strategies._saliencymix import SaliencyMix
 from mixlabels.strategies._sampling import Mode, Pairing
 from mixlabels.strategies._switch import Switch
+from mixlabels.strategies._tokenmix import TokenMix
 
 __all__ = [
     "CutMixConfig",
@@ -30,6 +35,11 @@ __all__ = [
     "RandomPatchMixConfig",
     "BlockwiseMixConfig",
     "MixTokenConfig",
+    "FMixConfig",
+    "ResizeMixConfig",
+    "SaliencyMixConfig",
+    "GridMixConfig",
+    "TokenMixConfig",
     "SwitchConfig",
     "MixerConfig",
 ]
@@ -119,6 +129,69 @@ class MixTokenConfig(_PairConfig):
         return MixToken(self.num_classes, self.alpha, self.patch_size, self.label_smoothing, self.prob, self.mode, self.pairing)
 
 
+class FMixConfig(_PairConfig):
+    """Config of ``FMix``."""
+
+    kind: Literal["fmix"] = "fmix"
+    alpha: Alpha = 1.0
+    decay_power: Annotated[float, Field(gt=0, allow_inf_nan=False, description="spectral decay of the noise (paper: 3)")] = 3.0
+    cell_size: Annotated[Optional[int], Field(ge=1, description="mask cell side in pixels; None: per pixel")] = None
+
+    def build(self) -> FMix:
+        return FMix(
+            self.num_classes, self.alpha, self.decay_power, self.cell_size, self.label_smoothing, self.prob, self.mode, self.pairing
+        )
+
+
+class ResizeMixConfig(_PairConfig):
+    """Config of ``ResizeMix``."""
+
+    kind: Literal["resizemix"] = "resizemix"
+    scale: Annotated[tuple[float, float], Field(description="(min, max) side ratio of the pasted partner (paper: 0.1, 0.8)")] = (0.1, 0.8)
+    patch_size: Annotated[Optional[int], Field(ge=1, description="snap boxes to this cell size")] = None
+
+    def build(self) -> ResizeMix:
+        return ResizeMix(self.num_classes, self.scale, self.patch_size, self.label_smoothing, self.prob, self.mode, self.pairing)
+
+
+class SaliencyMixConfig(_PairConfig):
+    """Config of ``SaliencyMix``."""
+
+    kind: Literal["saliencymix"] = "saliencymix"
+    alpha: Alpha = 1.0
+    patch_size: Annotated[Optional[int], Field(ge=1, description="snap boxes to this cell size")] = None
+
+    def build(self) -> SaliencyMix:
+        return SaliencyMix(self.num_classes, self.alpha, self.patch_size, self.label_smoothing, self.prob, self.mode, self.pairing)
+
+
+class GridMixConfig(_PairConfig):
+    """Config of ``GridMix``."""
+
+    kind: Literal["gridmix"] = "gridmix"
+    cell_sizes: Annotated[tuple[Annotated[int, Field(ge=1)], ...], Field(min_length=1, description="candidate cell sides in pixels")] = (16, 32)
+    alpha: Alpha = 1.0
+
+    def build(self) -> GridMix:
+        return GridMix(self.num_classes, self.cell_sizes, self.alpha, self.label_smoothing, self.prob, self.mode, self.pairing)
+
+
+class TokenMixConfig(_PairConfig):
+    """Config of ``TokenMix``."""
+
+    kind: Literal["tokenmix"] = "tokenmix"
+    patch_size: Annotated[int, Field(ge=1, description="the backbone's patch size")] = 16
+    alpha: Alpha = 1.0
+    min_tokens: Annotated[int, Field(ge=1, description="smallest block, in tokens (TokenMix: 14)")] = 14
+    min_aspect: Annotated[float, Field(gt=0, description="smallest block aspect ratio (BEiT: 0.3)")] = 0.3
+
+    def build(self) -> TokenMix:
+        return TokenMix(
+            self.num_classes, self.patch_size, self.alpha, self.min_tokens, self.min_aspect,
+            self.label_smoothing, self.prob, self.mode, self.pairing,
+        )
+
+
 class SwitchConfig(Config[Switch]):
     """Config of ``Switch``: nested mixer configs and their probabilities."""
 
@@ -146,7 +219,10 @@ def _num_classes(cfg: MixerConfig) -> int:
 
 
 MixerConfig = Annotated[
-    Union[CutMixConfig, MixUpConfig, RandomPatchMixConfig, BlockwiseMixConfig, MixTokenConfig, SwitchConfig],
+    Union[
+        CutMixConfig, MixUpConfig, RandomPatchMixConfig, BlockwiseMixConfig, MixTokenConfig,
+        FMixConfig, ResizeMixConfig, SaliencyMixConfig, GridMixConfig, TokenMixConfig, SwitchConfig,
+    ],
     Field(discriminator="kind"),
 ]
 """Any mixer's config, chosen by its ``kind``."""

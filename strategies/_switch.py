@@ -124,6 +124,9 @@ class Switch(Mixer[SwitchParams]):
     def params_batch_size(self, params: SwitchParams) -> tuple[int, tuple[int, int]]:
         return self._child(params.choice).params_batch_size(params.params)
 
+    def place(self, params: SwitchParams, images: Tensor) -> SwitchParams:
+        return SwitchParams(choice=params.choice, params=self._child(params.choice).place(params.params, images))
+
     def apply_images(self, images: Tensor, params: SwitchParams) -> Tensor:
         return self._child(params.choice).apply_images(images, params.params)
 

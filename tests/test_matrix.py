@@ -16,7 +16,7 @@ import torch
 
 from mixlabels import backbones
 from mixlabels.backbones._matrix import SCHEMES
-from mixlabels.strategies import BlockwiseMix, CutMix, MixToken, MixUp, RandomPatchMix, Switch
+from mixlabels.strategies import BlockwiseMix, CutMix, FMix, GridMix, MixToken, MixUp, RandomPatchMix, ResizeMix, SaliencyMix, Switch, TokenMix
 
 C = 10
 FAMILY = {f.name: f for f in backbones.FAMILIES}
@@ -27,6 +27,11 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
     "blockwise": lambda g: BlockwiseMix(C, cell_size=8, min_cells=2, generator=g),
     "mixtoken": lambda g: MixToken(C, patch_size=8, generator=g),
     "switch": lambda g: Switch([MixUp(C), CutMix(C)], generator=g),
+    "fmix": lambda g: FMix(C, generator=g),
+    "resizemix": lambda g: ResizeMix(C, generator=g),
+    "saliencymix": lambda g: SaliencyMix(C, generator=g),
+    "gridmix": lambda g: GridMix(C, cell_sizes=(8, 16), generator=g),
+    "tokenmix": lambda g: TokenMix(C, patch_size=8, min_tokens=2, generator=g),
 }
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
 REFUSED = {(f, "TransMix") for f in ("swin", "pvt_v2", "mlp_mixer", "convnext")}

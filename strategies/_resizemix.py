@@ -1,0 +1,185 @@
+"""ResizeMix (Qin et al. 2020): the whole partner image, shrunk, pasted into a box of the sample.
+
+Per draw: a scale ``tau ~ U(scale)`` (the paper: ``[0.1, 0.8]``); the box has sides
+``floor(tau * gh)`` x ``floor(tau * gw)`` cells at a uniform position inside the
+image; the partner is resized to the box's pixel size and pasted there. The
+label weight of the partner is the box's true area (about ``tau ** 2``), as in
+the paper: the partner's whole content is present, only smaller.
+
+The resize is nearest-neighbour with pixel centres aligned (``F.interpolate``'s
+``"nearest-exact"``; OpenMixup's ResizeMix defaults to nearest too): every pasted
+pixel is a copy of a partner pixel, so the mix is a selection, exact in any dtype.
+Boxes live on pixels or on ``patch_size`` cells, like CutMix's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from mixlabels.strategies._base import MixParams, PairMixer
+from mixlabels.strategies._cutmix import box_inside, box_mask, grid_of
+from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_uniform
+
+__all__ = ["ResizeMix", "ResizeParams", "ResizeSampler", "resize_index"]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ResizeParams(MixParams):
+    """ResizeMix draws: the box each sample's partner is shrunk into.
+
+    Attributes:
+        boxes: ``(b, 4)`` long ``(y0, y1, x0, x1)`` in cells of ``grid``, half-open; empty where unmixed.
+        grid: ``(gh, gw)`` cells; a cell covers ``(H / gh, W / gw)`` pixels.
+    """
+
+    boxes: Tensor
+    grid: tuple[int, int]
+
+    def source_weight(self) -> Tensor:
+        return box_mask(self.boxes, self.grid)
+
+    def cell_boxes(self) -> tuple[Tensor, tuple[int, int]]:
+        return self.boxes, self.grid
+
+    def pixel_boxes(self) -> Tensor:
+        """``(b, 4)`` long boxes in pixels."""
+        ch, cw = self.image_size[0] // self.grid[0], self.image_size[1] // self.grid[1]
+        return self.boxes * torch.tensor([ch, ch, cw, cw], device=self.boxes.device)
+
+
+def resize_index(start: Tensor, stop: Tensor, size: int) -> Tensor:
+    """Source index of every output position when ``[0, size)`` is shrunk into ``[start, stop)``, ``(b, size)`` long.
+
+    Nearest with aligned pixel centres: output ``p`` reads ``floor((p - start + 0.5) * size / (stop - start))``,
+    clamped into the image (positions outside the box get some valid index; they are never selected).
+
+    Example:
+        >>> resize_index(torch.tensor([1]), torch.tensor([3]), 4).tolist()
+        [[0, 1, 3, 3]]
+    """
+    pos = torch.arange(size, device=start.device, dtype=torch.float64)
+    extent = (stop - start).clamp(min=1).double()
+    src = torch.floor((pos[None, :] - start[:, None].double() + 0.5) * size / extent[:, None]).long()
+    return src.clamp(0, size - 1)
+
+
+class ResizeSampler(MixSampler[ResizeParams]):
+    """Draws ResizeMix boxes: side ratio ``tau ~ U(scale)`` per group, position uniform inside the grid.
+
+    Args:
+        scale: ``(min, max)`` side ratio of the box, ``0 <= min <= max <= 1`` (the paper: ``(0.1, 0.8)``).
+        cell: cell size in pixels the box snaps to; ``None`` for pixels.
+        mode, pairing, prob: see ``MixSampler``.
+    """
+
+    params_type = ResizeParams
+
+    def __init__(
+        self,
+        scale: tuple[float, float] = (0.1, 0.8),
+        cell: int | None = None,
+        mode: Mode = "batch",
+        pairing: Pairing = "flip",
+        prob: float = 1.0,
+    ) -> None:
+        lo, hi = scale
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"scale must satisfy 0 <= min <= max <= 1 (the box side as a fraction of the image), got {scale}")
+        if cell is not None and cell < 1:
+            raise ValueError(f"patch_size must be a positive number of pixels, got {cell}")
+        super().__init__(mode, pairing, prob)
+        self.scale = (float(lo), float(hi))
+        self.cell = cell
+
+    def __repr__(self) -> str:
+        return f"scale={self.scale}, cell={self.cell}, {super().__repr__()}"
+
+    def check_image_size(self, image_size: tuple[int, int]) -> None:
+        super().check_image_size(image_size)
+        grid_of(image_size, self.cell, "patch_size")
+
+    def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> ResizeParams:
+        gh, gw = grid_of(image_size, self.cell, "patch_size")
+        u = sample_uniform((pairs.num_groups, 3), generator, device)
+        tau = self.scale[0] + u[:, 0] * (self.scale[1] - self.scale[0])
+        bh = torch.floor(tau * gh).long()
+        bw = torch.floor(tau * gw).long()
+        y0 = torch.floor(u[:, 1] * (gh - bh + 1)).long().clamp(max=gh - bh)
+        x0 = torch.floor(u[:, 2] * (gw - bw + 1)).long().clamp(max=gw - bw)
+        boxes = torch.stack([y0, y0 + bh, x0, x0 + bw], dim=1)[pairs.group]
+        boxes = torch.where(pairs.applied[:, None], boxes, torch.zeros_like(boxes))  # empty box: unmixed
+        return ResizeParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, boxes=boxes, grid=(gh, gw))
+
+
+class ResizeMix(PairMixer[ResizeParams]):
+    """ResizeMix as a kornia augmentation producing a ``TokenLabelMap`` (the map keeps the boxes).
+
+    Args:
+        num_classes: ``c``.
+        scale: ``(min, max)`` side ratio of the pasted partner (the paper: ``(0.1, 0.8)``).
+        patch_size: snap boxes to this cell size (the token grid); ``None`` for pixel boxes.
+        label_smoothing: in ``[0, 1)``.
+        prob: probability of mixing, per batch, pair or sample according to ``mode``.
+        mode: ``"batch"``, ``"pair"`` or ``"elem"``; samples sharing a draw share the box.
+        pairing: ``"flip"`` or ``"derangement"``.
+        generator: default source of randomness.
+
+    Example:
+        >>> rm = ResizeMix(num_classes=10, scale=(0.5, 0.5), generator=torch.Generator().manual_seed(0))
+        >>> mixed, lm = rm(torch.rand(2, 3, 16, 16), torch.tensor([3, 7]))
+        >>> lm.image_weights[:, 1].tolist()  # an 8x8 box: a quarter of the image shows the partner
+        [0.25, 0.25]
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        scale: tuple[float, float] = (0.1, 0.8),
+        patch_size: int | None = None,
+        label_smoothing: float = 0.0,
+        prob: float = 1.0,
+        mode: Mode = "batch",
+        pairing: Pairing = "flip",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(ResizeSampler(scale, patch_size, mode, pairing, prob), num_classes, label_smoothing, generator)
+
+    def apply_images(self, images: Tensor, params: ResizeParams) -> Tensor:
+        """Paste each partner, shrunk, into the sample's box; samples with an empty box are copied unchanged."""
+        hh, ww = images.shape[2], images.shape[3]
+        boxes = params.pixel_boxes().to(images.device)
+        partner = params.partner.to(images.device)
+        rows = resize_index(boxes[:, 0], boxes[:, 1], hh)  # b H
+        cols = resize_index(boxes[:, 2], boxes[:, 3], ww)  # b W
+        if images.device.type == "cpu" and not torch.compiler.is_compiling():
+            # Only the boxes are read and written, instead of gathering every pixel of every partner
+            # (the traced path below, whose shapes do not depend on the draw): one batched paste when
+            # every mixed sample has the same box (mode "batch"), else one small gather per sample.
+            applied = params.applied.to(images.device)
+            mixed = applied.nonzero()[:, 0]
+            if mixed.numel() and bool((boxes[mixed] == boxes[mixed[0]]).all()):
+                y0, y1, x0, x1 = boxes[mixed[0]].tolist()
+                out = images.clone()
+                if y1 > y0 and x1 > x0:
+                    r, c = rows[mixed[0], y0:y1], cols[mixed[0], x0:x1]
+                    # one gather of just the pasted pixels, straight from each partner: m bh bw c
+                    shrunk = images[rearrange(partner[mixed], "m -> m 1 1"), :, rearrange(r, "h -> 1 h 1"), rearrange(c, "w -> 1 1 w")]
+                    shrunk = rearrange(shrunk, "m h w c -> m c h w")
+                    if mixed.numel() == images.shape[0]:
+                        out[:, :, y0:y1, x0:x1] = shrunk  # every sample: a slice, no scattered write
+                    else:
+                        out[mixed, :, y0:y1, x0:x1] = shrunk
+                return out
+            out = images.clone()
+            for i, ((y0, y1, x0, x1), j) in enumerate(zip(boxes.tolist(), partner.tolist())):
+                if y1 > y0 and x1 > x0:
+                    src = images[j].index_select(1, rows[i, y0:y1]).index_select(2, cols[i, x0:x1])
+                    out[i, :, y0:y1, x0:x1] = src
+            return out
+        inside = box_inside(boxes, (hh, ww))  # b H W, boxes already in pixels
+        shrunk = images[rearrange(partner, "b -> b 1 1"), :, rearrange(rows, "b h -> b h 1"), rearrange(cols, "b w -> b 1 w")]
+        return torch.where(rearrange(inside, "b h w -> b 1 h w"), rearrange(shrunk, "b h w c -> b c h w"), images)
