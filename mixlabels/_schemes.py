@@ -27,7 +27,7 @@ from mixlabels._label_map import TokenLabelMap
 from mixlabels._rules import Rules
 from mixlabels._trackers import CompactTracker
 
-__all__ = ["NoAlign", "TransMix", "TLAlign", "TokenLabeling", "DropPathRule", "SCHEMES"]
+__all__ = ["NoAlign", "TransMix", "TLAlign", "TokenLabeling", "MixPro", "DropPathRule", "SCHEMES"]
 
 DropPathRule = Literal["follow", "official"]
 """What a block's label update does for a sample whose attention branch stochastic depth dropped.
@@ -204,12 +204,69 @@ class TokenLabeling:
         return CompactTracker(self.rules(label_map, layout), label_map, layout)
 
 
+@dataclass(frozen=True)
+class MixPro:
+    """MixPro's progressive attention labeling (Zhao et al., ICLR 2023): TransMix's target, re-weighted over training.
+
+    ``lambda = a * lambda_area + (1 - a) * lambda_attn``, ``lambda_attn`` as in ``TransMix``
+    (the last layer's class-token attention summed over each source's area), and the
+    progressive factor ``a`` falling linearly with the batch's training progress ``t``:
+    ``a = initial + (final - initial) * t``. Early attention maps are unreliable, so early targets
+    lean on the area. The progress travels with the batch (``label_map.with_progress(step /
+    total_steps)``), so the scheme stays immutable configuration; a map without it is refused.
+
+    The linear schedule is this library's choice, documented here: the paper's exact
+    definition of its progressive factor was not checked against its text or code.
+
+    Args:
+        initial: ``a`` at the start of training (``t = 0``).
+        final: ``a`` at the end (``t = 1``); ``initial = final = 0.5`` is ``TransMix``.
+
+    Example:
+        >>> MixPro(), MixPro(initial=0.5, final=0.5)
+        (MixPro(initial=1.0, final=0.0), MixPro(initial=0.5, final=0.5))
+    """
+
+    initial: float = 1.0
+    final: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.initial <= 1.0 and 0.0 <= self.final <= 1.0):
+            raise ValueError(f"MixPro initial and final are area weights in [0, 1], got initial={self.initial}, final={self.final}")
+
+    @property
+    def needs_token_logits(self) -> bool:
+        return False
+
+    def area_weight(self, progress: float) -> float:
+        """The progressive factor ``a`` at training progress ``progress`` in ``[0, 1]``."""
+        return self.initial + (self.final - self.initial) * progress
+
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        if not layout.class_token:
+            raise ValueError(
+                "MixPro reads the class token's attention, but this model has no class token "
+                "(global pooling); use TLAlign() or NoAlign() instead"
+            )
+        if label_map.progress is None:
+            raise ValueError(
+                "MixPro weighs its targets by training progress, but this batch's label map carries none: "
+                "pass label_map.with_progress(step / total_steps) to the adapted model"
+            )
+        a = self.area_weight(label_map.progress)
+        return Rules(class_attention_layer=layout.depth - 1, target="attention", area_weight=a)
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        return CompactTracker(self.rules(label_map, layout), label_map, layout)
+
+
 SCHEMES: Mapping[str, Scheme] = MappingProxyType(
     {
         "none": NoAlign(),
         "transmix": TransMix(),
         "tl_align": TLAlign(),
         "token_labeling": TokenLabeling(),
+        "mixpro": MixPro(),
     }
 )
 """Every scheme's default instance by its configuration's ``kind`` (the scheme registry)."""
