@@ -215,8 +215,13 @@ class MixPro:
     lean on the area. The progress travels with the batch (``label_map.with_progress(step /
     total_steps)``), so the scheme stays immutable configuration; a map without it is refused.
 
-    The linear schedule is this library's choice, documented here: the paper's exact
-    definition of its progressive factor was not checked against its text or code.
+    The schedule is this library's choice, not the official code's factor: there
+    (github.com/fistyee/MixPro, ``main.py``) the attention weight ``1 - a`` is, per sample,
+    the cosine similarity between the area-mixed target and the model's own softmax
+    prediction on the same forward pass (so it rises as the model learns), with a
+    commented-out epoch schedule ``1 - (epoch / 300) ** 2`` beside it. That factor needs
+    the batch's logits inside the tracker, which the event protocol does not hand it yet;
+    this scheme is the explicit, data-independent schedule and does not claim MixPro's numbers.
 
     Args:
         initial: ``a`` at the start of training (``t = 0``).
