@@ -28,11 +28,13 @@ from mixlabels.backbones._matrix import SupportRow, support_markdown, support_ma
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
+from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
 
 __all__ = [
     "adapt",
+    "AlignedClassificationTask",
     "SUPPORTED",
     "FAMILIES",
     "Family",

@@ -7,6 +7,7 @@ README's table) runs every scheme on those same examples.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,46 @@ FAMILIES: tuple[Family, ...] = tuple(_REGISTRY)
 SUPPORTED: tuple[str, ...] = tuple(f.description for f in _REGISTRY)
 
 
+def _check_model(model: object) -> None:
+    """Clear errors for what is not a bare timm model: wrappers say which attribute holds it."""
+    from mixlabels.backbones._common import AdaptedBase  # the adapters' base (no import cycle at call time)
+
+    if isinstance(model, AdaptedBase):
+        raise TypeError(
+            f"this model is already adapted ({type(model).__name__} with {type(model.scheme).__name__}): "
+            "pass the timm model (adapted.model) to adapt it again with another scheme"
+        )
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(
+            "adapt cannot adapt a torch.compile'd model (OptimizedModule): adapt the timm model first and compile "
+            "the adapted module (torch.compile(adapt(model, scheme))), or pass the original, model._orig_mod"
+        )
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        wrapper = "ddp" if isinstance(model, nn.parallel.DistributedDataParallel) else "dp"
+        raise TypeError(
+            f"adapt cannot adapt a {type(model).__name__} wrapper: adapt the timm model inside it "
+            f"(adapt({wrapper}.module, scheme)), "
+            f"or better adapt first and wrap the adapted module ({type(model).__name__}(adapt(model, scheme)))"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"adapt takes a timm model (an nn.Module), got {type(model).__name__}")
+
+
+def check_scheme(scheme: object) -> None:
+    """Raise a clear error unless ``scheme`` is a scheme instance (``NoAlign()``, ``TLAlign(...)``, ...)."""
+    if inspect.isclass(scheme):
+        raise TypeError(f"scheme must be an instance, got the class {scheme.__name__}: pass {scheme.__name__}()")
+    build = getattr(scheme, "build", None)
+    if callable(build) and not hasattr(scheme, "start"):
+        raise TypeError(f"scheme must be a scheme, got the config {type(scheme).__name__}: pass config.build()")
+    if not (callable(getattr(scheme, "start", None)) and callable(getattr(scheme, "rules", None))
+            and hasattr(scheme, "needs_token_logits")):
+        raise TypeError(
+            f"scheme must be a mixlabels scheme (NoAlign(), TransMix(), TLAlign(...), TokenLabeling(...)), "
+            f"got {type(scheme).__name__}"
+        )
+
+
 def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Module:
     """Wrap a timm model so that it also returns the scheme's aligned targets.
 
@@ -94,8 +135,12 @@ def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Modul
         is a ``mixlabels.AlignedOutput``. ``adapted.model is model``.
 
     Raises:
-        TypeError: the model's family is not supported; the message lists those that are.
+        TypeError: the model's family is not supported (the message lists those that are), the
+            model is already adapted, compiled or wrapped (DDP, DataParallel), or the scheme is
+            not a scheme instance.
     """
+    _check_model(model)
+    check_scheme(scheme)
     reasons = []
     for family in _REGISTRY:
         why = family.refusal(model)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
+from mixlabels.backbones._timm_face import TimmFace, check_distributed
 
 __all__ = [
     "AdaptedBase",
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-class AdaptedBase(nn.Module):
+class AdaptedBase(TimmFace):
     """``adapted(images)`` is ``model(images)``; ``adapted(images, label_map)`` an ``AlignedOutput``.
 
     Subclasses set ``refusal`` and ``family`` and implement ``aligned_forward`` (events,
@@ -60,6 +61,10 @@ class AdaptedBase(nn.Module):
 
     def __init__(self, model: nn.Module, scheme: Scheme, reference: bool = False) -> None:
         super().__init__()
+        from mixlabels.backbones._adapt import _check_model, check_scheme  # one set of checks with adapt()
+
+        _check_model(model)
+        check_scheme(scheme)
         why = self.refusal(model)
         if why is not None:
             raise TypeError(f"cannot adapt this model: {why}. Supported: {self.family}")
@@ -76,11 +81,18 @@ class AdaptedBase(nn.Module):
     def forward(self, images: Tensor, label_map: TokenLabelMap | None = None) -> Any:
         if label_map is None:
             return self.model(images)
+        if not isinstance(label_map, TokenLabelMap):
+            raise TypeError(
+                f"the second argument must be the mixer's TokenLabelMap (mixed, label_map = mixer(images, labels)), "
+                f"got {type(label_map).__name__}; for an unmixed batch pass "
+                "TokenLabelMap.unmixed(labels, num_classes, image_size=images.shape[-2:])"
+            )
         if any(getattr(mod, "grad_checkpointing", False) for mod in self.model.modules()):
             raise RuntimeError(
                 "gradient checkpointing re-runs block forwards, which would update the labels twice; "
                 "call model.set_grad_checkpointing(False) before training with a label map"
             )
+        check_distributed(self)
         if self.reference:
             return self.reference_forward(images, label_map)
         return self.aligned_forward(images, label_map)

@@ -110,9 +110,19 @@ class ModelConfig(Config[nn.Module]):
             }.items()
             if v is not None
         }
-        model: nn.Module = timm.create_model(
-            self.name, pretrained=pretrained, num_classes=num_classes, drop_path_rate=self.drop_path, **overrides
-        )
+        if not timm.is_model(self.name):
+            raise ValueError(f"unknown timm model {self.name!r}; list them with timm.list_models('deit*') or 'vit*'")
+        try:
+            model: nn.Module = timm.create_model(
+                self.name, pretrained=pretrained, num_classes=num_classes, drop_path_rate=self.drop_path, **overrides
+            )
+        except TypeError as e:
+            raise ValueError(
+                f"model {self.name!r} does not take the ablation's ViT arguments {sorted(overrides)} ({e}). The "
+                "ablation trains timm ViT/DeiT models (vit_*, deit_*): its tables cut images into "
+                "patch-size cells and align labels through transformer blocks, so a CNN such as ResNet has no "
+                "place in them. Pick e.g. --model deit_tiny_patch16_224"
+            ) from e
         return model
 
     def resolved_depth(self) -> int:

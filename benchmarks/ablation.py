@@ -56,6 +56,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -213,9 +214,15 @@ def load_config_file(path: Path) -> dict[str, Any]:
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
-        loaded: Any = yaml.safe_load(text)
+        try:
+            loaded: Any = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path} is not valid YAML: {e}") from e
     elif path.suffix.lower() == ".json":
-        loaded = json.loads(text)
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from e
     else:
         raise ValueError(f"config file {path} must end in .json, .yaml or .yml")
     if not isinstance(loaded, dict):
@@ -493,12 +500,30 @@ def _read_done(runs_dir: Path, planned: Sequence[Planned]) -> dict[str, dict[str
             continue
         try:
             record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            warnings.warn(f"run file {path} cannot be read ({e}); treating {p.name} as not done: it is retrained and the file replaced", stacklevel=2)
             continue  # a torn or foreign file: the run is redone and the file replaced
+        why = _record_problem(record)
+        if why is not None:
+            warnings.warn(f"run file {path} {why}; treating {p.name} as not done: it is retrained and the file replaced", stacklevel=2)
+            continue
         run = record.get("run")
         if record.get("key") == p.key and isinstance(run, dict) and keyed_dump(run) == keyed_dump(p.run):
             done[p.key] = record
     return done
+
+
+def _record_problem(record: object) -> str | None:
+    """Why a run file's content is not a finished run's record (``None`` if it is one)."""
+    if not isinstance(record, dict):
+        return f"holds a JSON {type(record).__name__}, not a run record"
+    missing = [k for k in ("key", "run", "result") if k not in record]
+    if missing:
+        return f"has no {', '.join(repr(k) for k in missing)} entry"
+    result = record["result"]
+    if not isinstance(result, dict) or not all(isinstance(result.get(k), (int, float)) for k in ("top1", "steps")):
+        return "has a \"result\" without numeric \"top1\" and \"steps\""
+    return None
 
 
 def write_atomic(path: Path, text: str) -> None:

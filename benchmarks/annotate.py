@@ -249,6 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import timm
     from timm.data.config import resolve_data_config
 
+    try:
+        kwargs = json.loads(args.model_kwargs)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--model-kwargs is not valid JSON ({e.msg} at column {e.colno}): {args.model_kwargs!r}; "
+                         """e.g. --model-kwargs '{"img_size": 32, "patch_size": 4}'""") from e
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"--model-kwargs must be a JSON object of timm.create_model arguments, got {args.model_kwargs!r}")
+
     if args.threads:
         torch.set_num_threads(args.threads)
     source = _resolve_data(args.data)
@@ -257,7 +265,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     classes = sorted({i.split("/")[1] for i, _ in items})
     if args.limit is not None:
         items = items[: args.limit]
-    kwargs = json.loads(args.model_kwargs)
     num_classes = args.num_classes or len(classes)
     torch.manual_seed(args.seed)
     model = timm.create_model(args.model, pretrained=False, num_classes=num_classes, **kwargs)
@@ -296,4 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (FileNotFoundError, ScoreMapError) as err:  # the message names the file and the fix
+        print(f"annotate: {err}", file=sys.stderr)
+        sys.exit(2)

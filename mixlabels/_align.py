@@ -126,6 +126,11 @@ class AlignedOutput:
 
     def loss(self) -> Tensor:
         """The scheme's training loss (token labeling Eq. 3: class loss + beta * token loss)."""
+        if self.logits.shape[-1] != self.target.shape[-1]:
+            raise ValueError(
+                f"the model outputs {self.logits.shape[-1]} classes but the label map has num_classes="
+                f"{self.target.shape[-1]}; build the mixer (or the label map) with num_classes={self.logits.shape[-1]}"
+            )
         loss = soft_target_cross_entropy(self.logits, self.target)
         if self.token_target is not None and self.token_logits is not None:
             loss = loss + self.token_loss_weight * token_soft_target_cross_entropy(self.token_logits, self.token_target)

@@ -22,6 +22,7 @@ token grid, ``n = h * w`` tokens, ``c`` classes.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,15 +44,18 @@ def check_labels(labels: Tensor, num_classes: int) -> None:
     Integer labels ``(b,)`` must lie in ``[0, num_classes)``; soft labels
     ``(b, c)`` must be finite, non-negative rows summing to 1. One host sync.
     """
-    if num_classes < 1:
-        _fail(f"num_classes must be >= 1, got {num_classes}")
+    _check_num_classes(num_classes)
+    if not isinstance(labels, Tensor):
+        _fail(f"labels must be a tensor of class ids (batch,) or probabilities (batch, c), got {type(labels).__name__}")
     if labels.is_floating_point():
         if labels.ndim != 2 or labels.shape[1] != num_classes:
             _fail(
-                f"soft labels must have shape (batch, num_classes=({num_classes}), got "
+                f"soft labels must have shape (batch, num_classes={num_classes}), got "
                 f"{tuple(labels.shape)}; pass integer class ids of shape (batch,) or "
                 f"probabilities of shape (batch, {num_classes})"
             )
+        if labels.numel() == 0:
+            return
         bad = (~torch.isfinite(labels)).any() | (labels < 0).any()
         off_simplex = (labels.sum(dim=1) - 1).abs().max() > 1e-3
         flags = torch.stack([bad, off_simplex]).tolist()
@@ -76,6 +80,17 @@ def check_labels(labels: Tensor, num_classes: int) -> None:
             f"labels out of range: found class ids in [{lo_v}, {hi_v}] but num_classes={num_classes}; "
             f"ids must lie in [0, {num_classes - 1}]"
         )
+
+
+def _check_num_classes(num_classes: object) -> None:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
+        _fail(f"num_classes must be >= 1, got {num_classes!r}; pass the number of classes as an integer")
+
+
+def _check_image_size(image_size: object) -> None:
+    sides = list(image_size) if isinstance(image_size, (tuple, list, torch.Size)) else []
+    if len(sides) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sides):
+        _fail(f"image_size must be (height, width) in pixels, two positive integers, got {image_size!r}")
 
 
 def class_distributions(labels: Tensor, num_classes: int, label_smoothing: float = 0.0) -> Tensor:
@@ -147,6 +162,12 @@ class TokenLabelMap:
     progress: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("sources", "image_weights", "labels"):
+            value = getattr(self, name)
+            if not isinstance(value, Tensor):
+                _fail(f"{name} must be a tensor, got {type(value).__name__}; convert it with torch.as_tensor(...)")
+        _check_num_classes(self.num_classes)
+        _check_image_size(self.image_size)
         b = self.sources.shape[0] if self.sources.ndim == 2 else -1
         if self.sources.ndim != 2 or self.sources.dtype != torch.long:
             _fail(f"sources must be a (batch, k) long tensor, got {tuple(self.sources.shape)} {self.sources.dtype}")
@@ -341,8 +362,24 @@ class TokenLabelMap:
         num_classes: int,
         image_size: tuple[int, int],
         label_smoothing: float = 0.0,
+        validate: bool = True,
     ) -> TokenLabelMap:
-        """The identity map (k = 1): every token belongs to its own sample."""
+        """The identity map (k = 1): every token belongs to its own sample.
+
+        Args:
+            labels: ``(b,)`` class ids or ``(b, c)`` probabilities.
+            num_classes: ``c``.
+            image_size: ``(H, W)`` of the images.
+            label_smoothing: in ``[0, 1)``.
+            validate: check label values (ids in range, rows on the simplex): one host read.
+        """
+        if not isinstance(labels, Tensor):
+            _fail(f"labels must be a tensor of class ids (batch,) or probabilities (batch, c), got {type(labels).__name__}")
+        _check_num_classes(num_classes)
+        if labels.ndim == 0:
+            _fail("labels must have a batch dimension: (batch,) class ids or (batch, num_classes) probabilities")
+        if validate:
+            check_labels(labels, num_classes)
         b = labels.shape[0]
         dev = labels.device
         return cls(
@@ -491,9 +528,15 @@ class TokenLabelMap:
                 f"{self.image_size[1]}), got {tuple(images.shape)}"
             )
         weights = self.pixel_weights().to(images.dtype)
-        out = images[self.sources[:, 0]] * weights[:, :1]
+
+        def term(s: int) -> Tensor:
+            # A source with weight 0 contributes nothing, selected: 0 * NaN (or inf) would be NaN.
+            w = weights[:, s : s + 1]
+            return torch.where(w == 0, torch.zeros((), dtype=images.dtype, device=images.device), images[self.sources[:, s]] * w)
+
+        out = term(0)
         for s in range(1, self.num_sources):
-            out = out + images[self.sources[:, s]] * weights[:, s : s + 1]
+            out = out + term(s)
         return out
 
     def mixed_token_targets(self, grid: tuple[int, int]) -> Tensor:
@@ -527,9 +570,11 @@ class TokenLabelMap:
         n = grid[0] * grid[1]
         if tokens.ndim != 3 or tokens.shape[0] != self.batch_size or tokens.shape[1] != n:
             _fail(f"tokens must have shape (batch={self.batch_size}, n={n}, dim), got {tuple(tokens.shape)}")
-        weights = self.token_weights(grid).to(tokens.dtype)  # b n k
+        weights = rearrange(self.token_weights(grid).to(tokens.dtype), "b n k -> b k n 1")
         gathered = tokens[self.sources]  # b k n d
-        return torch.einsum("bknd,bnk->bnd", gathered, weights)
+        # A source with weight 0 contributes nothing, selected: 0 * a NaN or inf token would be NaN.
+        terms = torch.where(weights == 0, torch.zeros((), dtype=tokens.dtype, device=tokens.device), gathered * weights)
+        return reduce(terms, "b k n d -> b n d", "sum")
 
     def dense_pixel_targets(self) -> Tensor:
         """Per-pixel class distributions ``(b, c, H, W)``; for pictures and tests, not hot paths."""

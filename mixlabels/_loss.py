@@ -15,6 +15,18 @@ __all__ = [
 
 
 def _check(logits: Tensor, target: Tensor, ndim: int, what: str) -> None:
+    if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
+        raise TypeError(f"{what}: logits and targets must be tensors, got {type(logits).__name__} and {type(target).__name__}")
+    if not logits.is_floating_point() or not target.is_floating_point():
+        raise ValueError(
+            f"{what}: logits and targets must be floating point, got {logits.dtype} and {target.dtype}; targets are "
+            "class distributions (label_map.image_targets(), or F.one_hot(labels, c).float() for class ids)"
+        )
+    if logits.device != target.device:
+        raise ValueError(
+            f"{what}: logits are on {logits.device} but targets on {target.device}; move the targets with "
+            "target.to(logits.device)"
+        )
     if target.requires_grad:
         raise ValueError(
             "targets must not require grad: aligned labels are stop-gradient targets (Eq. 12); "

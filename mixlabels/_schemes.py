@@ -17,6 +17,7 @@ maps, training progress) travels in the ``TokenLabelMap``, never in the scheme.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -91,7 +92,35 @@ def _resolve_layers(layers: Sequence[int] | None, depth: int) -> frozenset[int]:
             f"TLAlign layers {bad} out of range for a model with {depth} layers: use 0-based indices "
             f"in [0, {depth - 1}] or negative ones from the end (-1 is the last layer)"
         )
-    return frozenset(i % depth for i in layers)
+    resolved = [i % depth for i in layers]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(
+            f"TLAlign layers {list(layers)} name the same layer twice on a model with {depth} layers "
+            f"(negative indices count from the end); list each layer once"
+        )
+    return frozenset(resolved)
+
+
+_LAYERS_ACCEPTED = (
+    "TLAlign layers takes distinct integer layer indices, 0-based (negative ones count from the end: -1 is "
+    "the last layer), e.g. layers=(1, 3, 5, 7); or None to align every layer"
+)
+
+
+def _check_layers(layers: object) -> tuple[int, ...]:
+    """``layers`` as a tuple of distinct ints, or an error saying what is accepted (never truncated)."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise TypeError(f"{_LAYERS_ACCEPTED}; got {layers!r}")
+    out = []
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{_LAYERS_ACCEPTED}; got {list(layers)!r}, where {i!r} is not an integer")
+        out.append(int(i))
+    if not out:
+        raise ValueError(f"{_LAYERS_ACCEPTED}; got no layers (NoAlign() aligns none)")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{_LAYERS_ACCEPTED}; got {out}, which repeats a layer")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -140,8 +169,10 @@ class TLAlign:
                 f"TLAlign drop_path={drop_path!r} is not a rule: use 'follow' (labels of a sample whose "
                 "attention branch was dropped stay) or 'official' (the official code: they mix anyway)"
             )
-        object.__setattr__(self, "layers", None if layers is None else tuple(int(i) for i in layers))
-        object.__setattr__(self, "normalize", bool(normalize))
+        object.__setattr__(self, "layers", None if layers is None else _check_layers(layers))
+        if not isinstance(normalize, bool):
+            raise TypeError(f"TLAlign normalize must be True or False, got {normalize!r}")
+        object.__setattr__(self, "normalize", normalize)
         object.__setattr__(self, "drop_path", drop_path)
 
     @property
@@ -185,8 +216,8 @@ class TokenLabeling:
     aligned: bool = False
 
     def __post_init__(self) -> None:
-        if not self.beta >= 0.0:
-            raise ValueError(f"TokenLabeling beta must be >= 0, got {self.beta}")
+        if not 0.0 <= self.beta < float("inf"):
+            raise ValueError(f"TokenLabeling beta must be a finite number >= 0 (the token loss weight), got {self.beta}")
 
     @property
     def needs_token_logits(self) -> bool:

@@ -5,6 +5,7 @@ Replacing timm's ``mixup_fn`` in a training loop::
     # before: mixup_fn = timm.data.Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=1000)
     #         images, targets = mixup_fn(images, labels)
     mixer = Switch([MixUp(1000, alpha=0.8, label_smoothing=0.1), CutMix(1000, alpha=1.0, label_smoothing=0.1)])
+    # or, with timm's own arguments and defaults: mixer = timm_mixup(mixup_alpha=0.8, cutmix_alpha=1.0)
     images, label_map = mixer(images, labels)        # labels: (b,) ids or (b, c) probabilities
     targets = label_map.image_targets()              # (b, c): timm's mixed target
     loss = mixlabels.soft_target_cross_entropy(model(images), targets)
@@ -14,6 +15,7 @@ With kornia: ``seq = AugmentationSequential(K.RandomHorizontalFlip(), mixer, dat
 """
 
 from mixlabels.strategies._base import MixParams, Mixer, PairMixer, mix_images
+from mixlabels.strategies._collate import CollateMixer, timm_collate_mixup
 from mixlabels.strategies._config import (
     BlockwiseMixConfig,
     CutMixConfig,
@@ -24,12 +26,14 @@ from mixlabels.strategies._config import (
     SwitchConfig,
 )
 from mixlabels.strategies._cutmix import BoxParams, CutMix, cutmix_boxes
+from mixlabels.strategies._elem_switch import ElemSwitch, ElemSwitchParams
 from mixlabels.strategies._mixtoken import MixToken
 from mixlabels.strategies._mixup import MixUp, MixUpParams
 from mixlabels.strategies._patch import BlockwiseMix, CellParams, RandomPatchMix
 from mixlabels.strategies._sampling import Mode, Pairing
 from mixlabels.strategies._sequential import sequential_label_map
 from mixlabels.strategies._switch import Switch, SwitchParams
+from mixlabels.strategies._timm_mixup import timm_mixup
 
 __all__ = [
     "CutMix",
@@ -38,6 +42,10 @@ __all__ = [
     "BlockwiseMix",
     "MixToken",
     "Switch",
+    "ElemSwitch",
+    "timm_mixup",
+    "CollateMixer",
+    "timm_collate_mixup",
     "Mixer",
     "PairMixer",
     "MixParams",
@@ -45,6 +53,7 @@ __all__ = [
     "MixUpParams",
     "CellParams",
     "SwitchParams",
+    "ElemSwitchParams",
     "Mode",
     "Pairing",
     "mix_images",

@@ -12,6 +12,7 @@ Shapes: ``b`` batch, ``c`` channels, ``H W`` image, ``mh mw`` mask cells.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, Generic, Sequence, TypeVar, Union, overload
 
@@ -101,7 +102,9 @@ class MixParams:
 def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
     """Mix every image with its partner cell by cell: ``w * x + (1 - w) * x[partner]``.
 
-    Pure (never in place). Half-precision images are mixed in fp32 and rounded once,
+    Where ``w`` is exactly 1 the image's own pixels are selected (an unmixed sample comes
+    back bit-identical even if its partner holds NaN or inf); in cell masks, where ``w`` is
+    exactly 0 the partner's pixels are. Pure (never in place). Half-precision images are mixed in fp32 and rounded once,
     so pixels follow the fp32 weights the labels use.
 
     Args:
@@ -117,14 +120,25 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
         >>> mix_images(x, torch.tensor([1, 0]), torch.tensor([[[1.0, 0.0]], [[0.5, 0.5]]]))[0, 0].tolist()
         [[0.0, 5.0], [2.0, 7.0]]
     """
+    check_images(images)
+    b, _, hh, ww = images.shape
+    if partner.shape != (b,) or weight.ndim != 3 or weight.shape[0] != b or hh % weight.shape[1] or ww % weight.shape[2]:
+        raise ValueError(
+            f"mix_images takes images (b, c, H, W), partner (b,) and weight (b, mh, mw) with mh dividing H and mw "
+            f"dividing W; got images {tuple(images.shape)}, partner {tuple(partner.shape)}, weight {tuple(weight.shape)}"
+        )
     compute = torch.float32 if images.dtype in (torch.float16, torch.bfloat16) else images.dtype
     w0 = weight.to(device=images.device, dtype=torch.float32)
+    # Where a weight is exactly 1 (0) the pixel is the image's own (the partner's), selected, not
+    # computed: ``1 * x + 0 * y`` is NaN when y holds NaN or inf, and an unmixed sample must come
+    # back bit-identical whatever its partner holds.
+    own_only, other_only = w0 == 1.0, w0 == 0.0  # (b, mh, mw) bool
     w1 = (1.0 - w0).to(compute)  # in fp32 first, as TokenLabelMap does, so both paths agree bit for bit
     w0 = w0.to(compute)
     mh, mw = int(weight.shape[1]), int(weight.shape[2])
     # Gather the partners on the contiguous 4-d batch: gathering a 6-d cell view is ~10x slower on CPU.
     own = images.to(compute)
-    other = own.index_select(0, partner.to(images.device))
+    other = gather_partners(own, partner)
     if mh == mw == 1:  # one weight per image (MixUp): plain broadcasting, no cell view
         # Same roundings as timm (x * lam + x[partner] * (1 - lam)); the temporaries are ours,
         # so the products are formed in place (fresh CPU allocations cost page faults).
@@ -132,12 +146,40 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
             other = other.clone()
         out = own * rearrange(w0, "b 1 1 -> b 1 1 1")
         out.add_(other.mul_(rearrange(w1, "b 1 1 -> b 1 1 1")))
-        return out.to(images.dtype)
+        # Unmixed samples (lam = 1) are their own pixels, selected (no host sync: no branch on values).
+        # A sample with lam = 0 is a full mix: 0 * its own NaN stays NaN, as in timm.
+        select = images.device.type != "cpu" or torch.compiler.is_compiling()
+        return keep_unmixed(out, own, own_only.view(-1), select).to(images.dtype)
     cells = "b c (mh ph) (mw pw) -> b c mh ph mw pw"
     own6 = rearrange(own, cells, mh=mh, mw=mw)
     other6 = rearrange(other, cells, mh=mh, mw=mw)
     out = own6 * rearrange(w0, "b mh mw -> b 1 mh 1 mw 1") + other6 * rearrange(w1, "b mh mw -> b 1 mh 1 mw 1")
+    out = torch.where(rearrange(own_only, "b mh mw -> b 1 mh 1 mw 1"), own6, out)
+    out = torch.where(rearrange(other_only, "b mh mw -> b 1 mh 1 mw 1"), other6, out)
     return rearrange(out, "b c mh ph mw pw -> b c (mh ph) (mw pw)").to(images.dtype)
+
+
+def keep_unmixed(out: Tensor, own: Tensor, unmixed: Tensor, select: bool) -> Tensor:
+    """``out`` with the rows where ``unmixed`` (``(b,)`` bool) replaced by ``own``'s, bit for bit.
+
+    ``select=False`` (the CPU, where reading ``unmixed`` is free) copies those rows back into
+    ``out`` in place: a full-batch select costs a whole extra pass, about a third of MixUp at
+    32x3x224x224. ``select=True`` (accelerators, compiling) selects, so no step waits for the device.
+    """
+    if select:
+        return torch.where(unmixed.view(-1, *([1] * (out.ndim - 1))), own, out)
+    rows = unmixed.nonzero().view(-1)
+    if rows.numel():
+        out.index_copy_(0, rows, own.index_select(0, rows))
+    return out
+
+
+def gather_partners(images: Tensor, partner: Tensor) -> Tensor:
+    """``images[partner]`` as a fresh tensor in the images' memory format (channels-last stays so)."""
+    index = partner.to(images.device)
+    if images.dim() == 4 and not images.is_contiguous() and images.is_contiguous(memory_format=torch.channels_last):
+        return images[index]  # advanced indexing keeps channels-last strides; index_select does not
+    return images.index_select(0, index)
 
 
 def select_images(images: Tensor, partner: Tensor, keep: Tensor) -> Tensor:
@@ -157,7 +199,7 @@ def select_images(images: Tensor, partner: Tensor, keep: Tensor) -> Tensor:
         [[0.0, 5.0], [2.0, 7.0]]
     """
     mh, mw = int(keep.shape[1]), int(keep.shape[2])
-    other = images.index_select(0, partner.to(images.device))
+    other = gather_partners(images, partner)
     keep = keep.to(images.device)
     # The gathered partners are ours: the select writes into them (no second full-size allocation),
     # unless autograd must see the select (out= is not differentiable).
@@ -260,8 +302,44 @@ def pair_label_map(
     )
 
 
+def check_worker_generator(mixer: object, generator: torch.Generator | None) -> None:
+    """Refuse a seeded generator inside a DataLoader worker: every worker holds a copy of the same state.
+
+    Each worker process receives a pickled copy of the mixer, so a generator seeded once in the
+    main process would make every worker draw the same params, batch after batch.
+    """
+    info = torch.utils.data.get_worker_info()
+    if generator is not None and info is not None:
+        raise RuntimeError(
+            f"{type(mixer).__name__} was called with a seeded torch.Generator inside DataLoader worker {info.id} of "
+            f"{info.num_workers}: every worker holds a copy of the same generator state and would draw the same "
+            "params. Mix in the workers with mixlabels.strategies.CollateMixer(mixer, seed=...) (one generator per "
+            "worker, derived from the seed and the worker), or construct the mixer with generator=None"
+        )
+
+
+def check_generator(generator: object, where: str) -> None:
+    """Raise a clear error unless ``generator`` is ``None`` or a ``torch.Generator``."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return
+    if isinstance(generator, int):
+        raise TypeError(
+            f"{where}: generator must be a torch.Generator, got the int {generator}; for a seed pass "
+            f"torch.Generator().manual_seed({generator}) (once, at construction: a seed given again at "
+            "every call would draw the same params at every step)"
+        )
+    raise TypeError(f"{where}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def check_num_classes(num_classes: object) -> int:
+    """``num_classes`` as an int, or a clear error (floats and bools are refused, not truncated)."""
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes!r}; pass the number of classes as an integer")
+    return int(num_classes)
+
+
 def check_images(images: Tensor) -> None:
-    """Raise a clear error unless ``images`` is a floating ``(b, c, H, W)`` batch."""
+    """Raise a clear error unless ``images`` is a floating ``(b, c, H, W)`` batch with data."""
     if not isinstance(images, Tensor) or images.ndim != 4:
         shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
         raise ValueError(
@@ -272,6 +350,11 @@ def check_images(images: Tensor) -> None:
         raise ValueError(
             f"images must be floating point (float16, bfloat16, float32 or float64), got {images.dtype}; "
             "convert them first, e.g. images.float() / 255"
+        )
+    if images.is_meta:
+        raise ValueError(
+            "images are on the meta device (a shape without data), so there is nothing to mix; "
+            "pass the real batch, on the cpu or an accelerator"
         )
 
 
@@ -286,18 +369,34 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         label_smoothing: applied when the map expands targets, in ``[0, 1)``.
         generator: default source of randomness (also used inside ``AugmentationSequential``);
             a ``generator`` given to a call takes precedence. ``None`` uses torch's global RNG.
+            A ``torch.Generator``, as torch's own samplers take: an int seed is refused (pass
+            ``torch.Generator().manual_seed(seed)`` once; a seed per call would repeat the params).
+
+    Attributes:
+        check_values: label values (ids in range, soft rows on the simplex) cost a host read.
+            ``None`` (default): checked at every call for labels on the CPU and at the first
+            call for labels on an accelerator (no device sync per step); ``True``: every call;
+            ``False``: never. Shapes and dtypes are always checked; ``mix`` checks shapes only.
     """
 
     def __init__(self, num_classes: int, label_smoothing: float = 0.0, generator: torch.Generator | None = None) -> None:
         super().__init__(p=1.0, p_batch=1.0, same_on_batch=False, keepdim=False, data_keys=["input", "class"])
-        if num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        self.num_classes = check_num_classes(num_classes)
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1), got {label_smoothing}")
-        self.num_classes = int(num_classes)
+        check_generator(generator, type(self).__name__)
         self.label_smoothing = float(label_smoothing)
         self.generator = generator
         self.last_params: P | None = None
+        # timm's switch (``mixup_fn.mixup_enabled = False`` at ``--mixup-off-epoch``): when off, a call
+        # returns the images as they are and the identity map (label smoothing kept, as timm keeps it).
+        self.mixup_enabled = True
+        self._unmixed_size: tuple[int, int] | None = None  # image size of the last call made while off
+        # Label values (ids in range, rows on the simplex) cost a host read. ``None`` (default):
+        # checked at every call for labels on the CPU (no device sync) and at the first call for
+        # labels on an accelerator; ``True``: at every call; ``False``: never (shapes always are).
+        self.check_values: bool | None = None
+        self._values_checked = False
 
     # ---------------------------------------------------------------- to implement
     def sample(
@@ -322,34 +421,63 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         """Batch size and image size the params were drawn for."""
         raise NotImplementedError
 
+    def check_params(self, params: object) -> None:
+        """Raise a clear error unless ``params`` are of the kind this mixer draws."""
+        raise NotImplementedError
+
+    def _check_batch(self, images: Tensor, params: P) -> None:
+        """The one check of params against images, shared by ``forward`` and ``mix``."""
+        self.check_params(params)
+        b, size = self.params_batch_size(params)
+        if b != images.shape[0] or size != tuple(images.shape[2:]):
+            raise ValueError(
+                f"params were drawn for {b} images of size {tuple(size)} but got {images.shape[0]} images "
+                f"of size {tuple(images.shape[2:])}; sample new params for this batch "
+                f"(mixer.sample(images.shape)) or replay them on the batch they were drawn for"
+            )
+
     # ---------------------------------------------------------------- shared
     def mix(self, images: Tensor, labels: Tensor, params: P) -> tuple[Tensor, TokenLabelMap]:
         """Apply ``params``: mix ``images`` and build the label map; pure, replayable, compilable.
 
         (Not named ``apply``: ``nn.Module.apply(fn)`` recurses into children and must keep working.)
+        Checks shapes (images, params against images, labels against the batch), not label
+        values: no host sync.
         """
+        check_images(images)
+        self._check_batch(images, params)
+        self._check_label_shape(labels, images.shape[0])
         return self.apply_images(images, params), self.label_map_from(params, labels.to(images.device))
 
     def forward_parameters(self, batch_shape: tuple[int, ...]) -> dict[str, Any]:
-        """Kornia hook (``AugmentationSequential``): sample with ``self.generator``, wrapped for kornia."""
-        params = self.sample(tuple(batch_shape), generator=self.generator)
+        """Kornia hook (``AugmentationSequential``): sample with ``self.generator``, wrapped for kornia.
+
+        With ``mixup_enabled`` off the recorded params are ``None``: the replay leaves the images
+        alone and ``sequential_label_map`` gives the identity map.
+        """
+        params = self.sample(tuple(batch_shape), generator=self.generator) if self.mixup_enabled else None
         return self._kornia_params(params, int(batch_shape[0]), tuple(batch_shape))
 
-    def _kornia_params(self, params: P, b: int, shape: Sequence[int]) -> dict[str, Any]:
+    def unmixed_map(self, labels: Tensor, image_size: tuple[int, int]) -> TokenLabelMap:
+        """The identity map of ``labels`` (what a call returns while ``mixup_enabled`` is off)."""
+        return TokenLabelMap.unmixed(labels, self.num_classes, image_size, self.label_smoothing)
+
+    def _kornia_params(self, params: P | None, b: int, shape: Sequence[int]) -> dict[str, Any]:
         return {
             "batch_prob": torch.ones(b, dtype=torch.bool),
             "forward_input_shape": torch.tensor(tuple(shape), dtype=torch.long),
             PARAMS_KEY: params,
         }
 
-    def _unwrap(self, params: P | dict[str, Any]) -> P:
+    def _unwrap(self, params: P | dict[str, Any]) -> P | None:
+        """Typed params, or ``None`` for kornia params recorded while ``mixup_enabled`` was off."""
         if isinstance(params, dict):
             if PARAMS_KEY not in params:
                 raise ValueError(
                     f"kornia params for {type(self).__name__} must hold the sampled params under {PARAMS_KEY!r}; "
                     "pass the params this mixer (or its AugmentationSequential) recorded"
                 )
-            inner: P = params[PARAMS_KEY]
+            inner: P | None = params[PARAMS_KEY]
             return inner
         return params
 
@@ -360,16 +488,26 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         ``sequential_label_map``.
         """
         if params is None:
+            if self.last_params is None and self._unmixed_size is not None:  # the last call ran with mixing off
+                self._check_labels(labels, labels.shape[0] if isinstance(labels, Tensor) and labels.ndim else -1)
+                return self.unmixed_map(labels, self._unmixed_size)
             if self.last_params is None:
                 raise ValueError(f"{type(self).__name__} has not mixed a batch yet: call it first or pass params")
             typed = self.last_params
         else:
-            typed = self._unwrap(params)
+            unwrapped = self._unwrap(params)
+            if unwrapped is None:  # recorded by kornia while mixup_enabled was off
+                assert isinstance(params, dict)
+                shape = tuple(int(s) for s in params["forward_input_shape"].tolist())
+                self._check_labels(labels, shape[0])
+                return self.unmixed_map(labels, (shape[-2], shape[-1]))
+            typed = unwrapped
+        self.check_params(typed)
         b, _ = self.params_batch_size(typed)
         self._check_labels(labels, b)
         return self.label_map_from(typed, labels)
 
-    def _check_labels(self, labels: Tensor, batch: int) -> None:
+    def _check_label_shape(self, labels: Tensor, batch: int) -> None:
         if not isinstance(labels, Tensor):
             raise ValueError(f"labels must be a tensor of class ids (batch,) or probabilities (batch, c), got {type(labels).__name__}")
         if labels.ndim == 0 or labels.shape[0] != batch:
@@ -377,7 +515,36 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
                 f"labels have batch size {labels.shape[0] if labels.ndim else 'none (a scalar)'} but the images "
                 f"have {batch}; pass one label per image"
             )
-        check_labels(labels, self.num_classes)
+        if labels.is_floating_point():
+            if labels.ndim != 2 or labels.shape[1] != self.num_classes:
+                raise ValueError(
+                    f"soft labels must have shape (batch, num_classes={self.num_classes}), got {tuple(labels.shape)}; "
+                    f"pass integer class ids of shape (batch,) or probabilities of shape (batch, {self.num_classes})"
+                )
+        elif labels.ndim == 2 and labels.dtype not in (torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(
+                f"integer labels must have shape (batch,) (class ids), got {tuple(labels.shape)} {labels.dtype}; "
+                "pass one-hot or soft targets as floats (labels.float()) or class ids (labels.argmax(1))"
+            )
+        elif labels.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(
+                f"labels must be integer class ids or float probabilities, got dtype {labels.dtype}; "
+                "convert them with labels.long() (ids) or labels.float() (probabilities)"
+            )
+        elif labels.ndim != 1:
+            raise ValueError(
+                f"labels must be integer class ids of shape (batch,) or float probabilities of shape (batch, "
+                f"{self.num_classes}), got {tuple(labels.shape)} {labels.dtype}"
+            )
+
+    def _check_labels(self, labels: Tensor, batch: int) -> None:
+        self._check_label_shape(labels, batch)
+        values = self.check_values
+        if values is None:
+            values = labels.device.type == "cpu" or not self._values_checked
+        if values:
+            check_labels(labels, self.num_classes)
+            self._values_checked = True
 
     @overload  # type: ignore[override]  # kornia's forward takes *inputs and returns tensors only
     def forward(
@@ -430,17 +597,28 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             if keys == [DataKey.INPUT] and labels is not None:
                 raise ValueError("labels were given but data_keys is ['input']; drop the labels or add 'class'")
         check_images(images)
-        if params is None:
+        check_generator(generator, f"{type(self).__name__}(...) call")
+        typed: P | None
+        if params is None and not self.mixup_enabled:
+            typed = None
+        elif params is None:
+            if generator is None:  # the mixer's own generator: a copy of one state in every worker
+                check_worker_generator(self, self.generator)
             gen = generator if generator is not None else self.generator
             typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else images.device)
         else:
             typed = self._unwrap(params)
-        b, size = self.params_batch_size(typed)
-        if b != images.shape[0] or size != tuple(images.shape[2:]):
-            raise ValueError(
-                f"params were drawn for {b} images of size {size} but got {images.shape[0]} images of size "
-                f"{tuple(images.shape[2:])}; sample new params for this batch"
-            )
+        if typed is None:  # mixing switched off (now, or when kornia recorded these params)
+            size = (int(images.shape[2]), int(images.shape[3]))
+            self.last_params, self._unmixed_size = None, size
+            self._params = self._kornia_params(None, int(images.shape[0]), tuple(images.shape))
+            if labels is None:
+                return images
+            self._check_labels(labels, int(images.shape[0]))
+            return images, self.unmixed_map(labels.to(images.device), size)
+        self._unmixed_size = None
+        self._check_batch(images, typed)
+        b, _ = self.params_batch_size(typed)
         if labels is not None:
             self._check_labels(labels, b)
         self.last_params = typed
@@ -492,12 +670,21 @@ class PairMixer(Mixer[PP]):
         """
         if len(batch_shape) != 4:
             raise ValueError(f"batch_shape must be (batch, channels, height, width), got {tuple(batch_shape)}")
+        check_generator(generator, f"{type(self).__name__}.sample")
         dev = torch.device(device) if device is not None else None
         params: PP = self.sampler(tuple(int(s) for s in batch_shape), generator=generator, device=dev)
         return params
 
     def params_batch_size(self, params: PP) -> tuple[int, tuple[int, int]]:
         return params.batch_size, params.image_size
+
+    def check_params(self, params: object) -> None:
+        kind = self.sampler.params_type
+        if not isinstance(params, kind):
+            raise TypeError(
+                f"{type(self).__name__} mixes with {kind.__name__}, got {type(params).__name__}; "
+                f"replay params that this mixer sampled (mixer.sample(images.shape) or mixer.last_params)"
+            )
 
     def apply_images(self, images: Tensor, params: PP) -> Tensor:
         """Mix ``(b, c, H, W)`` images cell by cell with the params' mask; pure."""

@@ -53,7 +53,13 @@ class BoxParams(MixParams):
         # box is then free, whereas on an accelerator it would stall the stream. Never while
         # compiling: the box would be a data-dependent Python int (a graph break, an error
         # under fullgraph); the traced select path computes the same pixels.
-        if not self.shared or self.token_space or self.boxes.device.type != "cpu" or torch.compiler.is_compiling():
+        if (
+            not self.shared
+            or self.token_space
+            or self.boxes.device.type != "cpu"
+            or self.boxes.shape[0] == 0  # an empty batch has no box to read (the select path returns it empty)
+            or torch.compiler.is_compiling()
+        ):
             return None
         ch, cw = self.image_size[0] // self.grid[0], self.image_size[1] // self.grid[1]
         y0, y1, x0, x1 = (int(v) for v in self.boxes.amax(dim=0).tolist())  # the empty boxes are all zeros
@@ -164,6 +170,8 @@ class BoxSampler(MixSampler[BoxParams]):
         mode, pairing, prob: see ``MixSampler``.
     """
 
+    params_type = BoxParams
+
     def __init__(
         self,
         alpha: float = 1.0,
@@ -177,6 +185,8 @@ class BoxSampler(MixSampler[BoxParams]):
     ) -> None:
         check_alpha(alpha)
         if minmax is not None:
+            if len(minmax) != 2:
+                raise ValueError(f"minmax must be a pair (min, max) of box side ratios, got {minmax}")
             lo, hi = minmax
             if not (0.0 <= lo < hi <= 1.0):
                 raise ValueError(f"minmax must satisfy 0 <= min < max <= 1 (box side ratios), got {minmax}")

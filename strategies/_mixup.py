@@ -47,6 +47,8 @@ class MixUpSampler(MixSampler[MixUpParams]):
         prob: probability of mixing per group.
     """
 
+    params_type = MixUpParams
+
     def __init__(self, alpha: float = 0.8, mode: Mode = "batch", pairing: Pairing = "flip", prob: float = 1.0) -> None:
         check_alpha(alpha)
         super().__init__(mode, pairing, prob)

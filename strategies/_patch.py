@@ -49,6 +49,8 @@ class CellParams(MixParams):
 class _CellSampler(MixSampler[CellParams]):
     """Shared part: the cell grid and the number of partner cells per group."""
 
+    params_type = CellParams
+
     def __init__(self, cell_size: int, alpha: float, ratio: float | None, mode: Mode, pairing: Pairing, prob: float) -> None:
         check_alpha(alpha)
         if cell_size < 1:
@@ -131,6 +133,19 @@ class BlockCellSampler(_CellSampler):
 
     def __repr__(self) -> str:
         return f"min_cells={self.min_cells}, max_cells={self.max_cells}, {super().__repr__()}"
+
+    def check_image_size(self, image_size: tuple[int, int]) -> None:
+        super().check_image_size(image_size)
+        gh, gw = grid_of(image_size, self.cell_size, "cell_size")
+        # A block is strictly smaller than the grid (BEiT), so no block exceeds (gh - 1) x (gw - 1)
+        # cells; a larger min_cells would reject every draw and leave every sample unmixed in silence.
+        most = (gh - 1) * (gw - 1)
+        if self.min_cells > most:
+            raise ValueError(
+                f"min_cells={self.min_cells} cannot fit on the {gh}x{gw} cell grid of {image_size[0]}x{image_size[1]} "
+                f"images: a block is strictly smaller than the grid, so it has at most {most} cells; lower min_cells "
+                "or cell_size, or use larger images"
+            )
 
     def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
         gh, gw = grid

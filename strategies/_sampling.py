@@ -14,7 +14,7 @@ Shapes: ``b`` batch, ``g`` groups (independent draws).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from kornia.augmentation.random_generator.base import RandomGeneratorBase
@@ -154,6 +154,8 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
         pairing: ``"flip"`` (timm) or ``"derangement"``.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
     """
+
+    params_type: ClassVar[type[Any]]  # the MixParams subclass ``draw`` returns (checked on replay)
 
     def __init__(self, mode: Mode = "batch", pairing: Pairing = "flip", prob: float = 1.0) -> None:
         super().__init__()

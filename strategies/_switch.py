@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from mixlabels import TokenLabelMap
-from mixlabels.strategies._base import Mixer
+from mixlabels.strategies._base import Mixer, check_generator
 from mixlabels.strategies._sampling import sample_uniform
 
 __all__ = ["Switch", "SwitchParams"]
@@ -37,8 +37,8 @@ class Switch(Mixer[SwitchParams]):
 
     timm's ``Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5)`` is
     ``Switch([MixUp(c, 0.8), CutMix(c, 1.0)], probs=[0.5, 0.5])``. The choice is per
-    batch: timm's per-element switching in ``elem`` mode is not reproduced (a batch
-    mixes with one kind; each child keeps its own ``mode`` and ``prob``).
+    batch (each child keeps its own ``mode`` and ``prob``); timm's per-sample switching
+    in ``pair``/``elem`` mode is ``ElemSwitch``, and ``timm_mixup`` picks the right one.
 
     Args:
         mixers: two or more mixers with the same ``num_classes``.
@@ -61,15 +61,21 @@ class Switch(Mixer[SwitchParams]):
     ) -> None:
         if len(mixers) < 1:
             raise ValueError("Switch needs at least one mixer")
+        wrong = [type(m).__name__ for m in mixers if not isinstance(m, Mixer)]
+        if wrong:
+            raise TypeError(f"Switch takes mixers (MixUp(c), CutMix(c), ...), got {wrong}; build them first")
         classes = {m.num_classes for m in mixers}
         if len(classes) != 1:
             raise ValueError(f"all mixers of a Switch must have the same num_classes, got {sorted(classes)}")
         weights = [1.0] * len(mixers) if probs is None else [float(p) for p in probs]
-        if len(weights) != len(mixers) or any(not p >= 0 for p in weights) or sum(weights) <= 0:
+        if len(weights) != len(mixers) or any(not 0 <= p < float("inf") for p in weights) or sum(weights) <= 0:
             raise ValueError(
                 f"probs must hold one non-negative number per mixer ({len(mixers)}) with a positive sum, got {probs}"
             )
-        super().__init__(mixers[0].num_classes, 0.0, generator)
+        smoothing = {m.label_smoothing for m in mixers}
+        # Unmixed batches (mixup_enabled off) take the children's smoothing, when they agree on one.
+        super().__init__(mixers[0].num_classes, smoothing.pop() if len(smoothing) == 1 else 0.0, generator)
+        self._one_smoothing = not smoothing
         self.mixers = nn.ModuleList(mixers)
         total = sum(weights)
         self.probs = tuple(p / total for p in weights)
@@ -87,6 +93,7 @@ class Switch(Mixer[SwitchParams]):
         device: torch.device | str | None = None,
     ) -> SwitchParams:
         """Draw the mixer, then its params, from the same generator."""
+        check_generator(generator, "Switch.sample")
         dev = generator.device if generator is not None else torch.device(device if device is not None else "cpu")
         u = float(sample_uniform((1,), generator, dev).item())  # the choice picks Python code: one host read
         cumulative, choice = 0.0, len(self.probs) - 1
@@ -97,6 +104,22 @@ class Switch(Mixer[SwitchParams]):
                 break
         params = self._child(choice).sample(batch_shape, generator=generator, device=device)
         return SwitchParams(choice=choice, params=params)
+
+    def unmixed_map(self, labels: Tensor, image_size: tuple[int, int]) -> TokenLabelMap:
+        if not self._one_smoothing:
+            raise ValueError(
+                "mixup_enabled is off, but this Switch's mixers smooth labels differently, so the unmixed "
+                "targets are ambiguous; give every mixer the same label_smoothing"
+            )
+        return super().unmixed_map(labels, image_size)
+
+    def check_params(self, params: object) -> None:
+        if not isinstance(params, SwitchParams) or not 0 <= params.choice < len(self.mixers):
+            raise TypeError(
+                f"Switch mixes with SwitchParams whose choice indexes its {len(self.mixers)} mixers, got "
+                f"{type(params).__name__}; replay params this Switch sampled (switch.sample(images.shape))"
+            )
+        self._child(params.choice).check_params(params.params)
 
     def params_batch_size(self, params: SwitchParams) -> tuple[int, tuple[int, int]]:
         return self._child(params.choice).params_batch_size(params.params)

@@ -246,3 +246,48 @@ def test_cuda_head_dim_20_never_picks_flash() -> None:
 
     q, k, v, labels = _cuda_case(20, 50, 50, torch.bfloat16)
     assert _cuda_kernel(q, k, v, labels) is not _CUDA_FLASH  # widened 24 passes, the backward's 20 would not
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_dropout_route_mixes_labels_by_the_undropped_attention_at_the_modules_scale(masked: bool) -> None:
+    """``dropout_p > 0``: the output is sdpa's dropped attention (same RNG draw), the labels follow
+    ``mean_h(softmax(q k^T * scale)) @ labels`` without dropout, at the module's scale (not the widened dim's)."""
+    q, k, v, labels = qkv_labels()
+    scale = 0.37  # neither 1/sqrt(D) nor 1/sqrt(widened dim): a default scale anywhere shows
+    bias = torch.randn(1, H, N, N, generator=torch.Generator().manual_seed(1)) if masked else None
+    torch.manual_seed(7)
+    out, mixed = attention_with_labels(q, k, v, labels, scale, dropout_p=0.5, attn_mask=bias)
+    torch.manual_seed(7)
+    want_out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.5, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale + (bias if bias is not None else 0.0)
+    want_mixed = scores.softmax(-1).mean(1) @ labels  # b n l: explicit, undropped
+    assert_close(out, want_out)
+    assert_close(mixed, want_mixed.detach())
+    undropped = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    assert not torch.allclose(out, undropped)  # dropout did act on the output
+
+
+def test_vit_with_attention_dropout_in_train_mode_aligns_labels_by_the_undropped_attention() -> None:
+    """A one-block ViT with attn_drop_rate > 0: in train mode its first attention (computed before any
+    dropout) must move labels exactly as in eval mode and as the explicit reference does."""
+    import timm
+
+    import mixlabels
+    from mixlabels.backbones import adapt
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16,
+                              depth=1, num_heads=2, num_classes=5, attn_drop_rate=0.5)
+    assert model.blocks[0].attn.fused_attn  # the fused route, where dropout takes the second call
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    mask = torch.rand(4, 4, 4, generator=torch.Generator().manual_seed(3)) < 0.5
+    lm = mixlabels.TokenLabelMap.from_mask(mask, torch.tensor([3, 2, 1, 0]), torch.tensor([0, 1, 2, 4]), 5, image_size=(16, 16))
+    fast, ref = adapt(model, mixlabels.TLAlign()), adapt(model, mixlabels.TLAlign(), reference=True)
+    model.train()
+    torch.manual_seed(11)
+    trained = fast(images, lm)
+    model.eval()
+    evaluated, explicit = fast(images, lm), ref(images, lm)
+    assert not torch.allclose(trained.logits, evaluated.logits)  # dropout acted in train mode
+    assert_close(evaluated.target, explicit.target)
+    assert_close(trained.target, explicit.target)

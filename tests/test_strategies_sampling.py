@@ -272,3 +272,50 @@ def test_batch_mode_prob_is_all_or_nothing_per_batch() -> None:
         mixed_batches += int(applied.all())
     assert within_binomial(mixed_batches, n, 0.4)
 
+
+
+def _beit_blocks(target: int, grid: tuple[int, int], draws: list[Tensor], g: int, min_cells: int,
+                 log_aspect: tuple[float, float]) -> Tensor:
+    """Our reading of BEiT's ``MaskingGenerator`` for group ``g``, scalar by scalar, on given uniforms.
+
+    Each attempt: area uniform in ``[min_cells, remaining]``, log-uniform aspect, ``h, w`` rounded
+    half to even (Python's ``round``); the block is drawn only if ``h < gh and w < gw`` (strictly
+    smaller than the grid) and kept if it adds between 1 and ``remaining`` new cells; ten failed
+    attempts in a row end the mask.
+    """
+    gh, gw = grid
+    mask = torch.zeros(gh, gw, dtype=torch.bool)
+    count, fails = 0, 0
+    for u in draws:
+        if count >= target or fails >= 10:
+            break
+        u0, u1, u2, u3 = (float(v) for v in u[g])
+        remaining = target - count
+        area = min_cells + u0 * (remaining - min_cells)
+        aspect = math.exp(log_aspect[0] + u1 * (log_aspect[1] - log_aspect[0]))
+        h, w = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+        kept = False
+        if h < gh and w < gw:
+            top, left = math.floor(u2 * (gh - h + 1)), math.floor(u3 * (gw - w + 1))
+            new = h * w - int(mask[top : top + h, left : left + w].sum())
+            if 0 < new <= remaining:
+                mask[top : top + h, left : left + w] = True
+                count, kept = count + new, True
+        fails = 0 if kept else fails + 1
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_blockwise_blocks_follow_beit_and_stay_strictly_smaller_than_the_grid(seed: int) -> None:
+    """Small grids and high targets: full-height or full-width blocks are drawn often and must be rejected."""
+    from mixlabels.strategies._patch import BlockCellSampler
+
+    grid, groups = (3, 4), 16
+    sampler = BlockCellSampler(1, 1.0, None, 2, None, 0.3, None, "elem", "flip", 1.0)
+    counts = torch.randint(4, 13, (groups,), generator=torch.Generator().manual_seed(100 + seed))
+    got = sampler.cells_for(groups, grid, counts, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    replay = torch.Generator().manual_seed(seed)  # cells_for draws one (groups, 4) block of uniforms per step
+    draws = [torch.rand((groups, 4), generator=replay, dtype=torch.float64) for _ in range(10 * (12 + 1))]
+    for g in range(groups):
+        want = _beit_blocks(int(counts[g]), grid, draws, g, 2, sampler.log_aspect)
+        assert torch.equal(got[g], want), f"group {g}"

@@ -29,8 +29,8 @@ Image ``i`` of the store is the ``i``-th id over the shards in order. The writer
 appends whole shards atomically (temporary file, then rename) and rewrites the index
 after each, so an interrupted run keeps every completed shard and redoes only the
 last, partial one. The reader checks every shard's presence and size when opened and
-its checksum when it loads it whole (``load_all``, ``verify``); any mismatch is a
-``ScoreMapError`` naming the file.
+its checksum, class ids and scores the first time it reads the shard (once per shard and
+process, not per step); any mismatch is a ``ScoreMapError`` naming the file.
 
 Reconstruction (``fill``): the paper stores "the top-5 score maps for each position in
 half-precision"; LV-ViT's code scatters the five stored values into zeros (it then

@@ -41,6 +41,16 @@ def _sizes(image_sizes: Tensor | tuple[int, int], b: int) -> Tensor:
     return torch.tensor(image_sizes, dtype=torch.long).expand(b, 2).clone()
 
 
+def check_crop_distribution(scale: tuple[float, float], ratio: tuple[float, float], hflip: float) -> None:
+    """Raise a clear error unless ``scale``, ``ratio`` and ``hflip`` describe a crop distribution."""
+    if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
+        raise ValueError(f"scale must be (min, max) area fractions with 0 < min <= max <= 1, got {scale}")
+    if len(ratio) != 2 or not 0.0 < ratio[0] <= ratio[1] < float("inf"):
+        raise ValueError(f"ratio must be (min, max) aspect ratios with 0 < min <= max, got {ratio}")
+    if not 0.0 <= hflip <= 1.0:
+        raise ValueError(f"hflip must be a probability in [0, 1], got {hflip}")
+
+
 def sample_resized_crops(
     image_sizes: Tensor | tuple[int, int],
     batch_size: int,
@@ -56,6 +66,7 @@ def sample_resized_crops(
         >>> tuple(p.boxes.shape), bool((p.boxes[:, 2:] <= 32).all())
         ((4, 4), True)
     """
+    check_crop_distribution(scale, ratio, hflip)
     b, tries = batch_size, 10
     sizes = _sizes(image_sizes, b)
     hh, ww = sizes[:, 0:1].double(), sizes[:, 1:2].double()

@@ -10,7 +10,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from mixlabels.score_maps._crops import CropParams, align_score_maps, crop_resize, sample_resized_crops
+from mixlabels.score_maps._crops import (
+    CropParams,
+    align_score_maps,
+    check_crop_distribution,
+    crop_resize,
+    sample_resized_crops,
+)
 from mixlabels.score_maps._store import ScoreMaps
 from mixlabels.score_maps._topk import Fill, ScoreMapError
 
@@ -86,6 +92,12 @@ class ScoreMapDataset(Dataset[tuple[Tensor, int, Tensor]]):
         positions: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
+        for name, pair in (("size", size), ("grid", grid)):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(s, int) and s > 0 for s in pair)):
+                raise ValueError(f"{name} must be (height, width), two positive integers, got {pair!r}")
+        if not isinstance(store, ScoreMaps):
+            raise TypeError(f"store must be a ScoreMaps (ScoreMaps(directory)), got {type(store).__name__}")
+        check_crop_distribution(scale, ratio, hflip)
         n = len(images)  # type: ignore[arg-type]  # map-style datasets define __len__
         if positions is None:
             if len(store) != n:

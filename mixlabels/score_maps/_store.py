@@ -120,6 +120,21 @@ def _check_present(root: Path, shard: _Shard) -> Path:
     return path
 
 
+def _check_contents(arr: np.ndarray, path: Path, num_classes: int) -> None:
+    """Class ids in ``[0, num_classes)`` and finite, non-negative scores, or a ``ScoreMapError`` naming the file."""
+    ids = arr[:, 1].view(np.int16)
+    bad = (ids < 0) | (ids >= num_classes)
+    if bad.any():
+        found = np.unique(ids[bad])
+        raise ScoreMapError(
+            f"score-map shard {path} holds invalid class ids {found[:8].tolist()} (of {int(bad.sum())} entries; "
+            f"ids must lie in [0, {num_classes - 1}]): re-annotate this store"
+        )
+    scores = arr[:, 0].view(np.float16)
+    if not np.isfinite(scores).all() or (scores < 0).any():
+        raise ScoreMapError(f"score-map shard {path} holds NaN, inf or negative scores: re-annotate this store")
+
+
 def _open_shard(path: Path, header: _Header, count: int, index: Path) -> np.ndarray:
     try:
         arr: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -228,6 +243,13 @@ class ScoreMapWriter:
                 f"maps must be top-{h.k} of {h.num_classes} classes with shape {want}, got "
                 f"{tuple(maps.values.shape)} of {maps.num_classes} classes"
             )
+        if maps.indices.numel():
+            lo, hi = int(maps.indices.min()), int(maps.indices.max())
+            if lo < 0 or hi >= h.num_classes:
+                raise ValueError(f"maps hold class ids in [{lo}, {hi}] but num_classes={h.num_classes}; ids must lie in [0, {h.num_classes - 1}]")
+            v = maps.values.float()
+            if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
+                raise ValueError("maps hold NaN, inf or negative scores; store probabilities (compress(softmax(logits)))")
         dup = [i for i in ids if i in self._seen]
         if dup or len(set(ids)) != len(ids):
             raise ValueError(f"image ids must be unique; already present: {dup[:3]}")
@@ -265,8 +287,9 @@ class ScoreMaps:
     """Random access to a score-map store written by ``ScoreMapWriter``.
 
     Opening reads the index and checks that every shard exists with the recorded size;
-    shards are memory-mapped on first use. ``load_all`` (and ``verify``) also check
-    the checksums.
+    shards are memory-mapped on first use, when each is checked once, whole: its checksum,
+    its class ids and scores (a ``ScoreMapError`` names the file). ``verify`` checks every
+    shard's checksum at once.
 
     Args:
         root: the store's directory.
@@ -316,8 +339,22 @@ class ScoreMaps:
 
     def _shard(self, s: int) -> np.ndarray:
         if s not in self._open:
-            self._open[s] = _open_shard(self._paths[s], self._header, self._shards[s]["count"], self.root / _INDEX)
+            # The first read of a shard checks it whole (checksum, class ids, scores): once per shard
+            # and process, never per step, and a corrupted shard (zeroed bytes of the same size)
+            # is a ScoreMapError naming the file instead of targets that sum to 0.
+            self._verify_shard(s)
+            arr = _open_shard(self._paths[s], self._header, self._shards[s]["count"], self.root / _INDEX)
+            _check_contents(arr, self._paths[s], self.num_classes)
+            self._open[s] = arr
         return self._open[s]
+
+    def _verify_shard(self, s: int) -> None:
+        shard, path = self._shards[s], self._paths[s]
+        if _sha256(path) != shard["sha256"]:
+            raise ScoreMapError(
+                f"score-map shard {path} is corrupted: its sha256 differs from the one {self.root / _INDEX} records; "
+                "re-annotate the store (delete the shard and its index entry, or the directory)"
+            )
 
     def get(self, items: Sequence[int] | Tensor) -> TopKMaps:
         """Top-k maps ``(b, hm, wm, k)`` of images at positions ``items``, in that order."""
@@ -344,15 +381,21 @@ class ScoreMaps:
         return TopKMaps(values, indices, self.num_classes)
 
     def verify(self) -> None:
-        """Check every shard's checksum against the index."""
-        for shard, path in zip(self._shards, self._paths):
-            if _sha256(path) != shard["sha256"]:
-                raise ScoreMapError(f"score-map shard {path} is corrupted: its sha256 differs from {self.root / _INDEX}")
+        """Check every shard's checksum against the index (reading a shard checks it the first time anyway)."""
+        for s in range(len(self._shards)):
+            self._verify_shard(s)
 
     def load_all(self, verify: bool = True) -> TopKMaps:
         """The whole store in memory, ``(n, hm, wm, k)`` (checksums checked unless ``verify=False``)."""
         if verify:
             self.verify()
+        if not verify:  # the caller vouches for the shards: open them without the first-read check
+            for s in range(len(self._shards)):
+                if s not in self._open:
+                    path = self._paths[s]
+                    arr = _open_shard(path, self._header, self._shards[s]["count"], self.root / _INDEX)
+                    _check_contents(arr, path, self.num_classes)
+                    self._open[s] = arr
         blocks = [np.asarray(self._shard(s)) for s in range(len(self._shards))]
         if not blocks:
             return self._unpack(np.empty((0, 2, *self.map_size, self.k), dtype=np.uint16))
