@@ -7,6 +7,7 @@ README's table) runs every scheme on those same examples.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,9 +97,10 @@ def _check_model(model: object) -> None:
             "the adapted module (torch.compile(adapt(model, scheme))), or pass the original, model._orig_mod"
         )
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        wrapper = "ddp" if isinstance(model, nn.parallel.DistributedDataParallel) else "dp"
         raise TypeError(
             f"adapt cannot adapt a {type(model).__name__} wrapper: adapt the timm model inside it "
-            f"(adapt({'ddp' if isinstance(model, nn.parallel.DistributedDataParallel) else 'dp'}.module, scheme)), "
+            f"(adapt({wrapper}.module, scheme)), "
             f"or better adapt first and wrap the adapted module ({type(model).__name__}(adapt(model, scheme)))"
         )
     if not isinstance(model, nn.Module):
@@ -107,12 +109,13 @@ def _check_model(model: object) -> None:
 
 def check_scheme(scheme: object) -> None:
     """Raise a clear error unless ``scheme`` is a scheme instance (``NoAlign()``, ``TLAlign(...)``, ...)."""
-    if isinstance(scheme, type):
+    if inspect.isclass(scheme):
         raise TypeError(f"scheme must be an instance, got the class {scheme.__name__}: pass {scheme.__name__}()")
     build = getattr(scheme, "build", None)
     if callable(build) and not hasattr(scheme, "start"):
         raise TypeError(f"scheme must be a scheme, got the config {type(scheme).__name__}: pass config.build()")
-    if not (callable(getattr(scheme, "start", None)) and hasattr(scheme, "needs_token_logits")):
+    if not (callable(getattr(scheme, "start", None)) and callable(getattr(scheme, "rules", None))
+            and hasattr(scheme, "needs_token_logits")):
         raise TypeError(
             f"scheme must be a mixlabels scheme (NoAlign(), TransMix(), TLAlign(...), TokenLabeling(...)), "
             f"got {type(scheme).__name__}"

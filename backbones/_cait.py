@@ -168,7 +168,7 @@ class AdaptedCaiT(AdaptedBase):
         x, grid = _embed(m, images, label_map)
         n = grid[0] * grid[1]
         depth = len(m.blocks) + len(m.blocks_token_only)
-        rules = DenseRules(self.scheme, label_map, grid, 1, depth)
+        rules = DenseRules(self.scheme, label_map, grid, 1, depth, class_token=m.global_pool == "token")
         eye = torch.eye(1 + n, dtype=torch.float64).expand(x.shape[0], -1, -1)
         for layer, blk in enumerate(m.blocks):
             a, v = talking_heads(blk.attn, blk.norm1(x))
@@ -189,7 +189,7 @@ class AdaptedCaiT(AdaptedBase):
             v = rearrange(attn.v(u), "b n (h d) -> b h n d", h=attn.num_heads)
             a = torch.softmax(q @ k.transpose(-2, -1) * attn.scale, dim=-1)  # b h 1 (1 + n)
             row = a.detach().double().mean(dim=1)[:, 0]  # b (1 + n)
-            if layer == depth - 1:
+            if rules.wants_class_attention(layer):
                 rules.attend_class(row)
             matrix = eye.clone()
             matrix[:, 0] = row

@@ -1,11 +1,11 @@
 """Reference label rules on dense ``(b, n, c)`` class distributions, with explicit matrices.
 
-The reference paths of the Swin, PVT v2, CaiT, MLP-Mixer and ConvNeXt adapters
-run the model's modules with explicit attention and apply each scheme's rules here,
-written independently of the event protocol and of ``mixlabels``' trackers: every
-spatial mix is an explicit ``(b, n, n)`` (or ``(n, n)``) matrix and every merge an
-explicit ``(n', n)`` 0/1 matrix, so the fast paths (compact labels, convolutions,
-pooling, rolled windows, fused attention) are tested against a second implementation.
+The reference paths of the adapters run the model's modules with explicit attention
+and hand every spatial mix, as an explicit ``(b, n, n)`` (or ``(n, n)``) matrix, and
+every merge, as an explicit ``(n', n)`` 0/1 matrix, to ``DenseRules`` (the core's
+``DenseTracker``: any scheme's ``Rules`` on dense float64 labels). The fast paths
+(compact labels, convolutions, pooling, rolled windows, fused attention, events) are
+tested against this second implementation; no code here knows which scheme runs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mixlabels import AlignedOutput, NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TransMix
+from mixlabels import DenseTracker, Scheme, TokenLabelMap, TokenLayout
 
 __all__ = ["DenseRules", "conv_matrix", "window_matrix", "row_normalise", "drop_path_reference"]
 
@@ -72,77 +72,22 @@ def drop_path_reference(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | 
     return x * (mask / (1.0 - prob) if getattr(module, "scale_by_keep", True) else mask), mask.flatten() > 0
 
 
-class DenseRules:
-    """One scheme's label rules on dense labels ``(b, n, c)``.
+class DenseRules(DenseTracker):
+    """Any scheme's rules on dense labels ``(b, n, c)`` (float64): ``mixlabels.DenseTracker`` for a grid.
 
     Args:
-        scheme: ``NoAlign``, ``TransMix``, ``TLAlign`` or ``TokenLabeling`` (no annotator).
+        scheme: any ``Scheme``; its ``rules`` decide what every event does to the labels.
         label_map: the batch's map.
         grid: the token grid the labels start on.
         num_prefix: prefix tokens (class token) before the patch tokens, labelled with the image target.
-        depth: number of layers (``TLAlign`` layer indices resolve against it).
+        depth: number of layers (layer choices resolve against it).
+        class_token: the head reads token 0 (default: ``num_prefix > 0``).
     """
 
-    def __init__(self, scheme: Scheme, label_map: TokenLabelMap, grid: tuple[int, int], num_prefix: int, depth: int) -> None:
-        self.scheme = scheme
-        self.lm = label_map
-        self.p = num_prefix
-        self.align: set[int] = set()
-        self.normalize = True
-        self.follow_drop = True  # TLAlign(drop_path="official"): a dropped sample's labels mix anyway
-        if isinstance(scheme, TLAlign):
-            layers = range(depth) if scheme.layers is None else scheme.layers
-            self.align, self.normalize = {i % depth for i in layers}, scheme.normalize
-            self.follow_drop = scheme.drop_path == "follow"
-        elif isinstance(scheme, TokenLabeling):
-            if scheme.annotator is not None:
-                raise NotImplementedError("the reference path covers label-map token targets only")
-            self.align = set(range(depth)) if scheme.aligned else set()
-        elif not isinstance(scheme, (NoAlign, TransMix)):
-            raise TypeError(f"the reference path knows NoAlign, TransMix, TLAlign and TokenLabeling, got {scheme!r}")
-        self.image_target = label_map.image_targets()  # b c
-        self.patch_target = label_map.targets(label_map.token_weights(grid)).double()  # b n c
-        prefix = self.image_target.double().unsqueeze(1).expand(-1, num_prefix, -1)
-        self.y = torch.cat([prefix, self.patch_target], dim=1)  # b n c, float64 for a tight comparison
-        self.static = self.y
-        self.class_row: Tensor | None = None
-
-    def mix(self, layer: int, matrix: Tensor, keep: Tensor | None) -> None:
-        """A residual branch whose spatial mix is ``matrix`` ``(b|1, n, n)`` (rows sum to 1)."""
-        if layer not in self.align:
-            return
-        mixed = matrix.double() @ self.y
-        new = (self.y + mixed) / 2 if self.normalize else mixed
-        self.y = new if keep is None or not self.follow_drop else torch.where(keep.view(-1, 1, 1), new, self.y)
-
-    def aggregate(self, matrix: Tensor) -> None:
-        """Tokens merged by the 0/1 (or weighted) matrix ``(n', n)``; rows renormalised."""
-        self.y = row_normalise(matrix.double() @ self.y)
-        self.static = row_normalise(matrix.double() @ self.static)
-
-    def attend_class(self, row: Tensor) -> None:
-        """The head-mean attention row ``(b, n)`` of the class token in the last layer (TransMix)."""
-        self.class_row = row.detach().double()
-
-    def result(self, output: Tensor, logits: Tensor, readout: str, token_logits: Tensor | None) -> AlignedOutput:
-        """The ``AlignedOutput`` for a ``"token"`` (class token 0) or ``"mean"`` (patch mean) readout."""
-        p = self.p
-        aligned = self.y[:, 0] if readout == "token" else self.y[:, p:].mean(dim=1)
-        aligned = aligned / aligned.sum(-1, keepdim=True)
-        image = self.image_target.double()
-        tokens = None
-        beta = 0.0
-        if isinstance(self.scheme, TLAlign):
-            target = aligned
-        elif isinstance(self.scheme, TransMix):
-            if readout != "token" or self.class_row is None:
-                raise ValueError("TransMix needs a class token")
-            w = self.class_row[:, p:] / self.class_row[:, p:].sum(dim=-1, keepdim=True)
-            target = (torch.einsum("bn,bnc->bc", w, self.patch_target) + image) / 2
-        elif isinstance(self.scheme, TokenLabeling):
-            target = aligned if self.scheme.aligned else image
-            tokens = row_normalise((self.y if self.scheme.aligned else self.static)[:, p:]).float()
-            beta = self.scheme.beta
-        else:
-            target = image
-        return AlignedOutput(output, logits, target.float().detach(), None, token_logits, tokens, beta)
+    def __init__(
+        self, scheme: Scheme, label_map: TokenLabelMap, grid: tuple[int, int], num_prefix: int, depth: int,
+        class_token: bool | None = None,
+    ) -> None:
+        layout = TokenLayout(grid=grid, num_prefix=num_prefix, depth=depth,
+                             class_token=num_prefix > 0 if class_token is None else class_token)
+        super().__init__(scheme.rules(label_map, layout), label_map, layout)

@@ -18,16 +18,20 @@ from dataclasses import dataclass
 import torch
 
 from mixlabels.backbones._adapt import FAMILIES, adapt
-from mixlabels import NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TransMix
+from pydantic import TypeAdapter
+
+from mixlabels import SCHEMES as REGISTRY
+from mixlabels import Scheme, SchemeConfig, TokenLabelMap
 
 __all__ = ["SCHEMES", "SupportRow", "support_matrix", "support_markdown"]
 
+# The README table's columns: the core registry's defaults (which name them), plus aligned token labeling.
 SCHEMES: dict[str, Scheme] = {
-    "NoAlign": NoAlign(),
-    "TransMix": TransMix(),
-    "TLAlign": TLAlign(),
-    "TokenLabeling": TokenLabeling(beta=0.5),
-    "TokenLabeling(aligned=True)": TokenLabeling(beta=0.5, aligned=True),
+    "NoAlign": REGISTRY["none"],
+    "TransMix": REGISTRY["transmix"],
+    "TLAlign": REGISTRY["tl_align"],
+    "TokenLabeling": REGISTRY["token_labeling"],
+    "TokenLabeling(aligned=True)": TypeAdapter(SchemeConfig).validate_python({"kind": "token_labeling", "aligned": True}).build(),
 }
 
 

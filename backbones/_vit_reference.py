@@ -1,7 +1,8 @@
 """Reference path for the ViT adapter: explicit attention matrices and dense labels.
 
 Written for clarity, not speed, and independently of the event protocol: every
-scheme's rule is spelled out here on ``(b, n, c)`` class distributions, so the fast
+attention is an explicit matrix handed to the core's ``DenseTracker``, which applies
+any scheme's rules on dense ``(b, n, c)`` float64 class distributions, so the fast
 path (compact ``(b, n, k)`` weights, alignment fused into attention, events) is
 tested against a second implementation. Materialises ``(b, h, n, n)`` per layer.
 """
@@ -16,7 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels import AlignedOutput, NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TransMix
+from mixlabels import AlignedOutput, DenseTracker, Scheme, TokenLabelMap, TokenLayout
 
 __all__ = ["reference_forward"]
 
@@ -37,7 +38,7 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
 
     Args:
         model: a timm ``VisionTransformer`` (as accepted by ``backbones.adapt``).
-        scheme: ``NoAlign``, ``TransMix``, ``TLAlign`` or ``TokenLabeling`` (no annotator).
+        scheme: any ``Scheme`` (its rules are applied by ``DenseTracker``).
         images: ``(b, 3, H, W)``.
         label_map: the batch's map.
 
@@ -47,18 +48,8 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
     m: Any = model  # timm is untyped
     grid = check_batch(images, label_map, tuple(m.patch_embed.patch_size))
     depth, p = len(m.blocks), m.num_prefix_tokens
-    align: set[int] = set()
-    normalize, follow_drop = True, True
-    if isinstance(scheme, TLAlign):
-        layers = range(depth) if scheme.layers is None else scheme.layers
-        align, normalize = {i % depth for i in layers}, scheme.normalize
-        follow_drop = scheme.drop_path == "follow"  # "official": a dropped sample's labels mix anyway
-    elif isinstance(scheme, TokenLabeling):
-        if scheme.annotator is not None:
-            raise NotImplementedError("the reference path covers label-map token targets only")
-        align = set(range(depth)) if scheme.aligned else set()
-    elif not isinstance(scheme, (NoAlign, TransMix)):
-        raise TypeError(f"the reference path knows NoAlign, TransMix, TLAlign and TokenLabeling, got {scheme!r}")
+    reads_token = m.global_pool == "token"
+    tracker = DenseTracker.start(scheme, label_map, TokenLayout(grid=grid, num_prefix=p, depth=depth, class_token=reads_token))
 
     x = m.patch_embed(images)
     if label_map.token_space:
@@ -70,12 +61,6 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
             x = label_map.mix_tokens(x, grid)
     x = m.norm_pre(m.patch_drop(m._pos_embed(x)))  # b n d
 
-    # Eq. 5 on dense labels: prefix tokens carry the image-level target, patch tokens their area's.
-    image_target = label_map.image_targets()  # b c
-    patch_target = label_map.targets(label_map.token_weights(grid))  # b n c
-    y0 = torch.cat([image_target.unsqueeze(1).expand(-1, p, -1), patch_target], dim=1)  # b n c
-    y = y0
-    class_row: Tensor | None = None
     for i, blk in enumerate(m.blocks):
         attn = blk.attn
         h = blk.norm1(x)
@@ -87,12 +72,9 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
         if getattr(attn, "gate", None) is not None:
             out = out * attn.gate(h).sigmoid()
         branch, keep = _drop_path(blk.ls1(attn.proj_drop(attn.proj(out))), blk.drop_path1)
-        if i in align:
-            mixed = a.detach().float().mean(dim=1) @ y  # Eq. 9: head-mean attention on the labels
-            new = (y + mixed) / 2 if normalize else mixed  # Eq. 11 (or the residual dropped)
-            y = new if keep is None or not follow_drop else torch.where(keep.view(-1, 1, 1), new, y)
-        if i == depth - 1:
-            class_row = a.detach().float()[:, :, 0, p:].mean(dim=1)  # b n: TransMix's class attention
+        tracker.mix(i, a.detach().double().mean(dim=1), keep)  # Eq. 9: head-mean attention on the labels
+        if tracker.wants_class_attention(i):
+            tracker.attend_class(a.detach().double()[:, :, 0].mean(dim=1))  # b n: the class token's row
         x = x + branch
         branch, _ = _drop_path(blk.ls2(blk.mlp(blk.norm2(x))), blk.drop_path2)
         x = x + branch  # MLP residual: Norm(Y + Y) = Y
@@ -100,25 +82,7 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
     output = m.forward_head(x)
     logits = output[0] if isinstance(output, tuple) else output
 
-    if m.global_pool == "token":
-        y_readout = y[:, 0]
-    else:
-        y_readout = y[:, (0 if m.pool_include_prefix else p) :].mean(dim=1)
-    token_logits = token_target = None
-    beta = 0.0
-    if isinstance(scheme, TLAlign):
-        target = y_readout
-    elif isinstance(scheme, TransMix):
-        if m.global_pool != "token":
-            raise ValueError("TransMix needs a class token")
-        assert class_row is not None
-        w = class_row / class_row.sum(dim=-1, keepdim=True)
-        target = (torch.einsum("bn,bnc->bc", w, patch_target) + image_target) / 2
-    elif isinstance(scheme, TokenLabeling):
-        target = y_readout if scheme.aligned else image_target
-        token_target = (y if scheme.aligned else y0)[:, p:]
-        token_logits = m.head(m.head_drop(m.fc_norm(x[:, p:])))
-        beta = scheme.beta
-    else:
-        target = image_target
-    return AlignedOutput(output, logits, target.detach(), None, token_logits, token_target, beta)
+    token_logits = m.head(m.head_drop(m.fc_norm(x[:, p:]))) if scheme.needs_token_logits else None
+    if reads_token:
+        return tracker.result(output, logits, "token", token_logits)
+    return tracker.result(output, logits, "mean", token_logits, first=0 if m.pool_include_prefix else p)

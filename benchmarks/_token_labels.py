@@ -6,8 +6,9 @@ image's map to the crop and flip it got (RoIAlign) and mixes it like the batch
 (MixToken). Here the annotator is the job's own teacher run (nothing is
 downloaded): ``annotate_split`` scores the decoded training images with the
 teacher's checkpoint into a ``mixlabels.score_maps`` store (resumable), and
-``TokenLabelSource`` turns a batch's split indices and crops into the
-``TokenLabeling`` scheme of that step.
+``TokenLabelSource`` turns a batch's split indices and crops into that batch's
+aligned maps, which travel with the batch in its label map
+(``label_map.with_token_targets``); the ``TokenLabeling`` scheme stays fixed.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks._archive import TensorSplit
-from mixlabels import TokenLabeling
 from mixlabels.score_maps import (
     CropParams,
-    DenseTokenAnnotator,
     Fill,
     ScoreMapError,
     ScoreMaps,
@@ -88,24 +87,22 @@ def annotate_split(
 
 @dataclass(frozen=True, eq=False)
 class TokenLabelSource:
-    """A store's maps held on the training device, and the step's ``TokenLabeling`` scheme from them.
+    """A store's maps held on the training device, and each step's aligned maps from them.
 
     Args:
         maps: every annotated image's top-k map, in store order.
         position: ``(n,)`` long, each split index's place in ``maps`` (-1: not annotated).
-        beta: the dense loss weight.
         fill: how the mass beyond the top-k is restored.
         grid: the model's token grid ``(h, w)``.
     """
 
     maps: TopKMaps
     position: Tensor
-    beta: float
     fill: Fill
     grid: tuple[int, int]
 
     @classmethod
-    def open(cls, store: ScoreMaps, split_size: int, *, beta: float, fill: Fill, grid: tuple[int, int],
+    def open(cls, store: ScoreMaps, split_size: int, *, fill: Fill, grid: tuple[int, int],
              device: torch.device) -> TokenLabelSource:
         """Load (and verify) the whole store onto ``device``; its ids name split indices ``train/<i>``."""
         position = torch.full((split_size,), -1, dtype=torch.long)
@@ -114,13 +111,12 @@ class TokenLabelSource:
             if head != "train" or not tail.isdigit() or int(tail) >= split_size:
                 raise ScoreMapError(f"{store.root / 'index.json'}: id {image_id!r} is not an image of this split")
             position[int(tail)] = place
-        return cls(store.load_all().to(device), position.to(device), beta, fill, grid)
+        return cls(store.load_all().to(device), position.to(device), fill, grid)
 
-    def scheme(self, indices: Tensor, crops: CropParams) -> TokenLabeling:
-        """``TokenLabeling(beta)`` whose annotator gives these images' maps, aligned to their crops and flips."""
+    def targets(self, indices: Tensor, crops: CropParams) -> Tensor:
+        """These images' maps ``(b, h, w, c)``, aligned to their crops and flips (for ``with_token_targets``)."""
         where = self.position[indices.to(self.position.device)]
         if bool((where < 0).any()):
             missing = indices[(where < 0).cpu()].tolist()[:5]
             raise ScoreMapError(f"no score map for split images {missing}: the store does not cover the training subset")
-        aligned = align_score_maps(self.maps[where], crops, self.grid, fill=self.fill)  # b h w c
-        return TokenLabeling(beta=self.beta, annotator=DenseTokenAnnotator(aligned))
+        return align_score_maps(self.maps[where], crops, self.grid, fill=self.fill)  # b h w c

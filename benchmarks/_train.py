@@ -29,7 +29,6 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from mixlabels.backbones import adapt
-from mixlabels.backbones._common import AdaptedBase
 from benchmarks._config import RunConfig
 from benchmarks._data import Batches, Shard, TensorBatches
 from benchmarks._token_labels import TokenLabelSource
@@ -91,8 +90,9 @@ def train_and_evaluate(
         num_classes: ``c``.
         progress: show a tqdm bar (rank 0 on a TTY).
         desc: the bar's label.
-        token_labels: the annotator's score maps; every step then trains with the
-            ``TokenLabeling`` scheme whose token targets are the batch's aligned, mixed maps
+        token_labels: the annotator's score maps; every step's label map then carries the
+            batch's aligned maps (``with_token_targets``), which the run's ``TokenLabeling``
+            scheme mixes like the tokens into its token targets
             (``train`` must be ``TensorBatches``, which report each image's index and crop).
         checkpoint: where rank 0 saves the trained model's state dict (before evaluation).
         init: the weights to start from (the finetune profile's base checkpoint), replacing ``run.model.init``;
@@ -111,13 +111,11 @@ def train_and_evaluate(
     if token_labels is not None and (run.mixer is None or not isinstance(train, TensorBatches)):
         raise ValueError(f"{desc}: annotator token labels need a mixer and the tensor loader (--loader tensor)")
     net: nn.Module = model
-    adapted: AdaptedBase | None = None
     mixer = None
     if run.mixer is not None:
         mixer = run.mixer.build()
         mixer.generator = torch.Generator().manual_seed(run.seed * 1_000_003 + 7919 * shard.rank + 1)
         net = adapt(model, run.scheme.build() if run.scheme is not None else NoAlign())
-        adapted = net if isinstance(net, AdaptedBase) else None
     if shard.world > 1:
         net = DistributedDataParallel(net)  # device_ids=None: the label map is not a tensor DDP could scatter
 
@@ -142,14 +140,16 @@ def train_and_evaluate(
     start = time.perf_counter()
     while step < total:
         for images, labels, indices, crops in _batches(train, epoch, indexed=token_labels is not None):
-            if token_labels is not None and adapted is not None and crops is not None:
-                # this batch's score maps, aligned to its crops and flips; mixed by the label map in the loss
-                adapted.scheme = token_labels.scheme(indices, crops)
+            maps = None
+            if token_labels is not None and crops is not None:
+                maps = token_labels.targets(indices, crops)  # this batch's score maps, aligned to its crops and flips
             if mixer is None:
                 with autocast:
                     loss = F.cross_entropy(net(images), labels, label_smoothing=recipe.label_smoothing)
             else:
                 mixed, label_map = mixer(images, labels)
+                if maps is not None:  # they travel with the batch; the label map mixes them like the tokens
+                    label_map = label_map.with_token_targets(maps)
                 with autocast:
                     loss = net(mixed, label_map).loss()
             optimizer.zero_grad(set_to_none=True)

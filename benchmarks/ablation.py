@@ -592,7 +592,7 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         for i, p in enumerate(todo):
             labels = None
             if p.run.annotator is not None and source is not None and isinstance(p.run.scheme, TokenLabelingConfig):
-                labels = replace(source, beta=p.run.scheme.beta, fill=p.run.annotator.fill)
+                labels = replace(source, fill=p.run.annotator.fill)
             result = train_and_evaluate(p.run, data.make_train(p.seed), data.test, shard, num_classes=data.num_classes,
                                         progress=progress, desc=p.name, token_labels=labels, init=base_ckpt,
                                         checkpoint=ckpt_dir / f"{p.key}.pth" if cfg.save_checkpoints else None)
@@ -729,9 +729,7 @@ def prepare_annotator(
     if not needed:
         return done[teacher.key], None
     patch, img = _grid_of(cfg)
-    scheme = next(p.run.scheme for p in planned if p.run.annotator is not None)
-    beta = scheme.beta if isinstance(scheme, TokenLabelingConfig) else 0.5
-    source = TokenLabelSource.open(ScoreMaps(store_dir), len(data.train_split.labels), beta=beta,
+    source = TokenLabelSource.open(ScoreMaps(store_dir), len(data.train_split.labels),
                                    fill=annotator.fill, grid=(img // patch, img // patch), device=shard.device)
     return done[teacher.key], source
 

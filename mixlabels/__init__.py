@@ -15,8 +15,14 @@ from mixlabels._loss import (
     soft_target_cross_entropy,
     token_soft_target_cross_entropy,
 )
-from mixlabels._scheme_config import NoAlignConfig, SchemeConfig, TLAlignConfig, TokenLabelingConfig, TransMixConfig
-from mixlabels._schemes import NoAlign, TLAlign, TokenAnnotator, TokenLabeling, TransMix
+from mixlabels._rules import Rules
+from mixlabels._trackers import CompactTracker, DenseTracker
+
+# The schemes and their configs are re-exported whole (their modules' ``__all__``), so a
+# new scheme lands in exactly two files: its class in _schemes.py, its config in _scheme_config.py.
+from mixlabels import _scheme_config, _schemes
+from mixlabels._scheme_config import *  # noqa: F403
+from mixlabels._schemes import *  # noqa: F403
 
 __all__ = [
     "Config",
@@ -37,14 +43,9 @@ __all__ = [
     "Readout",
     "AlignedTargets",
     "AlignedOutput",
-    "NoAlign",
-    "TransMix",
-    "TLAlign",
-    "TokenLabeling",
-    "TokenAnnotator",
-    "SchemeConfig",
-    "NoAlignConfig",
-    "TransMixConfig",
-    "TLAlignConfig",
-    "TokenLabelingConfig",
+    "Rules",
+    "CompactTracker",
+    "DenseTracker",
+    *_schemes.__all__,
+    *_scheme_config.__all__,
 ]

@@ -54,6 +54,7 @@ from torch import Tensor
 
 from mixlabels._label_map import TokenLabelMap
 from mixlabels._loss import soft_target_cross_entropy, token_soft_target_cross_entropy
+from mixlabels._rules import Rules
 
 __all__ = ["TokenLayout", "LabelTracker", "Scheme", "AlignedTargets", "AlignedOutput", "Readout"]
 
@@ -177,7 +178,17 @@ class LabelTracker(Protocol):
 
 
 class Scheme(Protocol):
-    """An alignment scheme: starts one ``LabelTracker`` per batch."""
+    """An alignment scheme: immutable configuration that owns its label ``Rules``.
+
+    ``rules`` resolves them for one batch (layer choices against the layout, per-batch
+    data such as the training progress from the label map); ``start`` returns the fast
+    path's tracker of those rules (``CompactTracker``); the reference paths apply the same
+    rules with ``DenseTracker``.
+    """
+
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        """The scheme's label rules for one batch mixed as ``label_map`` (raise if it refuses the layout)."""
+        ...
 
     @property
     def needs_token_logits(self) -> bool:

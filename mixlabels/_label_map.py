@@ -129,6 +129,14 @@ class TokenLabelMap:
         label_smoothing: applied when class targets are expanded, in ``[0, 1)``.
         token_space: the mix is to be applied to patch embeddings (MixToken), not
             to pixels: the images were returned unmixed.
+        token_targets: optional per-batch annotator maps ``(b, h, w, c)``: each un-mixed
+            sample's dense class distributions on an ``h x w`` grid, aligned to its crop
+            (``score_maps.align_score_maps``); set with ``with_token_targets``. Schemes with
+            token targets (``TokenLabeling``) use them, mixed like the tokens, as the patch
+            tokens' labels (``mixed_token_targets``).
+        progress: optional training progress of this batch in ``[0, 1]`` (e.g. ``step /
+            total_steps``), for schemes whose rules change over training (``MixPro``); set
+            with ``with_progress``.
 
     Example:
         >>> import torch
@@ -150,6 +158,8 @@ class TokenLabelMap:
     image_size: tuple[int, int]
     label_smoothing: float = 0.0
     token_space: bool = False
+    token_targets: Tensor | None = None
+    progress: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("sources", "image_weights", "labels"):
@@ -195,6 +205,14 @@ class TokenLabelMap:
                 f"labels must be integer class ids (batch,) or float probabilities (batch, num_classes), "
                 f"got {tuple(self.labels.shape)} {self.labels.dtype}"
             )
+        t = self.token_targets
+        if t is not None and (t.ndim != 4 or t.shape[0] != b or t.shape[3] != self.num_classes or not t.is_floating_point()):
+            _fail(
+                f"token_targets must be float (batch={b}, h, w, num_classes={self.num_classes}) per-sample maps "
+                f"(as align_score_maps returns them), got {tuple(t.shape)} {t.dtype}"
+            )
+        if self.progress is not None and not 0.0 <= self.progress <= 1.0:
+            _fail(f"progress must lie in [0, 1] (e.g. step / total_steps), got {self.progress}")
         hh, ww = self.image_size
         mh, mw = mask.shape[2:]
         if hh % mh or ww % mw:
@@ -395,6 +413,7 @@ class TokenLabelMap:
             mask=self.mask.to(device, non_blocking=non_blocking),  # boxes move as boxes
             image_weights=self.image_weights.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
+            token_targets=None if self.token_targets is None else self.token_targets.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> TokenLabelMap:
@@ -405,7 +424,26 @@ class TokenLabelMap:
             mask=self.mask.pin_memory(),
             image_weights=self.image_weights.pin_memory(),
             labels=self.labels.pin_memory(),
+            token_targets=None if self.token_targets is None else self.token_targets.pin_memory(),
         )
+
+    def with_token_targets(self, maps: Tensor | None) -> TokenLabelMap:
+        """This map carrying the batch's annotator maps ``(b, h, w, c)`` (``None`` removes them).
+
+        ``maps[i]`` are sample ``i``'s dense class distributions before mixing, aligned to its
+        crop and flip (``score_maps.align_score_maps``); the map mixes them like the tokens.
+
+        Example:
+            >>> lm = TokenLabelMap.unmixed(torch.tensor([1, 2]), num_classes=10, image_size=(16, 16))
+            >>> maps = torch.softmax(torch.randn(2, 4, 4, 10), dim=-1)
+            >>> tuple(lm.with_token_targets(maps).mixed_token_targets((4, 4)).shape)
+            (2, 16, 10)
+        """
+        return replace(self, token_targets=maps)
+
+    def with_progress(self, progress: float | None) -> TokenLabelMap:
+        """This map carrying the training progress of its batch in ``[0, 1]`` (``step / total_steps``)."""
+        return replace(self, progress=None if progress is None else float(progress))
 
     def check(self) -> None:
         """Check values (one host sync): labels in range, weights in [0, 1] summing to 1 over k."""
@@ -500,6 +538,28 @@ class TokenLabelMap:
         for s in range(1, self.num_sources):
             out = out + term(s)
         return out
+
+    def mixed_token_targets(self, grid: tuple[int, int]) -> Tensor:
+        """The annotator maps mixed like the tokens: ``(b, h*w, c)`` fp32 on the token ``grid``.
+
+        Every token gets ``sum_k w_k * maps[source_k]`` at its cell, ``w`` the exact token
+        weights (Token Labeling Eq. 6 for MixToken's binary mask); maps on a finer grid are
+        averaged over each token's cells exactly. ``label_smoothing`` ``s`` applies as to soft
+        labels: ``(1 - s) y + s / c``.
+        """
+        if self.token_targets is None:
+            _fail("this label map carries no token targets; attach the batch's maps with with_token_targets(maps)")
+        assert self.token_targets is not None
+        (th, tw), (h, w) = (int(self.token_targets.shape[1]), int(self.token_targets.shape[2])), grid
+        targets = rearrange(self.token_targets.to(self.device, torch.float32), "b h w c -> b (h w) c")
+        if (th, tw) != (h, w):  # a coarser model grid: average the cells exactly
+            if th % h or tw % w:
+                _fail(f"token targets on a {th}x{tw} grid cannot serve a {h}x{w} token grid: use maps on a multiple of it")
+            targets = reduce(targets, "b (h ph w pw) c -> b (h w) c", "mean", h=h, ph=th // h, w=w, pw=tw // w)
+        weights = self.token_weights(grid)  # b n k
+        mixed = torch.einsum("bknc,bnk->bnc", targets[self.sources], weights)
+        s = self.label_smoothing
+        return mixed * (1.0 - s) + s / self.num_classes if s else mixed
 
     def mix_tokens(self, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
         """Mix patch embeddings ``(b, n, d)`` with this map's token weights (MixToken).

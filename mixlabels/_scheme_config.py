@@ -13,9 +13,9 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from mixlabels._config import Config
-from mixlabels._schemes import DropPathRule, NoAlign, TLAlign, TokenLabeling, TransMix
+from mixlabels._schemes import DropPathRule, MixPro, NoAlign, TLAlign, TokenLabeling, TransMix
 
-__all__ = ["NoAlignConfig", "TransMixConfig", "TLAlignConfig", "TokenLabelingConfig", "SchemeConfig"]
+__all__ = ["NoAlignConfig", "TransMixConfig", "TLAlignConfig", "TokenLabelingConfig", "MixProConfig", "SchemeConfig"]
 
 
 class NoAlignConfig(Config[NoAlign]):
@@ -65,7 +65,18 @@ class TokenLabelingConfig(Config[TokenLabeling]):
         return TokenLabeling(beta=self.beta, aligned=self.aligned)
 
 
+class MixProConfig(Config[MixPro]):
+    """MixPro: class-attention and area lambdas, the area's weight falling with the batch's progress."""
+
+    kind: Literal["mixpro"] = "mixpro"
+    initial: Annotated[float, Field(ge=0.0, le=1.0, description="the area lambda's weight at progress 0")] = 1.0
+    final: Annotated[float, Field(ge=0.0, le=1.0, description="the area lambda's weight at progress 1")] = 0.0
+
+    def build(self) -> MixPro:
+        return MixPro(initial=self.initial, final=self.final)
+
+
 SchemeConfig = Annotated[
-    Union[NoAlignConfig, TransMixConfig, TLAlignConfig, TokenLabelingConfig],
+    Union[NoAlignConfig, TransMixConfig, TLAlignConfig, TokenLabelingConfig, MixProConfig],
     Field(discriminator="kind"),
 ]

@@ -7,25 +7,28 @@
 - ``TokenLabeling``: class loss plus beta times a dense per-token loss (Token Labeling
   Eq. 3-7), token targets unaligned (MixToken) or aligned through the layers.
 
-All trackers carry labels as ``(b, n, l)`` fp32 weights: ``l = k`` sources (compact,
-expanded to classes only at the end: alignment is linear) or ``l = c`` classes when
-a token annotator supplies dense per-token labels.
+Each scheme is immutable configuration that owns its label rules: ``rules(label_map,
+layout)`` resolves them for one batch into a ``Rules`` (``mixlabels._rules``), which the
+fast path's ``CompactTracker`` and the reference paths' ``DenseTracker`` both apply, so
+no adapter or reference path knows which scheme it runs. Per-batch data (annotator
+maps, training progress) travels in the ``TokenLabelMap``, never in the scheme.
+``SCHEMES`` names every scheme's default instance.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
 
-import torch
-from torch import Tensor
-
-from mixlabels._align import AlignedTargets, LabelTracker, Readout, TokenLayout, initial_weights
+from mixlabels._align import LabelTracker, Scheme, TokenLayout
 from mixlabels._label_map import TokenLabelMap
+from mixlabels._rules import Rules
+from mixlabels._trackers import CompactTracker
 
-__all__ = ["NoAlign", "TransMix", "TLAlign", "TokenLabeling", "TokenAnnotator", "DropPathRule"]
+__all__ = ["NoAlign", "TransMix", "TLAlign", "TokenLabeling", "MixPro", "DropPathRule", "SCHEMES"]
 
 DropPathRule = Literal["follow", "official"]
 """What a block's label update does for a sample whose attention branch stochastic depth dropped.
@@ -33,144 +36,6 @@ DropPathRule = Literal["follow", "official"]
 ``"follow"``: labels follow the tokens; the sample's tokens did not mix, so its labels stay.
 ``"official"``: the official TL-Align code's rule, ``Y <- Norm(Y + A Y)`` for every sample.
 """
-
-
-class TokenAnnotator(Protocol):
-    """Dense per-token class distributions of a mixed batch (token labeling's annotator maps).
-
-    Called with the label map and the patch grid, returns ``(b, h*w, c)`` fp32 rows on the
-    simplex, already mixed like the images. A later issue provides score-map annotators.
-    """
-
-    def __call__(self, label_map: TokenLabelMap, grid: tuple[int, int]) -> Tensor: ...
-
-
-def _fp32(device: torch.device) -> torch.autocast:
-    # Labels stay fp32 under autocast: einsum/matmul would otherwise run in bf16.
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
-def _normalise(w: Tensor) -> Tensor:
-    # Rows are convex combinations in exact arithmetic; dividing by the sum removes the
-    # drift of low-precision attention (bf16 autocast) so targets stay distributions.
-    return w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
-
-
-class _Tracker:
-    """One tracker for every scheme; the schemes below only choose its switches."""
-
-    def __init__(
-        self,
-        label_map: TokenLabelMap,
-        layout: TokenLayout,
-        *,
-        align: frozenset[int] = frozenset(),
-        normalize: bool = True,
-        follow_drop: bool = True,
-        transmix_layer: int | None = None,
-        aligned_target: bool = False,
-        token_targets: bool = False,
-        token_loss_weight: float = 0.0,
-        annotator: TokenAnnotator | None = None,
-    ) -> None:
-        self._lm = label_map
-        self._layout = layout
-        self._align = align
-        self._normalize = normalize
-        self._follow_drop = follow_drop
-        self._transmix_layer = transmix_layer
-        self._aligned_target = aligned_target
-        self._token_targets = token_targets
-        self._beta = token_loss_weight
-        self._dense = annotator is not None
-        self._y: Tensor | None = None  # b n l, the aligned labels
-        self._static: Tensor | None = None  # b n l, unaligned labels for token targets
-        self._pending: Tensor | None = None  # b n l, labels of the residual branch in flight
-        self._class_weights: Tensor | None = None  # b k, TransMix's attention lambda
-        self._readout: tuple[Readout, int] = ("token" if layout.class_token else "mean", layout.num_prefix)
-        if align or token_targets:
-            if annotator is not None:
-                tokens = annotator(label_map, layout.grid).float()  # b n c
-                prefix = label_map.image_targets().unsqueeze(1).expand(-1, layout.num_prefix, -1)
-                y0 = torch.cat([prefix, tokens], dim=1)
-            else:
-                y0 = initial_weights(label_map, layout)  # b n k
-            self._y = y0 if (align or aligned_target) else None
-            self._static = y0 if token_targets and not aligned_target else None
-
-    # ------------------------------------------------------------------ events
-    def wants_labels(self, layer: int) -> bool:
-        return layer in self._align
-
-    def labels(self) -> Tensor:
-        if self._y is None:
-            raise RuntimeError("labels() called on a tracker that aligns no labels; check wants_labels() first")
-        return self._y
-
-    def spatial_mix(self, layer: int, mixed: Tensor) -> None:
-        self._pending = mixed.detach().float()
-
-    def wants_class_attention(self, layer: int) -> bool:
-        return layer == self._transmix_layer
-
-    def class_attention(self, layer: int, weights: Tensor) -> None:
-        p = self._layout.num_prefix
-        attn = weights.detach().float()[:, p:]  # b n: renormalised over the patch tokens only
-        attn = attn / attn.sum(dim=-1, keepdim=True)
-        area = self._lm.token_weights(self._layout.grid)  # b n k
-        with _fp32(attn.device):
-            self._class_weights = torch.einsum("bn,bnk->bk", attn, area)
-
-    def residual(self, layer: int, keep: Tensor | None) -> None:
-        branch, self._pending = self._pending, None
-        if branch is None or self._y is None:
-            return  # channel mixing: Norm(Y + Y) = Y
-        # Eq. 11: Norm(Y + A Y), Norm a simple average. Without normalisation (Table 8)
-        # the label residual is not modelled: the branch's labels replace Y (see TLAlign).
-        new = (self._y + branch) / 2 if self._normalize else branch
-        if keep is not None and self._follow_drop:  # a sample whose branch was dropped keeps its labels
-            new = torch.where(keep.view(-1, 1, 1), new, self._y)
-        self._y = new
-
-    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
-        with _fp32(self._lm.device):
-            if self._y is not None:
-                self._y = _normalise(merge(self._y).float())
-            if self._static is not None:
-                self._static = _normalise(merge(self._static).float())
-
-    def pool(self, how: Readout, first: int) -> None:
-        self._readout = (how, first)
-
-    # ------------------------------------------------------------------ targets
-    def _expand(self, w: Tensor) -> Tensor:
-        return w if self._dense else self._lm.targets(w)
-
-    def finish(self) -> AlignedTargets:
-        with _fp32(self._lm.device):
-            return self._finish()
-
-    def _finish(self) -> AlignedTargets:
-        image = self._lm.image_weights  # b k
-        weights: Tensor | None
-        if self._class_weights is not None:
-            weights = (self._class_weights + image) / 2  # TransMix: average with the area lambda
-            target = self._lm.targets(weights)
-        elif self._aligned_target and self._y is not None:
-            how, first = self._readout
-            readout = self._y[:, first] if how == "token" else self._y[:, first:].mean(dim=1)  # b l
-            readout = _normalise(readout)
-            target = self._expand(readout)
-            weights = None if self._dense else readout
-        else:
-            weights = image
-            target = self._lm.targets(image)
-        token_target = None
-        if self._token_targets:
-            source = self._y if self._aligned_target else self._static
-            assert source is not None
-            token_target = self._expand(_normalise(source[:, self._layout.num_prefix :]))  # b n c
-        return AlignedTargets(target.detach(), weights, token_target, self._beta)
 
 
 @dataclass(frozen=True)
@@ -186,8 +51,11 @@ class NoAlign:
     def needs_token_logits(self) -> bool:
         return False
 
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        return Rules()
+
     def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
-        return _Tracker(label_map, layout)
+        return CompactTracker(self.rules(label_map, layout), label_map, layout)
 
 
 @dataclass(frozen=True)
@@ -203,13 +71,16 @@ class TransMix:
     def needs_token_logits(self) -> bool:
         return False
 
-    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
         if not layout.class_token:
             raise ValueError(
                 "TransMix reads the class token's attention, but this model has no class token "
                 "(global pooling); use TLAlign() or NoAlign() instead"
             )
-        return _Tracker(label_map, layout, transmix_layer=layout.depth - 1)
+        return Rules(class_attention_layer=layout.depth - 1, target="attention", area_weight=0.5)
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        return CompactTracker(self.rules(label_map, layout), label_map, layout)
 
 
 def _resolve_layers(layers: Sequence[int] | None, depth: int) -> frozenset[int]:
@@ -308,15 +179,16 @@ class TLAlign:
     def needs_token_logits(self) -> bool:
         return False
 
-    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
-        return _Tracker(
-            label_map,
-            layout,
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        return Rules(
             align=_resolve_layers(self.layers, layout.depth),
             normalize=self.normalize,
             follow_drop=self.drop_path == "follow",
-            aligned_target=True,
+            target="aligned",
         )
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        return CompactTracker(self.rules(label_map, layout), label_map, layout)
 
 
 @dataclass(frozen=True)
@@ -330,8 +202,10 @@ class TokenLabeling:
         aligned: ``False``: token targets are the patch tokens' area fractions and the class
             target the image mix (MixToken, Eq. 6-7). ``True``: both are aligned through every
             layer as in ``TLAlign()``: dense supervision without an annotator.
-        annotator: dense per-token labels from a teacher's score maps, replacing the label
-            map's token weights as the per-token labels (then carried as ``(b, n, c)``).
+
+    Token labels from an annotator's score maps travel with the batch: a label map made
+    with ``label_map.with_token_targets(maps)`` gives its mixed maps as the patch tokens'
+    labels (carried as ``(b, n, c)``) instead of their area fractions.
 
     Example:
         >>> TokenLabeling(beta=0.5, aligned=True).needs_token_logits
@@ -340,28 +214,95 @@ class TokenLabeling:
 
     beta: float = 0.5
     aligned: bool = False
-    annotator: TokenAnnotator | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta < float("inf"):
             raise ValueError(f"TokenLabeling beta must be a finite number >= 0 (the token loss weight), got {self.beta}")
-        if self.annotator is not None and not callable(self.annotator):
-            raise TypeError(
-                f"TokenLabeling annotator must be callable as annotator(label_map, grid) (e.g. a DenseTokenAnnotator), "
-                f"got {type(self.annotator).__name__}"
-            )
 
     @property
     def needs_token_logits(self) -> bool:
         return True
 
-    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
-        return _Tracker(
-            label_map,
-            layout,
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        return Rules(
             align=frozenset(range(layout.depth)) if self.aligned else frozenset(),
-            aligned_target=self.aligned,
-            token_targets=True,
+            target="aligned" if self.aligned else "image",
+            token_targets="aligned" if self.aligned else "input",
             token_loss_weight=self.beta,
-            annotator=self.annotator,
         )
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        return CompactTracker(self.rules(label_map, layout), label_map, layout)
+
+
+@dataclass(frozen=True)
+class MixPro:
+    """MixPro's progressive attention labeling (Zhao et al., ICLR 2023): TransMix's target, re-weighted over training.
+
+    ``lambda = a * lambda_area + (1 - a) * lambda_attn``, ``lambda_attn`` as in ``TransMix``
+    (the last layer's class-token attention summed over each source's area), and the
+    progressive factor ``a`` falling linearly with the batch's training progress ``t``:
+    ``a = initial + (final - initial) * t``. Early attention maps are unreliable, so early targets
+    lean on the area. The progress travels with the batch (``label_map.with_progress(step /
+    total_steps)``), so the scheme stays immutable configuration; a map without it is refused.
+
+    The schedule is this library's choice, not the official code's factor: there
+    (github.com/fistyee/MixPro, ``main.py``) the attention weight ``1 - a`` is, per sample,
+    the cosine similarity between the area-mixed target and the model's own softmax
+    prediction on the same forward pass (so it rises as the model learns), with a
+    commented-out epoch schedule ``1 - (epoch / 300) ** 2`` beside it. That factor needs
+    the batch's logits inside the tracker, which the event protocol does not hand it yet;
+    this scheme is the explicit, data-independent schedule and does not claim MixPro's numbers.
+
+    Args:
+        initial: ``a`` at the start of training (``t = 0``).
+        final: ``a`` at the end (``t = 1``); ``initial = final = 0.5`` is ``TransMix``.
+
+    Example:
+        >>> MixPro(), MixPro(initial=0.5, final=0.5)
+        (MixPro(initial=1.0, final=0.0), MixPro(initial=0.5, final=0.5))
+    """
+
+    initial: float = 1.0
+    final: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.initial <= 1.0 and 0.0 <= self.final <= 1.0):
+            raise ValueError(f"MixPro initial and final are area weights in [0, 1], got initial={self.initial}, final={self.final}")
+
+    @property
+    def needs_token_logits(self) -> bool:
+        return False
+
+    def area_weight(self, progress: float) -> float:
+        """The progressive factor ``a`` at training progress ``progress`` in ``[0, 1]``."""
+        return self.initial + (self.final - self.initial) * progress
+
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        if not layout.class_token:
+            raise ValueError(
+                "MixPro reads the class token's attention, but this model has no class token "
+                "(global pooling); use TLAlign() or NoAlign() instead"
+            )
+        if label_map.progress is None:
+            raise ValueError(
+                "MixPro weighs its targets by training progress, but this batch's label map carries none: "
+                "pass label_map.with_progress(step / total_steps) to the adapted model"
+            )
+        a = self.area_weight(label_map.progress)
+        return Rules(class_attention_layer=layout.depth - 1, target="attention", area_weight=a)
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        return CompactTracker(self.rules(label_map, layout), label_map, layout)
+
+
+SCHEMES: Mapping[str, Scheme] = MappingProxyType(
+    {
+        "none": NoAlign(),
+        "transmix": TransMix(),
+        "tl_align": TLAlign(),
+        "token_labeling": TokenLabeling(),
+        "mixpro": MixPro(),
+    }
+)
+"""Every scheme's default instance by its configuration's ``kind`` (the scheme registry)."""

@@ -47,6 +47,8 @@ from torch import Tensor, nn
 
 from mixlabels._align import TokenLayout, initial_weights
 from mixlabels._label_map import TokenLabelMap
+from mixlabels._rules import Rules
+from mixlabels._schemes import TLAlign, TransMix
 
 __all__ = [
     "ViTTrace",
@@ -265,11 +267,12 @@ def aligned_layer_labels(attention: Tensor, initial: Tensor, normalize: bool = T
     Returns:
         ``(b, l, n, k)`` the labels after each block.
     """
+    rules = Rules(align=frozenset(range(attention.shape[1])), normalize=normalize)  # TLAlign(normalize=...)'s rules
     y = initial.float()
     out = []
     for layer in range(attention.shape[1]):
         mixed = torch.einsum("bnm,bmk->bnk", attention[:, layer].float(), y)
-        y = (y + mixed) / 2 if normalize else mixed
+        y = rules.residual(y, mixed, keep=None)
         out.append(y)
     return torch.stack(out, dim=1)
 
@@ -283,12 +286,13 @@ def transmix_layer_weights(trace: ViTTrace, label_map: TokenLabelMap) -> Tensor:
     Returns:
         ``(b, l, k)``.
     """
-    p = trace.num_prefix
-    row = trace.attention[:, :, 0, p:]  # b l n: the class token's attention over patches
-    row = row / row.sum(dim=-1, keepdim=True)
+    rules = TransMix().rules(label_map, trace.layout)  # the scheme's own rules, read at every block
     area = label_map.token_weights(trace.grid)  # b n k
-    attn = torch.einsum("bln,bnk->blk", row, area)
-    return (attn + label_map.image_weights.unsqueeze(1)) / 2
+    per_layer = [
+        rules.combine(label_map.image_weights, rules.class_weights(trace.attention[:, layer, 0], area, trace.num_prefix))
+        for layer in range(trace.depth)
+    ]
+    return torch.stack(per_layer, dim=1)
 
 
 def readout(labels: Tensor, trace: ViTTrace) -> Tensor:
@@ -396,6 +400,7 @@ def analyse(
     b, depth, n = trace.attention.shape[:3]
     y0 = initial_weights(label_map, trace.layout)  # b n k, Eq. 5
     aligned = aligned_layer_labels(trace.attention, y0)  # b l n k
+    rules = TLAlign().rules(label_map, trace.layout)  # the scheme's readout
 
     def every(weights: Tensor) -> Tensor:  # (b, k) -> (b, l, n, k)
         return repeat(weights, "b k -> b l n k", l=depth, n=n)
@@ -413,8 +418,7 @@ def analyse(
         tl_align=aligned,
         transmix_by_layer=transmix_by_layer,
     )
-    target = readout(aligned[:, -1], trace)
-    target = target / target.sum(dim=-1, keepdim=True)
+    target = rules.readout(aligned[:, -1], "token" if trace.class_token else "mean", 0 if trace.class_token else trace.readout_first)
     return LayerAnalysis(
         presence=layer_presence(trace),
         ratios=ratios,

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from mixlabels import (
+    MixPro,
     NoAlign,
     TLAlign,
     TLAlignConfig,
@@ -244,7 +245,12 @@ def _bad() -> list[Bad]:
         ("TLAlignConfig fractional", lambda _: TLAlignConfig(layers=(0.5,)), pydantic.ValidationError, r"fractional part"),  # type: ignore[arg-type]
         ("TokenLabeling beta nan", lambda _: TokenLabeling(beta=float("nan")), ValueError, r"beta must be a finite number >= 0"),
         ("TokenLabeling beta negative", lambda _: TokenLabeling(beta=-1.0), ValueError, r"beta must be a finite number >= 0"),
-        ("TokenLabeling annotator string", lambda _: TokenLabeling(annotator="teacher"), TypeError, r"annotator must be callable"),  # type: ignore[arg-type]
+        ("token targets not (b, h, w, c)", lambda _: cutmix_map().with_token_targets(torch.rand(X.shape[0], 16, C)), ValueError, r"token_targets must be float \(batch=\d+, h, w, num_classes=\d+\)"),
+        ("token targets too coarse", lambda _: cutmix_map().with_token_targets(torch.rand(X.shape[0], 3, 3, C)).mixed_token_targets((2, 2)), ValueError, r"cannot serve a 2x2 token grid"),
+        ("no token targets to mix", lambda _: cutmix_map().mixed_token_targets((2, 2)), ValueError, r"with_token_targets\(maps\)"),
+        ("progress out of range", lambda _: cutmix_map().with_progress(1.5), ValueError, r"progress must lie in \[0, 1\]"),
+        ("MixPro without progress", lambda _: adapt(vit(), MixPro())(X, cutmix_map()), ValueError, r"with_progress\(step / total_steps\)"),
+        ("MixPro weight out of range", lambda _: MixPro(final=-0.1), ValueError, r"area weights in \[0, 1\]"),
         # ---- losses
         ("loss shapes differ", lambda _: soft_target_cross_entropy(torch.randn(4, C), torch.rand(4, 3)), ValueError, r"must both have shape \(b, c\)"),
         ("loss with class ids", lambda _: soft_target_cross_entropy(torch.randn(4, C), Y), ValueError, r"must be floating point.*one_hot"),

@@ -188,14 +188,27 @@ def test_noalign_and_unaligned_token_labeling_targets() -> None:
 
 def test_annotator_hook_gives_dense_token_targets() -> None:
     lm = left_half_map()
-    dense = torch.softmax(torch.randn(2, 4, 4), dim=-1)  # b n c, from a (fake) annotator
-
-    def annotator(label_map: TokenLabelMap, grid: tuple[int, int]) -> torch.Tensor:
-        return dense
-
-    t = TokenLabeling(annotator=annotator).start(lm, LAYOUT).finish()
+    maps = torch.softmax(torch.randn(2, 2, 2, 4), dim=-1)  # b h w c, from a (fake) annotator, before mixing
+    t = TokenLabeling().start(lm.with_token_targets(maps), LAYOUT).finish()
     assert t.token_target is not None
-    assert_close(t.token_target, dense)
+    flat, w = maps.flatten(1, 2), lm.token_weights(GRID)  # b n c, b n k: each token mixes its sources' cells
+    assert_close(t.token_target, w[..., :1] * flat[lm.sources[:, 0]] + w[..., 1:] * flat[lm.sources[:, 1]])
+    assert TLAlign().start(lm.with_token_targets(maps), LAYOUT).finish().weights is not None  # unused: compact labels
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_annotator_maps_fast_path_equals_reference(aligned: bool) -> None:
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=4)
+    lm = TokenLabelMap.from_mask(torch.ones(2, 16, 16).tril(), torch.tensor([1, 0]), torch.tensor([0, 3]), num_classes=4)
+    lm = lm.with_token_targets(torch.softmax(torch.randn(2, 4, 4, 4) * 3, dim=-1))  # finer maps: averaged per token
+    images = lm.mix_pixels(torch.randn(2, 3, 16, 16))
+    scheme = TokenLabeling(beta=0.5, aligned=aligned)
+    fast, ref = backbones.adapt(model, scheme)(images, lm), backbones.adapt(model, scheme, reference=True)(images, lm)
+    assert fast.token_target is not None and ref.token_target is not None
+    assert_close(fast.token_target, ref.token_target, rtol=0, atol=1e-6)
+    assert_close(fast.target, ref.target, rtol=0, atol=1e-6)
+    assert not torch.allclose(fast.token_target, lm.targets(lm.token_weights((2, 2))), atol=1e-3)  # the maps, not the mask
 
 
 def test_loss_is_class_plus_beta_tokens() -> None:

@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader
 
 from mixlabels import TokenLabelMap
 from mixlabels.score_maps import (
-    DenseTokenAnnotator,
     ScoreMapDataset,
     ScoreMapError,
     ScoreMaps,
@@ -86,7 +85,7 @@ def test_pil_images_transform_and_a_loader_into_the_annotator(tmp_path: Path) ->
     assert x.shape == (4, 3, 8, 8) and y.tolist() == [0, 1, 2, 3] and targets.shape == (4, 2, 2, 2)
     assert float(x.min()) < -1.0  # normalised by the transform, after the crop
     label_map = TokenLabelMap.unmixed(y % 2, num_classes=2, image_size=(8, 8))
-    out = DenseTokenAnnotator(targets)(label_map, (2, 2))  # b n c: each image's own aligned map, unmixed
+    out = label_map.with_token_targets(targets).mixed_token_targets((2, 2))  # b n c: each image's own aligned map, unmixed
     torch.testing.assert_close(out, rearrange(targets, "b h w c -> b (h w) c"))
 
 

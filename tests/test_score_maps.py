@@ -20,7 +20,6 @@ from mixlabels import backbones
 from mixlabels import AlignedOutput, TokenLabeling, TokenLabelMap
 from mixlabels.score_maps import (
     CropParams,
-    DenseTokenAnnotator,
     ScoreMapError,
     ScoreMaps,
     ScoreMapWriter,
@@ -277,7 +276,7 @@ def test_dense_token_annotator_mixes_like_the_tokens() -> None:
     mask[0, :4, :] = 0.0  # sample 0: top half from its partner
     mask[1, :, 6:] = 0.0  # sample 1: a strip cutting through the right tokens (weight 1/2 there)
     lm = TokenLabelMap.from_mask(mask, torch.tensor([2, 0, 1]), torch.tensor([0, 1, 2]), num_classes=c, label_smoothing=0.1)
-    got = DenseTokenAnnotator(targets)(lm, grid)
+    got = lm.with_token_targets(targets).mixed_token_targets(grid)
     pooled = rearrange(F.avg_pool2d(rearrange(targets, "b h w c -> b c h w"), 2), "b c h w -> b (h w) c")
     want = torch.empty(b, 4, c)
     weights = {0: [0.0, 0.0, 1.0, 1.0], 1: [1.0, 0.5, 1.0, 0.5], 2: [1.0, 1.0, 1.0, 1.0]}  # own share per token
@@ -287,10 +286,12 @@ def test_dense_token_annotator_mixes_like_the_tokens() -> None:
             w = weights[i][t]
             want[i, t] = w * pooled[i, t] + (1 - w) * pooled[partner[i], t]
     assert_close(got, 0.9 * want + 0.1 / c)
-    flat = DenseTokenAnnotator(rearrange(targets, "b h w c -> b (h w) c"), grid=(4, 4))
-    assert_close(flat(lm, grid), got)
     with pytest.raises(ValueError, match="cannot serve a 3x3"):
-        DenseTokenAnnotator(targets)(TokenLabelMap.unmixed(torch.tensor([0, 1, 2]), c, (12, 12)), (3, 3))
+        TokenLabelMap.unmixed(torch.tensor([0, 1, 2]), c, (12, 12)).with_token_targets(targets).mixed_token_targets((3, 3))
+    with pytest.raises(ValueError, match=r"token_targets must be float \(batch=3, h, w, num_classes=5\)"):
+        lm.with_token_targets(rearrange(targets, "b h w c -> b (h w) c"))  # flat maps: give them as (b, h, w, c)
+    with pytest.raises(ValueError, match="carries no token targets"):
+        lm.mixed_token_targets(grid)
 
 
 def test_one_training_step_with_mixtoken_and_annotator_token_labels() -> None:
@@ -304,12 +305,12 @@ def test_one_training_step_with_mixtoken_and_annotator_token_labels() -> None:
     images = crop_resize(originals, params, (32, 32))
     aligned = align_score_maps(maps, params, (4, 4))  # b 4 4 c, before mixing
     images, lm = MixToken(num_classes=10, patch_size=8, generator=g)(images, labels)
-    annotator = DenseTokenAnnotator(aligned)
-    adapted = backbones.adapt(model, TokenLabeling(beta=0.5, annotator=annotator))
+    lm = lm.with_token_targets(aligned)  # the batch's maps travel with its label map; the scheme is fixed
+    adapted = backbones.adapt(model, TokenLabeling(beta=0.5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out: AlignedOutput = adapted(images, lm)
     assert out.token_logits is not None and out.token_target is not None
-    assert_close(out.token_target, annotator(lm, (4, 4)))
+    assert_close(out.token_target, lm.mixed_token_targets((4, 4)))
     assert_close(out.target, lm.image_targets())
     assert not torch.allclose(out.token_target, lm.targets(lm.token_weights((4, 4))))  # not the image labels
     loss = out.loss()

@@ -154,27 +154,25 @@ def test_annotate_split_and_the_schemes_targets(tmp_path: Path) -> None:
     with pytest.raises(ScoreMapError, match="index.json"):  # another teacher's maps are not reused
         annotate_split(teacher, split, subset, tmp_path / "maps", **{**kwargs, "meta": {"teacher": "u"}})
 
-    source = TokenLabelSource.open(store, len(split.labels), beta=0.5, fill="renormalize", grid=(4, 4),
+    source = TokenLabelSource.open(store, len(split.labels), fill="renormalize", grid=(4, 4),
                                    device=torch.device("cpu"))
     batch = TensorBatches(split, subset, 5, CPU, train=False, seed=0, mean=(0.0,) * 3, std=(1.0,) * 3)
     x, y, idx, crops = next(batch.indexed_epoch(0))  # identity crops
-    scheme = source.scheme(idx, crops)
-    assert scheme.beta == 0.5 and scheme.annotator is not None
-    label_map = TokenLabelMap.unmixed(y, num_classes=3, image_size=(8, 8))
+    label_map = TokenLabelMap.unmixed(y, num_classes=3, image_size=(8, 8)).with_token_targets(source.targets(idx, crops))
     with torch.inference_mode():
         expected = torch.softmax(teacher.forward_head(teacher.forward_features(x).unsqueeze(2).flatten(0, 1)), -1)
-    targets = scheme.annotator(label_map, (4, 4))  # b n c: the teacher's scores of each token (k = c = 3: exact)
+    targets = label_map.mixed_token_targets((4, 4))  # b n c: the teacher's scores of each token (k = c = 3: exact)
     torch.testing.assert_close(targets, expected.view(5, 16, 3), atol=2e-3, rtol=0)  # fp16 storage
 
     with pytest.raises(ScoreMapError, match=r"no score map for split images \[0\]"):
-        source.scheme(torch.tensor([0, 3]), crops)
+        source.targets(torch.tensor([0, 3]), crops)
 
 
 def test_foreign_ids_are_refused(tmp_path: Path) -> None:
     with ScoreMapWriter(tmp_path, num_classes=3, map_size=(2, 2), k=2) as w:
         w.append(["val/1"], compress(torch.softmax(torch.randn(1, 2, 2, 3), -1), k=2))
     with pytest.raises(ScoreMapError, match="'val/1' is not an image of this split"):
-        TokenLabelSource.open(ScoreMaps(tmp_path), 10, beta=0.5, fill="renormalize", grid=(2, 2),
+        TokenLabelSource.open(ScoreMaps(tmp_path), 10, fill="renormalize", grid=(2, 2),
                               device=torch.device("cpu"))
 
 
@@ -184,13 +182,13 @@ def test_foreign_ids_are_refused(tmp_path: Path) -> None:
 @needs_cifar
 def test_end_to_end_teacher_maps_rows_and_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    original = TokenLabelSource.scheme
+    original = TokenLabelSource.targets
 
     def counting(self: TokenLabelSource, indices: Tensor, crops: Any) -> Any:
         calls.append(len(indices))
         return original(self, indices, crops)
 
-    monkeypatch.setattr(TokenLabelSource, "scheme", counting)
+    monkeypatch.setattr(TokenLabelSource, "targets", counting)
     out = tmp_path / "out"
     cfg, _ = ablation.resolve_config(["--table", "tokenlabel", "--seeds", "0", "--save-checkpoints",
                                       "--out", str(out), *TINY])

@@ -9,8 +9,9 @@ An annotator model scores every region of every training image once, offline: a 
 2. reconstructs dense distributions from the top-k (``to_dense``);
 3. aligns each map to the random-resized crop and flip of its image, with RoIAlign,
    onto the token grid (``sample_resized_crops``, ``crop_resize``, ``align_score_maps``);
-4. mixes the aligned per-sample targets like a mixed batch's tokens
-   (``DenseTokenAnnotator``, the ``TokenAnnotator`` of ``TokenLabeling``);
+4. hands the aligned per-sample maps to the batch's label map
+   (``label_map.with_token_targets(maps)``), which mixes them like the tokens for
+   ``TokenLabeling`` (the maps travel with the batch, the scheme stays fixed);
 5. wraps a dataset so that each item is a crop of the image with its map aligned to
    the same crop (``ScoreMapDataset``).
 
@@ -44,7 +45,6 @@ Shapes, named once: ``b`` batch, ``hm wm`` map cells, ``k`` kept scores, ``c`` c
 ``h w`` token grid, ``n = h * w``.
 """
 
-from mixlabels.score_maps._annotator import DenseTokenAnnotator
 from mixlabels.score_maps._crops import (
     CropParams,
     align_score_maps,
@@ -70,6 +70,5 @@ __all__ = [
     "sample_padded_crops",
     "crop_resize",
     "align_score_maps",
-    "DenseTokenAnnotator",
     "ScoreMapDataset",
 ]

@@ -61,7 +61,7 @@ class ScoreMapDataset(Dataset[tuple[Tensor, int, Tensor]]):
 
     Returns (per item):
         ``image`` ``(3, h, w)`` float, ``label`` int, ``targets`` ``(h_grid, w_grid, c)`` fp32
-        distributions; a batch of targets goes to ``DenseTokenAnnotator`` as it is.
+        distributions; a batch of targets goes to ``label_map.with_token_targets`` as it is.
 
     Example:
         >>> import tempfile

@@ -1,0 +1,126 @@
+"""A scheme's label rules in one object, read by the compact tracker and the dense reference tracker.
+
+A ``Scheme`` resolves its ``Rules`` for one batch (``Scheme.rules(label_map, layout)``):
+which layers' spatial mixes move labels, what a residual does to them (with the
+stochastic-depth rule), what a merge does, the readout, and how the targets combine
+(image/area weights, the aligned readout, class-attention weights, token targets and
+the token-loss weight). The rule *arithmetic* is written here once, for any label
+width (``(b, n, k)`` compact source weights or ``(b, n, c)`` dense class
+distributions) and any float dtype, so the fast path (``CompactTracker``, fp32) and the
+reference paths (``DenseTracker``, float64 with explicit matrices) apply the same
+rules, and a backbone adapter never needs to know which scheme it runs.
+
+Example:
+    >>> import torch
+    >>> r = Rules(align=frozenset({0}), target="aligned")
+    >>> y, mixed = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.0, 1.0]]])
+    >>> r.residual(y, mixed, keep=None).tolist()  # Eq. 11: Norm(Y + A Y)
+    [[[0.5, 0.5]]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["Rules", "TargetRule", "TokenTargetRule", "normalise_rows"]
+
+TargetRule = Literal["image", "aligned", "attention"]
+"""The class target: the image (area) weights, the aligned labels' readout, or
+``area_weight * area + (1 - area_weight) * class-attention`` weights."""
+
+TokenTargetRule = Literal["none", "input", "aligned"]
+"""Per-patch-token targets: none, the tokens' input labels (unaligned), or the aligned labels."""
+
+
+def normalise_rows(w: Tensor) -> Tensor:
+    """Rows divided by their sum (the sum clamped away from 0): removes low-precision drift."""
+    return w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """One scheme's label rules for one batch (resolved against its ``TokenLayout``).
+
+    Args:
+        align: layers whose spatial mixes move the labels.
+        normalize: a residual ``Z <- Z + g(Z)`` gives ``Y <- (Y + Y_g) / 2`` (Eq. 11); ``False``:
+            ``Y <- Y_g`` (TL-Align's Table 8 "Normalization Disabled").
+        follow_drop: a sample whose branch stochastic depth dropped keeps its labels
+            (``TLAlign(drop_path="follow")``); ``False``: its labels mix anyway ("official").
+        class_attention_layer: the layer whose class-token attention row the targets read.
+        target: how the class target is formed (``TargetRule``).
+        area_weight: for ``target="attention"``: the weight of the image (area) weights.
+        token_targets: the per-token targets (``TokenTargetRule``); not ``"none"`` also makes
+            a label map's annotator maps (``TokenLabelMap.with_token_targets``) the token labels.
+        token_loss_weight: beta of the dense token loss.
+    """
+
+    align: frozenset[int] = frozenset()
+    normalize: bool = True
+    follow_drop: bool = True
+    class_attention_layer: int | None = None
+    target: TargetRule = "image"
+    area_weight: float = 0.5
+    token_targets: TokenTargetRule = "none"
+    token_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.area_weight <= 1.0:
+            raise ValueError(f"Rules area_weight must lie in [0, 1], got {self.area_weight}")
+        if self.target == "attention" and self.class_attention_layer is None:
+            raise ValueError("Rules target='attention' needs class_attention_layer (the layer whose attention it reads)")
+
+    # ------------------------------------------------------------------ which labels are carried
+    @property
+    def tracks_aligned(self) -> bool:
+        """Whether labels are carried through the layers (aligned, or read out aligned)."""
+        return bool(self.align) or self.target == "aligned" or self.token_targets == "aligned"
+
+    @property
+    def tracks_input(self) -> bool:
+        """Whether the input labels are carried (merged only) for unaligned token targets."""
+        return self.token_targets == "input"
+
+    @property
+    def uses_token_targets(self) -> bool:
+        """Whether a label map's dense annotator maps replace the area labels of the patch tokens."""
+        return self.token_targets != "none"
+
+    def wants_labels(self, layer: int) -> bool:
+        return layer in self.align
+
+    def wants_class_attention(self, layer: int) -> bool:
+        return layer == self.class_attention_layer
+
+    # ------------------------------------------------------------------ events
+    def residual(self, y: Tensor, mixed: Tensor, keep: Tensor | None) -> Tensor:
+        """Labels after a residual whose branch spatially mixed ``y`` into ``mixed``; ``keep`` ``(b,)`` bool."""
+        new = (y + mixed) / 2 if self.normalize else mixed
+        if keep is not None and self.follow_drop:  # a sample whose branch was dropped keeps its labels
+            new = torch.where(keep.view(-1, 1, 1), new, y)
+        return new
+
+    def merge(self, merged: Tensor) -> Tensor:
+        """Labels of merged tokens (the sums of the merged tokens' labels), renormalised."""
+        return normalise_rows(merged)
+
+    def readout(self, y: Tensor, how: Literal["token", "mean"], first: int) -> Tensor:
+        """The head's readout of labels ``(b, n, l) -> (b, l)``: token ``first`` or the mean of ``first:``."""
+        return normalise_rows(y[:, first] if how == "token" else y[:, first:].mean(dim=1))
+
+    def class_weights(self, row: Tensor, area: Tensor, num_prefix: int) -> Tensor:
+        """TransMix's ``lambda_attn``: the class token's row ``(b, n)`` over the patch tokens (renormalised)
+        summed over each source's (or class's) area ``(b, n_patches, l)``: ``(b, l)``."""
+        attn = row[:, num_prefix:]
+        attn = attn / attn.sum(dim=-1, keepdim=True)
+        return torch.einsum("bn,bnk->bk", attn, area)
+
+    def combine(self, image: Tensor, attention: Tensor) -> Tensor:
+        """``area_weight * image + (1 - area_weight) * attention`` (TransMix: the plain average)."""
+        if self.area_weight == 0.5:  # TransMix's own expression (equal in IEEE arithmetic; kept literal)
+            return (attention + image) / 2
+        return self.area_weight * image + (1.0 - self.area_weight) * attention

@@ -1,0 +1,203 @@
+"""The two trackers that apply a scheme's ``Rules``: compact (the fast path) and dense (the reference).
+
+- ``CompactTracker`` receives the adapters' events (``mixlabels._align``) and carries labels
+  as ``(b, n, k)`` fp32 source weights, expanded to classes only at the end (alignment is
+  linear), or as ``(b, n, c)`` classes when the label map carries annotator maps.
+- ``DenseTracker`` is the reference paths' tracker: dense ``(b, n, c)`` class distributions
+  in float64 and explicit ``(b|1, n, n)`` spatial-mix and ``(n', n)`` merge matrices, so a
+  fast path (compact labels, fused attention, convolutions, pooling) is tested against a
+  second implementation of the same rules, for any scheme.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from mixlabels._align import AlignedOutput, AlignedTargets, Readout, Scheme, TokenLayout, initial_weights
+from mixlabels._label_map import TokenLabelMap
+from mixlabels._rules import Rules, normalise_rows
+
+__all__ = ["CompactTracker", "DenseTracker"]
+
+
+def _fp32(device: torch.device) -> torch.autocast:
+    # Labels stay fp32 under autocast: einsum/matmul would otherwise run in bf16.
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _no_class_attention(rules: Rules) -> ValueError:
+    return ValueError(
+        f"this scheme's target reads the class token's attention in layer {rules.class_attention_layer}, "
+        "but the model reported none (no class token?); use TLAlign() or NoAlign() instead"
+    )
+
+
+class CompactTracker:
+    """A ``LabelTracker`` applying ``rules`` to compact labels (the fast path of every adapter)."""
+
+    def __init__(self, rules: Rules, label_map: TokenLabelMap, layout: TokenLayout) -> None:
+        self._rules = rules
+        self._lm = label_map
+        self._layout = layout
+        self._dense = rules.uses_token_targets and label_map.token_targets is not None
+        self._y: Tensor | None = None  # b n l, the aligned labels
+        self._static: Tensor | None = None  # b n l, unaligned labels for token targets
+        self._pending: Tensor | None = None  # b n l, labels of the residual branch in flight
+        self._class_weights: Tensor | None = None  # b k, the class-attention lambda
+        self._readout: tuple[Readout, int] = ("token" if layout.class_token else "mean", layout.num_prefix)
+        if rules.tracks_aligned or rules.tracks_input:
+            if self._dense:
+                tokens = label_map.mixed_token_targets(layout.grid)  # b n c
+                prefix = label_map.image_targets().unsqueeze(1).expand(-1, layout.num_prefix, -1)
+                y0 = torch.cat([prefix, tokens], dim=1)
+            else:
+                y0 = initial_weights(label_map, layout)  # b n k
+            self._y = y0 if rules.tracks_aligned else None
+            self._static = y0 if rules.tracks_input else None
+
+    # ------------------------------------------------------------------ events
+    def wants_labels(self, layer: int) -> bool:
+        return self._rules.wants_labels(layer)
+
+    def labels(self) -> Tensor:
+        if self._y is None:
+            raise RuntimeError("labels() called on a tracker that aligns no labels; check wants_labels() first")
+        return self._y
+
+    def spatial_mix(self, layer: int, mixed: Tensor) -> None:
+        self._pending = mixed.detach().float()
+
+    def wants_class_attention(self, layer: int) -> bool:
+        return self._rules.wants_class_attention(layer)
+
+    def class_attention(self, layer: int, weights: Tensor) -> None:
+        area = self._lm.token_weights(self._layout.grid)  # b n k
+        with _fp32(weights.device):
+            self._class_weights = self._rules.class_weights(weights.detach().float(), area, self._layout.num_prefix)
+
+    def residual(self, layer: int, keep: Tensor | None) -> None:
+        branch, self._pending = self._pending, None
+        if branch is None or self._y is None:
+            return  # channel mixing: Norm(Y + Y) = Y
+        self._y = self._rules.residual(self._y, branch, keep)
+
+    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
+        with _fp32(self._lm.device):
+            if self._y is not None:
+                self._y = self._rules.merge(merge(self._y).float())
+            if self._static is not None:
+                self._static = self._rules.merge(merge(self._static).float())
+
+    def pool(self, how: Readout, first: int) -> None:
+        self._readout = (how, first)
+
+    # ------------------------------------------------------------------ targets
+    def _expand(self, w: Tensor) -> Tensor:
+        return w if self._dense else self._lm.targets(w)
+
+    def finish(self) -> AlignedTargets:
+        with _fp32(self._lm.device):
+            return self._finish()
+
+    def _finish(self) -> AlignedTargets:
+        rules, image = self._rules, self._lm.image_weights  # b k
+        weights: Tensor | None
+        if rules.target == "attention":
+            if self._class_weights is None:
+                raise _no_class_attention(rules)
+            weights = rules.combine(image, self._class_weights)
+            target = self._lm.targets(weights)
+        elif rules.target == "aligned" and self._y is not None:
+            readout = rules.readout(self._y, *self._readout)  # b l
+            target = self._expand(readout)
+            weights = None if self._dense else readout
+        else:
+            weights = image
+            target = self._lm.targets(image)
+        token_target = None
+        if rules.token_targets != "none":
+            source = self._y if rules.token_targets == "aligned" else self._static
+            assert source is not None
+            token_target = self._expand(normalise_rows(source[:, self._layout.num_prefix :]))  # b n c
+        return AlignedTargets(target.detach(), weights, token_target, rules.token_loss_weight)
+
+
+class DenseTracker:
+    """The reference tracker: ``rules`` on dense ``(b, n, c)`` labels with explicit matrices.
+
+    Args:
+        rules: the scheme's rules for this batch (``scheme.rules(label_map, layout)``).
+        label_map: the batch's map.
+        layout: the token layout the labels start on (prefix tokens carry the image target).
+        dtype: of the labels; float64 keeps the reference far below the fast path's rounding.
+
+    Example:
+        >>> from mixlabels import TLAlign
+        >>> lm = TokenLabelMap.unmixed(torch.tensor([0, 1]), num_classes=2, image_size=(4, 4))
+        >>> t = DenseTracker.start(TLAlign(), lm, TokenLayout(grid=(2, 2), num_prefix=1, depth=1, class_token=True))
+        >>> t.mix(0, torch.full((5, 5), 0.2), keep=None)
+        >>> t.result(torch.zeros(2, 2), torch.zeros(2, 2), "token", None).target.tolist()
+        [[1.0, 0.0], [0.0, 1.0]]
+    """
+
+    def __init__(self, rules: Rules, label_map: TokenLabelMap, layout: TokenLayout, dtype: torch.dtype = torch.float64) -> None:
+        self.rules = rules
+        self.layout = layout
+        self.dtype = dtype
+        p, grid = layout.num_prefix, layout.grid
+        self.image_target = label_map.image_targets()  # b c
+        self.area = label_map.targets(label_map.token_weights(grid)).to(dtype)  # b n c, the patches' area labels
+        patches = self.area
+        if rules.uses_token_targets and label_map.token_targets is not None:
+            patches = label_map.mixed_token_targets(grid).to(dtype)
+        prefix = self.image_target.to(dtype).unsqueeze(1).expand(-1, p, -1)
+        self.y = torch.cat([prefix, patches], dim=1)  # b n c
+        self.static = self.y
+        self.class_row: Tensor | None = None
+
+    @classmethod
+    def start(cls, scheme: Scheme, label_map: TokenLabelMap, layout: TokenLayout, dtype: torch.dtype = torch.float64) -> DenseTracker:
+        """The reference tracker of any scheme for one batch."""
+        return cls(scheme.rules(label_map, layout), label_map, layout, dtype)
+
+    def mix(self, layer: int, matrix: Tensor, keep: Tensor | None) -> None:
+        """A residual branch whose spatial mix is ``matrix`` ``(b|1, n, n)`` (rows sum to 1)."""
+        if self.rules.wants_labels(layer):
+            self.y = self.rules.residual(self.y, matrix.to(self.dtype) @ self.y, keep)
+
+    def aggregate(self, matrix: Tensor) -> None:
+        """Tokens merged by the 0/1 (or weighted) matrix ``(n', n)``; rows renormalised."""
+        self.y = self.rules.merge(matrix.to(self.dtype) @ self.y)
+        self.static = self.rules.merge(matrix.to(self.dtype) @ self.static)
+
+    def wants_class_attention(self, layer: int) -> bool:
+        """Whether the rules read the class token's attention row at ``layer`` (``attend_class``)."""
+        return self.rules.wants_class_attention(layer)
+
+    def attend_class(self, row: Tensor) -> None:
+        """The head-mean attention row ``(b, n)`` of the class token in the rules' class-attention layer."""
+        self.class_row = row.detach().to(self.dtype)
+
+    def result(
+        self, output: Tensor | tuple[Tensor, ...], logits: Tensor, readout: Readout, token_logits: Tensor | None, first: int | None = None
+    ) -> AlignedOutput:
+        """The ``AlignedOutput`` for a ``"token"`` (token ``first``, default 0) or ``"mean"`` (tokens
+        ``first:``, default the patch tokens) readout."""
+        rules, p = self.rules, self.layout.num_prefix
+        first = (0 if readout == "token" else p) if first is None else first
+        image = self.image_target.to(self.dtype)
+        if rules.target == "attention":
+            if self.class_row is None:
+                raise _no_class_attention(rules)
+            target = rules.combine(image, rules.class_weights(self.class_row, self.area, p))
+        elif rules.target == "aligned":
+            target = rules.readout(self.y, readout, first)
+        else:
+            target = image
+        tokens = None
+        if rules.token_targets != "none":
+            tokens = normalise_rows((self.y if rules.token_targets == "aligned" else self.static)[:, p:]).float()
+        return AlignedOutput(output, logits, target.float().detach(), None, token_logits, tokens, rules.token_loss_weight)
