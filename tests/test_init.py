@@ -148,11 +148,11 @@ def test_run_files_from_before_the_new_fields_still_resume(tmp_path: Path) -> No
     del old["scheme"]["drop_path"], old["model"]["init"], old["model"]["pretrained"], old["init_sha256"], old["base"]
     assert keyed_dump(planned.run) == old
     (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / f"{planned.key}.json").write_text(json.dumps({"key": planned.key, "run": old, "result": {}}))
+    (tmp_path / "runs" / f"{planned.key}.json").write_text(json.dumps({"key": planned.key, "run": old, "result": {"top1": 50.0, "steps": 10}}))
     assert planned.key in ablation._read_done(tmp_path / "runs", [planned])
     other = json.loads(json.dumps(old))
     other["scheme"]["drop_path"] = "official"  # a file of another run is not taken for this one
-    (tmp_path / "runs" / f"{planned.key}.json").write_text(json.dumps({"key": planned.key, "run": other, "result": {}}))
+    (tmp_path / "runs" / f"{planned.key}.json").write_text(json.dumps({"key": planned.key, "run": other, "result": {"top1": 50.0, "steps": 10}}))
     assert planned.key not in ablation._read_done(tmp_path / "runs", [planned])
 
 
