@@ -59,6 +59,8 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
+from benchmarks._provenance import provenance
+
 STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference")
 BASELINE = "cutmix"
 LABELS = {
@@ -613,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "device": describe_device(args.device),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
+        "provenance": provenance(device=args.device),
     }
     if args.only in (None, "steps"):
         result["steps"] = measure_steps(args, progress)
