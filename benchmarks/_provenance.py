@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["provenance", "cpu_model"]
+__all__ = ["provenance", "finish", "cpu_model"]
 
 
 def cpu_model() -> str:
@@ -38,10 +38,7 @@ def provenance(command: list[str] | None = None, *, device: str = "cpu") -> dict
         device: the device the benchmark ran on; a CUDA device adds its name and CUDA's version.
     """
     argv = command if command is not None else ["python", _script(sys.argv[0]), *sys.argv[1:]]
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # not every platform has a load average
-        load = []
+    load = _load_average()
     gpu = None
     if device.startswith("cuda") and torch.cuda.is_available():
         gpu = f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
@@ -56,6 +53,23 @@ def provenance(command: list[str] | None = None, *, device: str = "cpu") -> dict
         "python": platform.python_version(),
         "load_average": load,
     }
+
+
+def finish(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (from ``provenance``) with the time the job ended and the load average then.
+
+    The load average at both ends tells whether other work shared the cores while timings were taken.
+    """
+    load = _load_average()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return {**record, "finished": now, "load_average_end": load}
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not every platform has a load average
+        return []
 
 
 def _script(path: str) -> str:

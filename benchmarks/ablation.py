@@ -77,7 +77,7 @@ from benchmarks._cifar_batches import TorchvisionCIFAR10, ensure_files, read_spl
 from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, run_key
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
-from benchmarks._provenance import provenance
+from benchmarks._provenance import finish, provenance
 from benchmarks._rows import ROW_IDS, Cell, MixerFlags, table_cells
 from benchmarks._token_labels import TokenLabelSource, annotate_split
 from mixlabels import NoAlignConfig, TokenLabelingConfig
@@ -580,8 +580,7 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         records = [{"table": cfg.table, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned,
                     "seed": p.seed, **done[p.key]} for p in planned]
         markdown = render_markdown(cfg, planned, records, teacher)
-        job["finished"] = provenance(device=str(shard.device))["date"]
-        job["data"] = str(source.folder if isinstance(source, TorchvisionCIFAR10) else source)
+        job = {**finish(job), "data": str(source.folder if isinstance(source, TorchvisionCIFAR10) else source)}
         write_outputs(out, cfg, planned, records, markdown, teacher, job)
         print()
         print(markdown, flush=True)

@@ -59,7 +59,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-from benchmarks._provenance import provenance
+from benchmarks._provenance import finish, provenance
 
 STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference")
 BASELINE = "cutmix"
@@ -621,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["steps"] = measure_steps(args, progress)
     if args.only in (None, "mixers"):
         result["mixers"] = measure_mixers(args, progress)
+    result["provenance"] = finish(result["provenance"])
     report = format_report(result)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)

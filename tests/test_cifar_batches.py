@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import ablation
+from benchmarks import ablation, report
 from benchmarks._archive import NAMED
 from benchmarks._cifar_batches import (
     BASE_FOLDER,
@@ -135,8 +135,8 @@ def test_ablation_falls_back_to_torchvision_files(tmp_path: Path) -> None:
     ])
     assert isinstance(ablation.locate_data(cfg), TorchvisionCIFAR10)
     assert ablation.default_out(cfg, ablation.locate_data(cfg)).name.startswith("table7-cifar10-torchvision-")
-    report = ablation.run_ablation(cfg)
-    assert (report.trained, report.skipped) == (2, 0)
+    first = ablation.run_ablation(cfg)
+    assert (first.trained, first.skipped) == (2, 0)
     results = json.loads((out / "results.json").read_text())
     assert {r["data_origin"] for r in results["runs"]} == {"torchvision-cifar10"}
     assert {r["result"]["evaluated"] for r in results["runs"]} == {8}
@@ -144,3 +144,8 @@ def test_ablation_falls_back_to_torchvision_files(tmp_path: Path) -> None:
     assert results["provenance"]["torch"] == torch.__version__ and results["provenance"]["cores"] >= 1
     again = ablation.run_ablation(cfg)  # resumes: the runs' records match their data
     assert (again.trained, again.skipped) == (0, 2)
+    # the job's output is what benchmarks/RESULTS.md is generated from
+    name, summary = report.summarize_ablation(out)
+    text = report.render_ablation(summary)
+    assert name == "table7" and "2 of 2 runs finished" in text and "Command: `python " in text
+    assert f"| × | ✓ | × | × | {results['runs'][0]['result']['top1']:.2f} |" in text
