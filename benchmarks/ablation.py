@@ -7,6 +7,12 @@ Run from the repository root::
     python benchmarks/ablation.py --data imagenette --model deit_small_patch16_224 --device cuda --epochs 100
     torchrun --nproc-per-node 8 benchmarks/ablation.py --data imagenette --device cuda ...   # DDP
 
+Data: ``--data cifar10`` (the default) reads the bundled ``cifar10-jpg.tar.gz`` from
+``--data-root`` (default ``<project>/../shared/data``); without it, CIFAR-10 in
+torchvision's format from ``<cache>/torchvision``, which torchvision downloads there
+once (announced first; ``--no-download`` forbids it). Runs on those files keep apart
+from the archive's (``<out>`` ends in ``cifar10-torchvision``; their records say so).
+
 Every cell of the table is trained and evaluated once per seed. Each finished
 run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
 run's whole configuration), so a rerun skips what is done and an interrupted job

@@ -6,6 +6,7 @@ Every measured figure of the project's documents comes from here, so none is typ
     python -m benchmarks.report --check                           # exit 1 when RESULTS.md is out of date
     python -m benchmarks.report --add-ablation runs/ablation/table7-cifar10-deit_tiny_patch16_224
     python -m benchmarks.report --add-speed runs/speed/speed-cpu-20261123-181500.json
+    python -m benchmarks.report --add-analysis runs/analysis-sharpened/analysis.json
 
 ``--add-ablation`` and ``--add-speed`` copy a trimmed summary of a benchmark's output
 (no checkpoints, no per-step arrays) into ``benchmarks/results/<section>.json`` and
@@ -35,7 +36,7 @@ from benchmarks._archive import REPO_ROOT
 from benchmarks._provenance import provenance
 
 __all__ = ["RESULTS_DIR", "RESULTS_MD", "SECTIONS", "render", "render_readme", "summarize_ablation", "summarize_speed",
-           "main"]
+           "summarize_analysis", "main"]
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 RESULTS_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
@@ -235,6 +236,56 @@ def summarize_speed(path: Path) -> tuple[str, dict[str, Any]]:
     return f"speed-{device}", summary
 
 
+# --------------------------------------------------------------------------------------------- analysis
+
+_SCHEME_NAMES = {"cutmix": "CutMix (area lambda)", "transmix": "TransMix", "token_labeling": "TokenLabeling (own area)",
+                 "tl_align": "TL-Align"}
+
+
+def summarize_analysis(path: Path) -> tuple[str, dict[str, Any]]:
+    """``(section name, summary)`` of an ``analysis.py`` JSON: the model, the per-block errors, the RMSEs."""
+    numbers = json.loads(path.read_text())
+    if "provenance" not in numbers:
+        raise ValueError(f"{path} has no provenance (written before analysis.py recorded it): run analysis.py again")
+    cfg = numbers["config"]
+    if not cfg.get("checkpoint") and cfg.get("sharpen", 1.0) == 1.0:
+        raise ValueError(f"{path} is a random-init run without --sharpen: its attention is nearly uniform, so it "
+                         "shows nothing RESULTS.md keeps; add a --sharpen S or a --checkpoint run")
+    name = "analysis-trained" if cfg.get("checkpoint") else "analysis-sharpened"
+    curves = numbers["per_block_sample0"]
+    summary = {"kind": "analysis", "provenance": numbers["provenance"], "config": cfg, "model": numbers["model"],
+               "initialisation": numbers["initialisation"], "grid": numbers["grid"],
+               "images": len(numbers["classes"]), "rmse": numbers["rmse"],
+               "mean_abs_error_vs_similarity": curves["mean_abs_error_vs_similarity"],
+               "rmse_by_size": [{k: v for k, v in b.items() if k in ("label", "kind", "rmse")}
+                                for b in numbers["rmse_by_size"]]}
+    return name, summary
+
+
+def render_analysis(summary: dict[str, Any]) -> str:
+    """Each scheme's mean |ratio - similarity ratio| per block, and the RMSE of CutMix vs TL-Align targets."""
+    errors: dict[str, list[float]] = summary["mean_abs_error_vs_similarity"]
+    blocks = len(next(iter(errors.values())))
+    model = summary["model"]
+    lines = [provenance_line(summary["provenance"]), "",
+             f"Model: {model.get('name')} ({summary['initialisation']}), {summary['images']} CutMix images, "
+             f"{summary['grid'][0]}x{summary['grid'][1]} tokens. Mean |mixing ratio - similarity ratio| over all "
+             "tokens and images (App. B Eq. 13's similarity ratio as the reference; lower is closer):", "",
+             "| scheme | " + " | ".join(f"after block {i}" for i in _picked(blocks)) + " |",
+             "| --- |" + " ---: |" * len(_picked(blocks))]
+    for scheme, values in errors.items():
+        lines.append(f"| {_SCHEME_NAMES.get(scheme, scheme)} | " + " | ".join(
+            f"{values[i - 1]:.3f}" for i in _picked(blocks)) + " |")
+    lines += ["", "RMSE between the CutMix and TL-Align targets (Fig. 3):", "", "| model | RMSE |", "| --- | ---: |"]
+    lines += [f"| {b['label']} | {b['rmse']:.4f} |" for b in summary["rmse_by_size"]]
+    return "\n".join(lines)
+
+
+def _picked(blocks: int) -> list[int]:
+    """Block numbers shown: the first, a few in between, the last."""
+    return sorted({1, max(1, blocks // 4), max(1, blocks // 2), max(1, 3 * blocks // 4), blocks})
+
+
 # ---------------------------------------------------------------------------------------------- sections
 
 
@@ -273,6 +324,16 @@ SECTIONS: tuple[Section, ...] = (
     Section("speed-cpu", "Mixer cost (CPU)", _SPEED_CPU,
             "Every mixer builds its `TokenLabelMap` and image targets; timm, kornia and torchvision mixers for "
             "comparison.", _mixers_or_missing),
+    Section("analysis-sharpened", "Analysis: do the aligned labels follow the mixing? (random init, sharpened)",
+            "python benchmarks/analysis.py --sharpen 30 --out runs/analysis-sharpened",
+            "A random-init DeiT-S-like model whose attention logits are multiplied by 30, standing in for the peaked "
+            "attention of a trained model (it is not one). The pictures (`label_maps.png`, `mixing_ratio.png`, "
+            "`rmse_by_size.png`) are written next to `analysis.json` and are not kept here.", render_analysis),
+    Section("analysis-trained", "Analysis of trained models",
+            "python benchmarks/ablation.py --rows cutmix --seeds 0 --save-checkpoints --out runs/ablation/size-d64 && "
+            "python benchmarks/analysis.py --data cifar10 --checkpoint runs/ablation/size-d64/checkpoints/<key>.pth",
+            "The same measures on a model the ablation trained (`--save-checkpoints`; the analysis reads the run file "
+            "next to the checkpoint for its head count).", render_analysis),
     Section("speed-cuda", "Training-step cost of alignment (GPU)",
             "python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128",
             "The paper's Table 2 setting (DeiT-S, batch 128, bf16).", _steps_or_missing),
@@ -291,7 +352,9 @@ def _load(results_dir: Path) -> dict[str, dict[str, Any]]:
 def _section_body(section: Section, found: dict[str, dict[str, Any]]) -> str:
     if section.name in found:
         return section.render(found[section.name])
-    add = "--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else "--add-ablation <its output dir>"
+    add = ("--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else
+           "--add-analysis <its out dir>/analysis.json" if section.name.startswith("analysis")
+           else "--add-ablation <its output dir>")
     return f"Not measured for this version. Run `{section.command}`, then `python -m benchmarks.report {add}`."
 
 
@@ -335,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 when RESULTS.md differs from what the summaries give")
     p.add_argument("--add-ablation", type=Path, metavar="DIR", help="an ablation output directory (--out)")
     p.add_argument("--add-speed", type=Path, metavar="FILE", help="a speed.py JSON (runs/speed/speed-<device>-*.json)")
+    p.add_argument("--add-analysis", type=Path, metavar="FILE", help="an analysis.py JSON (<out>/analysis.json)")
     p.add_argument("--command", help="--add-ablation: the command that ran it, when its output does not record it")
     p.add_argument("--same-machine", action="store_true",
                    help="--add-ablation of output without provenance: this machine ran it (take cores, CPU, torch here)")
@@ -348,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             added.append(summarize_ablation(args.add_ablation, command=args.command, same_machine=args.same_machine))
         if args.add_speed is not None:
             added.append(summarize_speed(args.add_speed))
+        if args.add_analysis is not None:
+            added.append(summarize_analysis(args.add_analysis))
         for name, summary in added:
             args.results_dir.mkdir(parents=True, exist_ok=True)
             (args.results_dir / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -113,3 +113,22 @@ def test_a_summary_no_section_shows_is_refused(tmp_path: Path) -> None:
     (tmp_path / "table9.json").write_text("{}")
     with pytest.raises(ValueError, match="table9.*the sections are table7"):
         report.render(tmp_path)
+
+
+def test_add_analysis_keeps_the_errors_and_the_rmse(tmp_path: Path) -> None:
+    errors = {"cutmix": [0.1, 0.2, 0.3, 0.4], "tl_align": [0.05, 0.1, 0.15, 0.2]}
+    numbers = {"config": {"sharpen": 30.0, "checkpoint": None}, "model": {"name": "deit_small_patch16_224"},
+               "initialisation": "random init", "grid": [14, 14], "classes": ["a", "b"], "rmse": 0.25,
+               "per_block_sample0": {"mean_abs_error_vs_similarity": errors, "class_token": {"cutmix": [0.5] * 4}},
+               "rmse_by_size": [{"label": "tiny-like", "kind": "size", "rmse": 0.125, "dim": 192}],
+               "provenance": PROVENANCE}
+    (tmp_path / "analysis.json").write_text(json.dumps(numbers))
+    name, summary = report.summarize_analysis(tmp_path / "analysis.json")
+    assert name == "analysis-sharpened" and "class_token" not in json.dumps(summary)
+    text = report.render_analysis(summary)
+    assert "| scheme | after block 1 | after block 2 | after block 3 | after block 4 |" in text
+    assert "| TL-Align | 0.050 | 0.100 | 0.150 | 0.200 |" in text and "| tiny-like | 0.1250 |" in text
+    numbers["config"]["sharpen"] = 1.0
+    (tmp_path / "analysis.json").write_text(json.dumps(numbers))
+    with pytest.raises(ValueError, match="--sharpen"):
+        report.summarize_analysis(tmp_path / "analysis.json")
