@@ -75,8 +75,13 @@ def provenance_line(p: dict[str, Any]) -> str:
     extra = (f"; load average {load[0]:.2f} at the start" if load else "") + (
         f"{',' if load else '; load average'} {end[0]:.2f} at the end" if end else "")
     recorded = f" ({p['recorded']})" if p.get("recorded") else ""
+    busy = max([*(load or [0.0])[:1], *(end or [0.0])[:1]])
+    if busy > float(p.get("cores") or 1):
+        recorded += (". The load average exceeded the core count: other work shared the cores, so times are slower "
+                     "and noisier than on an idle machine (allocator figures are not affected)")
     return (f"Command: `{p.get('command', 'unknown')}`  \n"
-            f"Date: {_when(p)}{' to ' + str(p['finished']) if p.get('finished') else ''}; machine: {machine}; torch {p.get('torch', '?')}{extra}{recorded}")
+            f"Date: {_when(p)}{' to ' + str(p['finished']) if p.get('finished') else ''}; machine: {machine}; "
+            f"torch {p.get('torch', '?')}{extra}{recorded}")
 
 
 # --------------------------------------------------------------------------------------------- ablation
