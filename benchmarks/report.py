@@ -78,7 +78,7 @@ def provenance_line(p: dict[str, Any]) -> str:
     busy = max([*(load or [0.0])[:1], *(end or [0.0])[:1]])
     if busy > float(p.get("cores") or 1):
         recorded += (". The load average exceeded the core count: other work shared the cores, so times are slower "
-                     "and noisier than on an idle machine (allocator figures are not affected)")
+                     "and noisier than on an idle machine")
     return (f"Command: `{p.get('command', 'unknown')}`  \n"
             f"Date: {_when(p)}{' to ' + str(p['finished']) if p.get('finished') else ''}; machine: {machine}; "
             f"torch {p.get('torch', '?')}{extra}{recorded}")
@@ -281,7 +281,11 @@ def render_analysis(summary: dict[str, Any]) -> str:
     for scheme, values in errors.items():
         lines.append(f"| {_SCHEME_NAMES.get(scheme, scheme)} | " + " | ".join(
             f"{values[i - 1]:.3f}" for i in _picked(blocks)) + " |")
-    lines += ["", "RMSE between the CutMix and TL-Align targets (Fig. 3):", "", "| model | RMSE |", "| --- | ---: |"]
+    cfg = summary["config"]
+    sizes = (f"; the widths: depth {cfg['size_depth']}, {cfg['size_img']} px, patch {cfg['size_patch']}, initialised "
+             "like the analysed model" if not cfg.get("size_checkpoints") and "size_depth" in cfg else "")
+    lines += ["", f"RMSE between the CutMix and TL-Align targets (Fig. 3){sizes}:", "", "| model | RMSE |",
+              "| --- | ---: |"]
     lines += [f"| {b['label']} | {b['rmse']:.4f} |" for b in summary["rmse_by_size"]]
     return "\n".join(lines)
 
