@@ -236,6 +236,10 @@ class AblationConfig(Config[None]):
         str | None, Field(description="directory holding the named archives (default <project>/../shared/data)")
     ] = None
     cache_dir: Annotated[str | None, Field(description="extraction cache (default $MIXLABELS_CACHE or ~/.cache/mixlabels)")] = None
+    download: Annotated[
+        bool,
+        Field(description="cifar10 without the bundled archive: torchvision may download CIFAR-10 into the cache"),
+    ] = True
     workers: Annotated[int, Field(ge=0, description="folder loader: DataLoader workers per rank")] = 4
     threads: Annotated[
         int | None, Field(ge=1, description="torch threads per rank (default: the idle cores, from the load average)")

@@ -10,6 +10,12 @@ Run from the repository root::
     python benchmarks/ablation.py --profile finetune --seeds 0-9   # base model on Imagenette at 32 px, once,
                                                         # then every cell fine-tuned from it on CIFAR-10
 
+Data: ``--data cifar10`` (the default) reads the bundled ``cifar10-jpg.tar.gz`` from
+``--data-root`` (default ``<project>/../shared/data``); without it, CIFAR-10 in
+torchvision's format from ``<cache>/torchvision``, which torchvision downloads there
+once (announced first; ``--no-download`` forbids it). Runs on those files keep apart
+from the archive's (``<out>`` ends in ``cifar10-torchvision``; their records say so).
+
 Every cell of the table is trained and evaluated once per seed. Each finished
 run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
 run's whole configuration), so a rerun skips what is done and an interrupted job
@@ -69,8 +75,10 @@ import torch
 from torch import Tensor
 
 from benchmarks._archive import (
+    NAMED,
     REPO_ROOT,
     cache_root,
+    default_data_root,
     eval_split,
     extract,
     resolve_source,
@@ -78,10 +86,12 @@ from benchmarks._archive import (
     train_split,
 )
 from benchmarks._archive import TensorSplit
+from benchmarks._cifar_batches import TorchvisionCIFAR10, ensure_files, read_split
 from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, keyed_dump, run_key
 from benchmarks._init import PretrainedUnavailable, file_digest
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
+from benchmarks._provenance import finish, provenance
 from benchmarks._rows import EXTENSION_ROWS, ROW_IDS, Cell, MixerFlags, row_ids, table_cells
 from benchmarks._stats import NO_DIFFERENCE, PairedDelta, paired_delta
 from benchmarks._token_labels import TokenLabelSource, annotate_split
@@ -157,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, help="bf16 autocast (default: on for cuda)")
     p.add_argument("--out", help="output directory (default runs/ablation/table<N>-<data>-<model>)")
     p.add_argument("--cache-dir", help="data cache (default $MIXLABELS_CACHE or ~/.cache/mixlabels)")
+    p.add_argument("--download", action=argparse.BooleanOptionalAction,
+                   help="cifar10 without the bundled archive: let torchvision download CIFAR-10 into the cache "
+                   "(default: yes)")
     p.add_argument("--workers", type=int, help="folder loader: DataLoader workers per rank")
     p.add_argument("--threads", type=int, help="torch threads per rank")
     p.add_argument("--eval-batch-size", type=int)
@@ -279,12 +292,39 @@ def resolve_config(argv: Sequence[str] | None = None) -> tuple[AblationConfig, b
     return AblationConfig.model_validate(tree), bool(args.get("dry_run", False))
 
 
-def default_out(cfg: AblationConfig) -> Path:
-    """``runs/ablation/table<N>-<data>-<model>`` (``tokenlabel-<data>-<model>``) under the repository root."""
+def default_out(cfg: AblationConfig, source: Path | TorchvisionCIFAR10 | None = None) -> Path:
+    """``runs/ablation/table<N>-<data>-<model>`` (``tokenlabel-<data>-<model>``) under the repository root.
+
+    CIFAR-10 from torchvision's files is ``cifar10-torchvision``: other pixels (PNG-exact, not JPEG) and
+    another image order than the bundled archive, so its runs are kept apart.
+    """
     data = cfg.data.source if cfg.data.source in ("cifar10", "imagenette") else Path(cfg.data.source).name.split(".")[0]
+    if isinstance(source, TorchvisionCIFAR10):
+        data += "-torchvision"
     table = "tokenlabel" if cfg.table == "tokenlabel" else f"table{cfg.table}"
     profile = "-finetune" if cfg.profile == "finetune" else ""
     return REPO_ROOT / "runs" / "ablation" / f"{table}-{data}-{cfg.model.name}{profile}"
+
+
+def locate_data(cfg: AblationConfig) -> Path | TorchvisionCIFAR10:
+    """The configured data: the bundled archive or a path; ``cifar10`` without its archive is torchvision's CIFAR-10.
+
+    Nothing is downloaded here (``ensure_files`` does that); the torchvision files may not exist yet.
+
+    Raises:
+        FileNotFoundError: a named archive other than cifar10, or a path, that does not exist.
+    """
+    if cfg.data.source == "cifar10":
+        root = Path(cfg.data_root).expanduser().resolve() if cfg.data_root is not None else default_data_root()
+        archive = root / NAMED["cifar10"]
+        if not archive.exists():
+            return TorchvisionCIFAR10(root=cache_root(cfg.cache_dir) / "torchvision", archive=archive)
+    return resolve_source(cfg.data.source, cfg.data_root)
+
+
+def data_origin(source: Path | TorchvisionCIFAR10) -> str | None:
+    """What a run record says about its data beyond the config: None for an archive or a path (as before)."""
+    return "torchvision-cifar10" if isinstance(source, TorchvisionCIFAR10) else None
 
 
 # ------------------------------------------------------------------------------------------------- plan
@@ -412,18 +452,28 @@ class Data:
     train_indices: Tensor | None = None  # the training subset's split indices
 
 
-def load_data(cfg: AblationConfig, shard: Shard) -> Data:
-    """Open (decode or extract once) the configured data and shard it for this rank."""
+def load_data(cfg: AblationConfig, shard: Shard, source: Path | TorchvisionCIFAR10 | None = None) -> Data:
+    """Open (decode or extract once) the configured data and shard it for this rank.
+
+    ``source`` is ``locate_data(cfg)`` (looked up when not given); torchvision's CIFAR-10 files must be on disk.
+    """
     from timm.data.random_erasing import RandomErasing
     from timm.data.transforms_factory import create_transform
 
     d, r = cfg.data, cfg.recipe
-    source = resolve_source(d.source, cfg.data_root)
+    source = locate_data(cfg) if source is None else source
     root = cache_root(cfg.cache_dir)
-    train_name, test_name = train_split(source, root), eval_split(source, root)
+    if isinstance(source, TorchvisionCIFAR10) and d.loader != "tensor":
+        raise ValueError(f"{source.name} is read as tensors only: pass --loader tensor (the default for cifar10), "
+                         f"or put the bundled archive {source.archive.name} in {source.archive.parent}")
     if d.loader == "tensor":
-        train_split_ = tensor_cache(source, train_name, d.img_size, root)
-        test_split_ = tensor_cache(source, test_name, d.img_size, root)
+        if isinstance(source, TorchvisionCIFAR10):
+            train_split_, test_split_ = read_split(source, "train", d.img_size), read_split(source, "test", d.img_size)
+            test_name = "test"
+        else:
+            train_name, test_name = train_split(source, root), eval_split(source, root)
+            train_split_ = tensor_cache(source, train_name, d.img_size, root)
+            test_split_ = tensor_cache(source, test_name, d.img_size, root)
         if train_split_.classes != test_split_.classes:
             raise ValueError(f"{source}: the train and {test_name} splits have different classes")
         train_idx = subset_indices(len(train_split_.labels), d.subset)
@@ -441,6 +491,8 @@ def load_data(cfg: AblationConfig, shard: Shard) -> Data:
         make_train: Callable[[int], Batches] = make_tensor_train
         decoded: tuple[TensorSplit, Tensor] | None = (train_split_, train_idx)
     else:
+        assert not isinstance(source, TorchvisionCIFAR10)  # refused above
+        train_name, test_name = train_split(source, root), eval_split(source, root)
         folder = extract(source, root)
         classes = sorted(p.name for p in (folder / train_name).iterdir() if p.is_dir())
         n_train, n_test = _count_images(folder / train_name), _count_images(folder / test_name)
@@ -493,8 +545,8 @@ class Report:
     markdown: str
 
 
-def _read_done(runs_dir: Path, planned: Sequence[Planned]) -> dict[str, dict[str, Any]]:
-    """The finished run files among the planned keys; a file that does not match its config is ignored."""
+def _read_done(runs_dir: Path, planned: Sequence[Planned], origin: str | None = None) -> dict[str, dict[str, Any]]:
+    """The finished run files among the planned keys; a file that does not match its config or data is ignored."""
     done: dict[str, dict[str, Any]] = {}
     for p in planned:
         path = runs_dir / f"{p.key}.json"
@@ -510,7 +562,8 @@ def _read_done(runs_dir: Path, planned: Sequence[Planned]) -> dict[str, dict[str
             warnings.warn(f"run file {path} {why}; treating {p.name} as not done: it is retrained and the file replaced", stacklevel=2)
             continue
         run = record.get("run")
-        if record.get("key") == p.key and isinstance(run, dict) and keyed_dump(run) == keyed_dump(p.run):
+        if (record.get("key") == p.key and isinstance(run, dict) and keyed_dump(run) == keyed_dump(p.run)
+                and record.get("data_origin") == origin):
             done[p.key] = record
     return done
 
@@ -547,7 +600,10 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         threads = cfg.threads or _free_cores(shard)
         torch.set_num_threads(threads)
         lead = shard.rank == 0
-        out = Path(cfg.out).expanduser().resolve() if cfg.out else default_out(cfg)
+        source = locate_data(cfg)  # a missing archive or path fails now, also in a dry run
+        origin = data_origin(source)
+        out = Path(cfg.out).expanduser().resolve() if cfg.out else default_out(cfg, source)
+        job = provenance(device=str(shard.device))
         if cfg.recipe.batch_size < shard.world:
             raise ValueError(f"--batch-size {cfg.recipe.batch_size} is smaller than the number of ranks "
                              f"({shard.world}): every rank needs at least 2 images to mix")
@@ -556,14 +612,23 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
                   f"{threads} torch thread{'s' if threads > 1 else ''} per rank):")
             print(cfg.model_dump_json(indent=2))
             print(f"output: {out}", flush=True)
-        resolve_source(cfg.data.source, cfg.data_root)  # a missing archive fails now, also in a dry run
-        data = load_data(cfg, shard) if not dry_run else None
+        if isinstance(source, TorchvisionCIFAR10):
+            if lead:
+                print(f"data: {source.name} (the bundled archive {source.archive} was not found)", flush=True)
+                if not dry_run or not cfg.download:  # a dry run downloads nothing, but fails where a run would
+                    ensure_files(source, allow_download=cfg.download and not dry_run)
+                elif source.missing():
+                    print(f"  a run downloads it with torchvision into {source.root} first", flush=True)
+            barrier()
+            if not dry_run and source.missing():  # another rank downloaded onto a disk this rank does not see
+                raise FileNotFoundError(f"{source.folder} lacks {', '.join(source.missing())} on rank {shard.rank}")
+        data = load_data(cfg, shard, source) if not dry_run else None
         num_classes = data.num_classes if data else _peek_classes(cfg)
         planned = plan(cfg, num_classes, shard.device.type)
         if data is not None and (cfg.model.init is not None or cfg.model.pretrained):
             cfg.model.initialised(num_classes)  # a checkpoint that does not fit fails now, not after the first run
         # rank 0 alone reads the run files: every rank takes the same decision even on node-local disks
-        done = broadcast_from_zero(_read_done(out / "runs", planned) if lead else {})
+        done = broadcast_from_zero(_read_done(out / "runs", planned, origin) if lead else {})
         ckpt_dir = out / "checkpoints"
         todo = [p for p in planned
                 if p.key not in done or (cfg.save_checkpoints and not (ckpt_dir / f"{p.key}.pth").is_file())]
@@ -584,21 +649,24 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         if cfg.profile == "finetune":
             base, base_ckpt = prepare_base(cfg, planned, num_classes, shard, out, progress=progress, needed=bool(todo))
         teacher: dict[str, Any] | None = None
-        source: TokenLabelSource | None = None
+        labels_source: TokenLabelSource | None = None
         if any(p.run.annotator is not None for p in planned):
-            teacher, source = prepare_annotator(cfg, planned, data, shard, out, progress=progress,
-                                                needed=any(p.run.annotator is not None for p in todo))
+            teacher, labels_source = prepare_annotator(cfg, planned, data, shard, out, progress=progress,
+                                                       needed=any(p.run.annotator is not None for p in todo),
+                                                       origin=origin)
         overall = tqdm(total=len(todo), desc=f"table {cfg.table}", disable=not progress, position=0, dynamic_ncols=True)
         for i, p in enumerate(todo):
             labels = None
-            if p.run.annotator is not None and source is not None and isinstance(p.run.scheme, TokenLabelingConfig):
-                labels = replace(source, fill=p.run.annotator.fill)
+            if (p.run.annotator is not None and labels_source is not None
+                    and isinstance(p.run.scheme, TokenLabelingConfig)):
+                labels = replace(labels_source, fill=p.run.annotator.fill)
             result = train_and_evaluate(p.run, data.make_train(p.seed), data.test, shard, num_classes=data.num_classes,
                                         progress=progress, desc=p.name, token_labels=labels, init=base_ckpt,
                                         checkpoint=ckpt_dir / f"{p.key}.pth" if cfg.save_checkpoints else None)
             if lead:
                 record = {"key": p.key, "run": p.run.model_dump(mode="json"), "result": asdict(result),
-                          "world": shard.world, "device": str(shard.device), "finished": time.time()}
+                          "world": shard.world, "device": str(shard.device), "finished": time.time(),
+                          "data_origin": origin}
                 write_atomic(out / "runs" / f"{p.key}.json", json.dumps(record, indent=1))
                 done[p.key] = record
                 tqdm.write(f"[{i + 1}/{len(todo)}] {p.name}: top-1 {result.top1:.2f}% "
@@ -611,7 +679,8 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         records = [{"table": cfg.table, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned,
                     "seed": p.seed, **done[p.key]} for p in planned]
         markdown = render_markdown(cfg, planned, records, teacher, base)
-        write_outputs(out, cfg, planned, records, markdown, teacher, base)
+        job = {**finish(job), "data": str(source.folder if isinstance(source, TorchvisionCIFAR10) else source)}
+        write_outputs(out, cfg, planned, records, markdown, teacher, base, job)
         print()
         print(markdown, flush=True)
         print(f"written: {out / 'table.md'}, runs.csv, deltas.csv, results.json, table.png")
@@ -682,6 +751,7 @@ def prepare_annotator(
     *,
     progress: bool,
     needed: bool,
+    origin: str | None = None,
 ) -> tuple[dict[str, Any], TokenLabelSource | None]:
     """Train the teacher (unless done), score the training images with it (resumable), open the maps.
 
@@ -699,14 +769,14 @@ def prepare_annotator(
     annotator = next(p.run.annotator for p in planned if p.run.annotator is not None)
     assert annotator is not None
     ckpt = out / "annotator" / f"teacher-{teacher.key}.pth"
-    found = _read_done(out / "runs", [teacher]) if lead else {}
+    found = _read_done(out / "runs", [teacher], origin) if lead else {}
     done = broadcast_from_zero(found if ckpt.is_file() else {})
     if teacher.key not in done:
         result = train_and_evaluate(teacher.run, data.make_train(teacher.seed), data.test, shard,
                                     num_classes=data.num_classes, progress=progress, desc="teacher (annotator)",
                                     checkpoint=ckpt)
         record = {"key": teacher.key, "run": teacher.run.model_dump(mode="json"), "result": asdict(result),
-                  "world": shard.world, "device": str(shard.device), "finished": time.time()}
+                  "world": shard.world, "device": str(shard.device), "finished": time.time(), "data_origin": origin}
         if lead:
             write_atomic(out / "runs" / f"{teacher.key}.json", json.dumps(record, indent=1))
             print(f"teacher (annotator): top-1 {result.top1:.2f}% ({result.steps} steps, {result.train_seconds:.0f} s)",
@@ -892,8 +962,13 @@ _DELTA_FIELDS = ("table", "row", "label", "against", "n", "mean", "ci_low", "ci_
 
 
 def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], records: Sequence[dict[str, Any]],
-                  markdown: str, teacher: dict[str, Any] | None = None, base: dict[str, Any] | None = None) -> None:
-    """``table.md``, ``runs.csv``, ``deltas.csv``, ``results.json`` and ``table.png`` in ``out``, each atomically."""
+                  markdown: str, teacher: dict[str, Any] | None = None, base: dict[str, Any] | None = None,
+                  job: dict[str, Any] | None = None) -> None:
+    """``table.md``, ``runs.csv``, ``deltas.csv``, ``results.json`` and ``table.png`` in ``out``, each atomically.
+
+    ``job`` is the job's provenance (``benchmarks._provenance``: date, command, machine, torch), kept in
+    ``results.json`` for ``python -m benchmarks.report``.
+    """
     write_atomic(out / "table.md", markdown)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=_CSV_FIELDS)
@@ -914,7 +989,7 @@ def write_outputs(out: Path, cfg: AblationConfig, planned: Sequence[Planned], re
     writer.writerows({"table": cfg.table, **d} for d in deltas)
     write_atomic(out / "deltas.csv", buf.getvalue())
     results = {"config": cfg.model_dump(mode="json"), "table": markdown, "runs": list(records), "deltas": deltas,
-               "annotator": teacher, "base": base}
+               "annotator": teacher, "base": base, "provenance": job}
     write_atomic(out / "results.json", json.dumps(results, indent=1))
     plot(out / "table.png", cfg, planned, records)
 

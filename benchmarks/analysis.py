@@ -58,6 +58,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from benchmarks._provenance import finish, provenance
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMED = {"cifar10": "cifar10-jpg.tar.gz", "imagenette": "imagenette2-224-jpg.tar.gz"}
 IMAGE_EXT = (".jpg", ".jpeg", ".png")
@@ -506,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from mixlabels.analysis import analyse
 
     start = time.perf_counter()
+    job = provenance()
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -571,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "rmse_by_size": [b | {"label": b["label"].replace("\n", " ")} for b in bars],
         "pictures": {name: str(out / f"{name}.png") for name in ("label_maps", "mixing_ratio", "rmse_by_size")},
         "seconds": time.perf_counter() - start,
+        "provenance": finish(job),
     }
     (out / "analysis.json").write_text(json.dumps(numbers, indent=2))
     summary = ", ".join(f"{b['label'].splitlines()[0]} {b['rmse']:.4f}" for b in bars)

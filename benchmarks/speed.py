@@ -59,6 +59,8 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
+from benchmarks._provenance import finish, provenance
+
 STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference")
 BASELINE = "cutmix"
 LABELS = {
@@ -619,11 +621,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "device": describe_device(args.device),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
+        "provenance": provenance(device=args.device),
     }
     if args.only in (None, "steps"):
         result["steps"] = measure_steps(args, progress)
     if args.only in (None, "mixers"):
         result["mixers"] = measure_mixers(args, progress)
+    result["provenance"] = finish(result["provenance"])
     report = format_report(result)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -117,9 +117,12 @@ def test_bad_inputs_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert ablation.main(["--rows", "cutmix,bogus", "--dry-run", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "bogus" in err and "mixup+cutmix" in err  # names the bad id and the valid ones
-    assert ablation.main(["--data-root", str(tmp_path / "nowhere"), "--dry-run", "--out", str(tmp_path)]) == 2
+    # neither the bundled archive nor torchvision's files, and no download allowed: both ways are named
+    assert ablation.main(["--data-root", str(tmp_path / "nowhere"), "--cache-dir", str(tmp_path / "cache"),
+                          "--no-download", "--dry-run", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "nowhere" / NAMED["cifar10"]) in err and "--data-root" in err
+    assert str(tmp_path / "cache" / "torchvision") in err and "network" in err
     with pytest.raises(ValueError, match="too small for 4 ranks"):
         _per_rank(6, 4)
     with pytest.raises(ValueError, match="divisible"):

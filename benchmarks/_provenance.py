@@ -1,0 +1,78 @@
+"""What produced a result: when, on which machine, with which torch, by which command.
+
+Every benchmark writes this next to its figures (``"provenance"`` in its JSON), so a
+table generated from the JSON (``python -m benchmarks.report``) can say where its
+numbers come from without anyone typing it by hand.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["provenance", "finish", "cpu_model"]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux: platform's answer is the best there is
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def provenance(command: list[str] | None = None, *, device: str = "cpu") -> dict[str, Any]:
+    """Date (UTC), command, machine (cores, CPU model, GPU), torch and Python versions, load average.
+
+    Args:
+        command: the command line (default: ``sys.argv`` with the script's path shortened to its name).
+        device: the device the benchmark ran on; a CUDA device adds its name and CUDA's version.
+    """
+    argv = command if command is not None else ["python", _script(sys.argv[0]), *sys.argv[1:]]
+    load = _load_average()
+    gpu = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        gpu = f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(argv),
+        "cores": os.cpu_count(),
+        "cpu": cpu_model(),
+        "gpu": gpu,
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average": load,
+    }
+
+
+def finish(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (from ``provenance``) with the time the job ended and the load average then.
+
+    The load average at both ends tells whether other work shared the cores while timings were taken.
+    """
+    load = _load_average()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return {**record, "finished": now, "load_average_end": load}
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not every platform has a load average
+        return []
+
+
+def _script(path: str) -> str:
+    """``benchmarks/speed.py`` for a script under the repository, else the path as given."""
+    p = Path(path)
+    return f"benchmarks/{p.name}" if p.parent.name == "benchmarks" else path

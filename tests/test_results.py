@@ -1,0 +1,136 @@
+"""benchmarks/RESULTS.md is generated from benchmarks/results/*.json, and each table says where it comes from."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from benchmarks import ablation, report
+from benchmarks._config import AblationConfig
+
+TINY = ["--rows", "cutmix", "--seeds", "0,1", "--embed-dim", "16", "--depth", "2", "--heads", "2", "--max-steps", "2"]
+PROVENANCE = {"date": "2030-01-02 03:04 UTC", "command": "python benchmarks/ablation.py --rows cutmix", "cores": 7,
+              "cpu": "Test CPU 9000", "gpu": None, "device": "cpu", "torch": "9.9.9", "python": "3.11.0",
+              "load_average": [0.5, 0.4, 0.3]}
+
+
+def test_results_md_is_generated_from_the_summaries() -> None:
+    assert report.RESULTS_MD.read_text() == report.render(), (
+        "benchmarks/RESULTS.md is out of date: run python -m benchmarks.report"
+    )
+    assert report.main(["--check"]) == 0
+
+
+def test_every_committed_summary_states_command_date_machine_and_torch() -> None:
+    summaries = sorted(report.RESULTS_DIR.glob("*.json"))
+    assert summaries, "benchmarks/results/ holds no summary"
+    for path in summaries:
+        prov = json.loads(path.read_text())["provenance"]
+        for field in ("command", "date", "cores", "cpu", "torch"):
+            assert prov.get(field), f"{path.name}: provenance lacks {field}"
+        assert f"Command: `{prov['command']}`" in report.RESULTS_MD.read_text()
+
+
+def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float]) -> AblationConfig:
+    """An ablation output directory as a finished job leaves it (results.json), with the given top-1 per run."""
+    cfg, _ = ablation.resolve_config([*TINY, "--out", str(out)])
+    records = []
+    for p in ablation.plan(cfg, 10, "cpu"):
+        result = {"top1": top1[(p.cell.aligned, p.seed)], "correct": 1, "evaluated": 64, "train_loss": 2.0, "steps": 2,
+                  "train_seconds": 30.0, "eval_seconds": 1.0, "images_per_second": 9.0}
+        records.append({"table": 7, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned,
+                        "seed": p.seed, "key": p.key, "run": p.run.model_dump(mode="json"), "result": result,
+                        "world": 1, "device": "cpu", "finished": 1.9e9, "data_origin": None})
+    out.mkdir(parents=True)
+    (out / "results.json").write_text(json.dumps({"config": cfg.model_dump(mode="json"), "runs": records,
+                                                  "annotator": None, "provenance": PROVENANCE}))
+    return cfg
+
+
+def test_add_ablation_renders_the_runs_with_their_provenance(tmp_path: Path) -> None:
+    top1 = {(False, 0): 20.0, (False, 1): 23.0, (True, 0): 21.0, (True, 1): 25.0}
+    _fake_ablation(tmp_path / "out", top1)
+    results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
+    readme.write_text(report.README.read_text())
+    paths = ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
+    assert report.main(["--add-ablation", str(tmp_path / "out"), *paths]) == 0
+    summary = json.loads((results / "table7.json").read_text())
+    assert "run" not in summary["runs"][0]  # trimmed: the full run configs stay in the job's own output
+    text = md.read_text()
+    base = f"{statistics.fmean([20.0, 23.0]):.2f} ± {statistics.stdev([20.0, 23.0]):.2f}"
+    aligned = f"{statistics.fmean([21.0, 25.0]):.2f} ± {statistics.stdev([21.0, 25.0]):.2f}"
+    # the paired delta: mean 1.5 of the differences (1, 2), 95% t interval 1.5 -+ t(0.975, 1) * sd / sqrt(2)
+    half = 12.706204736174698 * statistics.stdev([1.0, 2.0]) / 2**0.5
+    delta = f"+1.50 [{1.5 - half:+.2f}, {1.5 + half:+.2f}], 2/2 > 0, no significant difference"
+    assert f"| × | ✓ | × | × | {base} | {aligned} | {delta} |" in text
+    assert f"Command: `{PROVENANCE['command']}`" in text
+    assert "Date: 2030-01-02 03:04 UTC; machine: 7 CPU cores (Test CPU 9000), no GPU; torch 9.9.9" in text
+    assert "4 of 4 runs finished" in text
+    # the other sections say that they are not measured and how to measure them
+    assert "Not measured for this version. Run `python benchmarks/ablation.py --table 8`" in text
+    assert f"| × | ✓ | × | × | {base} | {aligned} | {delta} |" in readme.read_text()  # the README's one table
+    assert report.main(["--check", *paths]) == 0
+    md.write_text(text.replace(base, "99.99 ± 0.00"))
+    assert report.main(["--check", *paths]) == 1
+    md.write_text(text)
+    readme.write_text(readme.read_text().replace(base, "99.99 ± 0.00"))
+    assert report.main(["--check", *paths]) == 1
+
+
+def test_output_without_provenance_needs_the_command_and_the_machine(tmp_path: Path) -> None:
+    _fake_ablation(tmp_path / "out", {(a, s): 10.0 for a in (False, True) for s in (0, 1)})
+    blob = json.loads((tmp_path / "out" / "results.json").read_text())
+    del blob["provenance"]
+    (tmp_path / "out" / "results.json").write_text(json.dumps(blob))
+    with pytest.raises(ValueError, match="--command .* --same-machine"):
+        report.summarize_ablation(tmp_path / "out")
+    command = "python benchmarks/ablation.py " + " ".join(TINY)
+    name, summary = report.summarize_ablation(tmp_path / "out", command=command, same_machine=True)
+    assert name == "table7" and summary["provenance"]["command"] == command
+    assert summary["provenance"]["date"] == "2030-03-17 17:46 UTC"  # the last run's time stamp, not now
+    assert "recorded" in summary["provenance"]
+
+
+def test_add_speed_keeps_the_tables_and_drops_the_arrays(tmp_path: Path) -> None:
+    row = {"img_s": 50.0, "step_ms_median": 1280.0, "step_ms_min": 1200.0, "step_ms_max": 1300.0, "peak_mb": 1600.0,
+           "step_mb": 500.0, "alloc_peak_mb": 679.9, "alloc_step_mb": 594.4, "alloc_top_mb": [["aten::mm", 1.0]],
+           "step_s_per_round": [1.2, 1.3], "time_ratio": 1.0, "time_ratio_min": 1.0, "time_ratio_max": 1.0,
+           "memory_ratio": 1.0, "step_memory_ratio": 1.0, "alloc_ratio": 1.0, "alloc_step_ratio": 1.0}
+    config = {"device": "cpu", "model": "tiny", "batch_size": 64, "repeats": 6, "steps": 4}
+    speed = {"device": "CPU", "command": "speed.py", "config": config, "steps": {"cutmix": row}}
+    (tmp_path / "old.json").write_text(json.dumps(speed))
+    with pytest.raises(ValueError, match="no provenance"):
+        report.summarize_speed(tmp_path / "old.json")
+    (tmp_path / "new.json").write_text(json.dumps({**speed, "provenance": PROVENANCE}))
+    name, summary = report.summarize_speed(tmp_path / "new.json")
+    assert name == "speed-cpu" and "step_s_per_round" not in summary["steps"]["cutmix"]
+    text = report.render_steps(summary)
+    assert "| CutMix + NoAlign | 50.0 | 1280.0 [1200.0, 1300.0] | 1.000 [1.000, 1.000] | 679.9 | 1.0000 |" in text
+
+
+def test_a_summary_no_section_shows_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "table9.json").write_text("{}")
+    with pytest.raises(ValueError, match="table9.*the sections are table7"):
+        report.render(tmp_path)
+
+
+def test_add_analysis_keeps_the_errors_and_the_rmse(tmp_path: Path) -> None:
+    errors = {"cutmix": [0.1, 0.2, 0.3, 0.4], "tl_align": [0.05, 0.1, 0.15, 0.2]}
+    numbers = {"config": {"sharpen": 30.0, "checkpoint": None}, "model": {"name": "deit_small_patch16_224"},
+               "initialisation": "random init", "grid": [14, 14], "classes": ["a", "b"], "rmse": 0.25,
+               "per_block_sample0": {"mean_abs_error_vs_similarity": errors, "class_token": {"cutmix": [0.5] * 4}},
+               "rmse_by_size": [{"label": "tiny-like", "kind": "size", "rmse": 0.125, "dim": 192}],
+               "provenance": PROVENANCE}
+    (tmp_path / "analysis.json").write_text(json.dumps(numbers))
+    name, summary = report.summarize_analysis(tmp_path / "analysis.json")
+    assert name == "analysis-sharpened" and "class_token" not in json.dumps(summary)
+    text = report.render_analysis(summary)
+    assert "| scheme | after block 1 | after block 2 | after block 3 | after block 4 |" in text
+    assert "| TL-Align | 0.050 | 0.100 | 0.150 | 0.200 |" in text and "| tiny-like | 0.1250 |" in text
+    numbers["config"]["sharpen"] = 1.0
+    (tmp_path / "analysis.json").write_text(json.dumps(numbers))
+    with pytest.raises(ValueError, match="--sharpen"):
+        report.summarize_analysis(tmp_path / "analysis.json")
