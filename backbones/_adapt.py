@@ -13,12 +13,16 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers.norm import GroupNorm1
+from timm.models.metaformer import Attention as MetaAttention
+from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
@@ -69,7 +73,7 @@ def _tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]
 _REGISTRY: list[Family] = [
     Family("vit", VIT_FAMILY, vit_refusal, AdaptedViT,
            _tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
-           ("vision_transformer", "deit", "vision_transformer_hybrid")),
+           ("vision_transformer", "deit", "vision_transformer_hybrid", "vitamin")),
     Family("swin", SWIN_FAMILY, AdaptedSwin.refusal, AdaptedSwin,
            _tiny("swin_tiny_patch4_window7_224", img_size=32, patch_size=4, window_size=4, embed_dim=16,
                  depths=(2, 2), num_heads=(2, 2)), ("swin_transformer",)),
@@ -81,6 +85,9 @@ _REGISTRY: list[Family] = [
            _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2), ("mlp_mixer",)),
     Family("convnext", CONVNEXT_FAMILY, AdaptedConvNeXt.refusal, AdaptedConvNeXt,
            _tiny("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32)), ("convnext",)),
+    Family("metaformer", METAFORMER_FAMILY, AdaptedMetaFormer.refusal, AdaptedMetaFormer,
+           _tiny(MetaFormer, depths=(1, 1, 1), dims=(8, 16, 32), token_mixers=(Pooling, SepConv, MetaAttention),
+                 norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

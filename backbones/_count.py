@@ -5,14 +5,13 @@ Two ways, both from the families' own declarations:
 - fast (default, builds nothing): a family accepts the names of the timm modules it
   declares (``Family.timm_modules``); ``None`` (the ``any`` family) is every name. An upper
   bound for the aligning families (a module may hold variants their refusal rejects).
-- exact: every name is built on the ``meta`` device (no memory, no weights, no download)
-  with its default configuration and shown to the families' ``refusal``; a name whose
-  default build fails is counted as not accepted and listed. MixToken's tier is exact only:
-  it needs the built model (an aligning family, or a ``patch_embed`` module).
+- exact: every name of those modules is built on the ``meta`` device (no memory, no
+  weights, no download) with its default configuration and shown to the family's
+  ``refusal``; a name whose default build fails is not counted and is listed.
 
-Tiers: ``TLAlign`` (and TransMix/TokenLabeling where the family has a class token or
-token logits) is the aligning families; ``NoAlign`` is every classifier; ``MixToken`` the
-models whose patch embeddings ``adapt`` can reach.
+Tiers: ``TLAlign`` (and TokenLabeling; TransMix where the model has a class token) is the
+aligning families; ``NoAlign`` is every classifier: ``adapt`` takes any ``nn.Module`` for it
+(MixToken too where the model has timm's ``patch_embed``), so every name counts, built or not.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def _meta_build(name: str) -> nn.Module | None:
 
 
 def count_timm_names(exact: bool = False) -> list[TierCount]:
-    """Per aligning family, then the tiers ``TLAlign``, ``MixToken`` (exact only) and ``NoAlign``.
+    """Per aligning family, then the tiers ``TLAlign`` (any aligning family) and ``NoAlign`` (every name).
 
     Example:
         >>> counts = {c.tier: c.count for c in count_timm_names()}
@@ -68,29 +67,20 @@ def count_timm_names(exact: bool = False) -> list[TierCount]:
     """
     everything = sorted(timm.list_models())
     aligning = [f for f in FAMILIES if f.timm_modules is not None]
-    if not exact:
-        rows = [TierCount(f"TLAlign: {f.name}", tuple(_declared(f.timm_modules, everything)), False) for f in aligning]
-        union = sorted({n for r in rows for n in r.names})
-        return [*rows, TierCount("TLAlign", tuple(union), False), TierCount("NoAlign", tuple(everything), False)]
-    per_family: dict[str, list[str]] = {f.name: [] for f in aligning}
-    mixtoken: list[str] = []
-    failed: list[str] = []
-    for name in everything:
-        model = _meta_build(name)
-        if model is None:
-            failed.append(name)
+    rows = []
+    for family in aligning:
+        names = _declared(family.timm_modules, everything)
+        if not exact:
+            rows.append(TierCount(f"TLAlign: {family.name}", tuple(names), False))
             continue
-        family = next((f.name for f in aligning if f.refusal(model) is None), None)
-        if family is not None:
-            per_family[family].append(name)
-        if family is not None or isinstance(getattr(model, "patch_embed", None), nn.Module):
-            mixtoken.append(name)
-    built = [n for n in everything if n not in set(failed)]
-    rows = [TierCount(f"TLAlign: {f.name}", tuple(per_family[f.name]), True) for f in aligning]
+        accepted, failed = [], []
+        for name in names:
+            model = _meta_build(name)
+            if model is None:
+                failed.append(name)
+            elif family.refusal(model) is None:
+                accepted.append(name)
+        rows.append(TierCount(f"TLAlign: {family.name}", tuple(accepted), True, tuple(failed)))
     union = sorted({n for r in rows for n in r.names})
-    return [
-        *rows,
-        TierCount("TLAlign", tuple(union), True),
-        TierCount("MixToken", tuple(mixtoken), True, tuple(failed)),
-        TierCount("NoAlign", tuple(built), True, tuple(failed)),
-    ]
+    # NoAlign takes every nn.Module: no build needed to know that adapt accepts the name.
+    return [*rows, TierCount("TLAlign", tuple(union), exact), TierCount("NoAlign", tuple(everything), True)]

@@ -1,8 +1,8 @@
 """Print how many ``timm.list_models()`` names ``backbones.adapt`` accepts, per scheme tier.
 
 ``python -m mixlabels.backbones.count`` counts from the families' declared timm modules
-(instant, builds nothing); ``--exact`` builds every name on the ``meta`` device (no memory,
-no weights; a few minutes) and asks the families' refusals, adding the MixToken tier.
+(instant, builds nothing); ``--exact`` builds those names on the ``meta`` device (no memory,
+no weights; a few minutes) and asks the families' refusals.
 ``--list TIER`` prints that tier's names.
 """
 
@@ -25,7 +25,7 @@ def main() -> None:
     print("| tier | timm names accepted |\n| --- | ---: |")
     for row in rows:
         print(f"| {row.tier} | {row.count} |")
-    failed = next((r.failed for r in rows if r.failed), ())
+    failed = [n for r in rows for n in r.failed]
     if failed:
         print(f"\n{len(failed)} names failed to build with their defaults (not counted): {', '.join(failed)}")
     if args.list is not None:

@@ -117,6 +117,17 @@ def token_stride(model: torch.nn.Module) -> int | None:
     return None
 
 
+# One small model per aligning family (its smallest timm variant, default input size): the per-family table.
+FAMILY_MODELS = {
+    "vit": "deit_tiny_patch16_224",
+    "swin": "swin_tiny_patch4_window7_224",
+    "pvt_v2": "pvt_v2_b0",
+    "cait": "cait_xxs24_224",
+    "mlp_mixer": "mixer_s32_224",
+    "convnext": "convnext_atto",
+}
+
+
 def describe_device(device: str) -> str:
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
@@ -562,6 +573,48 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
     return summary
 
 
+# --------------------------------------------------------------------------- per family
+
+
+def measure_families(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    """``measure_steps`` on ``FAMILY_MODELS[f]`` for every family asked for, one after the other."""
+    rows: dict[str, Any] = {}
+    for family in args.families or list(FAMILY_MODELS):
+        progress(f"family {family}: {FAMILY_MODELS[family]}")
+        fam_args = argparse.Namespace(**{**vars(args), "model": FAMILY_MODELS[family]})
+        refused: dict[str, str] = {}
+        rows[family] = {"model": FAMILY_MODELS[family], "steps": measure_steps(fam_args, progress, refused), "refused": refused}
+    return rows
+
+
+def format_families(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    variants = [v for v in cfg["variants"] if v != BASELINE]
+    lines = [
+        f"device: {result['device']}", f"command: {result['command']}", "",
+        f"Per family: batch {cfg['batch_size']}, default input size, {cfg['repeats']} interleaved repeats x "
+        f"{cfg['steps']} steps; time = paired per-repeat ratio to {LABELS[BASELINE]} (median [min, max]); "
+        "alloc = allocator peak ratio (live bytes of the step, whole process)",
+        "",
+        "| family | model | " + " | ".join(f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + " |",
+        "| --- | --- |" + " ---: | ---: | ---: |" * len(variants),
+    ]
+    for family, row in result["families"].items():
+        cells = []
+        for v in variants:
+            s = row["steps"].get(v)
+            if s is None:
+                cells.append("refused | - | -")
+                continue
+            cells.append(
+                f"{s['time_ratio']:.3f} [{s['time_ratio_min']:.3f}, {s['time_ratio_max']:.3f}] | "
+                f"{s['alloc_ratio']:.4f} | {s['alloc_step_ratio']:.4f}"
+            )
+        base = row["steps"][BASELINE]
+        lines.append(f"| {family} | {row['model']} ({base['step_ms_median']:.0f} ms) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -644,6 +697,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="time only the mixers whose name contains one of these (case-insensitive), plus their timm references",
     )
     p.add_argument("--only", choices=["steps", "mixers"], default=None)
+    p.add_argument(
+        "--families", nargs="*", default=None, metavar="FAMILY", choices=list(FAMILY_MODELS),
+        help="the per-family table: the step variants on one small model per family (all when none named)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/speed"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--worker", choices=STEP_VARIANTS, default=None, help=argparse.SUPPRESS)
@@ -668,6 +725,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
     }
+    if args.families is not None:
+        result["families"] = measure_families(args, progress)
+        report = format_families(result)
+        print(report)
+        args.out.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        (args.out / f"speed-families-{args.device}-{stamp}.json").write_text(json.dumps(result, indent=2))
+        (args.out / f"speed-families-{args.device}-{stamp}.md").write_text(report + "\n")
+        return result
     if args.only in (None, "steps"):
         refused: dict[str, str] = {}
         result["steps"] = measure_steps(args, progress, refused)

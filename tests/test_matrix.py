@@ -29,7 +29,7 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
     "switch": lambda g: Switch([MixUp(C), CutMix(C)], generator=g),
 }
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
-REFUSED = {(f, "TransMix") for f in ("swin", "pvt_v2", "mlp_mixer", "convnext")}
+REFUSED = {(f, "TransMix") for f in ("swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer")}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
 # needs a `patch_embed` the ResNet lacks.
 ANY_REFUSED = {("any", s) for s in SCHEMES if s != "NoAlign"}
@@ -41,7 +41,7 @@ def example(family: str) -> torch.nn.Module:
 
 
 def test_registry_families_are_disjoint() -> None:
-    assert len(FAMILY) == len(backbones.FAMILIES) == len(backbones.SUPPORTED) == 7
+    assert len(FAMILY) == len(backbones.FAMILIES) == len(backbones.SUPPORTED) == 8
     assert backbones.FAMILIES[-1].name == "any"  # the fallback: every module, NoAlign only
     for name, family in FAMILY.items():
         model = example(name)
