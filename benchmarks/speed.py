@@ -125,6 +125,7 @@ FAMILY_MODELS = {
     "cait": "cait_xxs24_224",
     "mlp_mixer": "mixer_s32_224",
     "convnext": "convnext_atto",
+    "metaformer": "poolformerv2_s12",
 }
 
 
