@@ -73,7 +73,7 @@ def _tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]
 _REGISTRY: list[Family] = [
     Family("vit", VIT_FAMILY, vit_refusal, AdaptedViT,
            _tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
-           ("vision_transformer", "deit", "vision_transformer_hybrid", "vitamin")),
+           ("vision_transformer", "deit")),
     Family("swin", SWIN_FAMILY, AdaptedSwin.refusal, AdaptedSwin,
            _tiny("swin_tiny_patch4_window7_224", img_size=32, patch_size=4, window_size=4, embed_dim=16,
                  depths=(2, 2), num_heads=(2, 2)), ("swin_transformer",)),

@@ -580,12 +580,23 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
 def measure_families(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
     """``measure_steps`` on ``FAMILY_MODELS[f]`` for every family asked for, one after the other."""
     rows: dict[str, Any] = {}
+    unknown = [f for f in args.families or () if f not in FAMILY_MODELS]
+    if unknown:
+        raise SystemExit(f"--families {' '.join(unknown)}: unknown; choose from {', '.join(FAMILY_MODELS)}")
     for family in args.families or list(FAMILY_MODELS):
         progress(f"family {family}: {FAMILY_MODELS[family]}")
         fam_args = argparse.Namespace(**{**vars(args), "model": FAMILY_MODELS[family]})
         refused: dict[str, str] = {}
         rows[family] = {"model": FAMILY_MODELS[family], "steps": measure_steps(fam_args, progress, refused), "refused": refused}
+        # Each family's row as soon as it is measured: a long run cut short still says something.
+        progress(format_families({**result_head(args), "families": {family: rows[family]}}).splitlines()[-1])
     return rows
+
+
+def result_head(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``format_families`` reads besides the rows."""
+    return {"device": describe_device(args.device), "command": "", "config": {"variants": args.variants,
+            "batch_size": args.batch_size, "repeats": args.repeats, "steps": args.steps}}
 
 
 def format_families(result: dict[str, Any]) -> str:
@@ -699,7 +710,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--only", choices=["steps", "mixers"], default=None)
     p.add_argument(
-        "--families", nargs="*", default=None, metavar="FAMILY", choices=list(FAMILY_MODELS),
+        "--families", nargs="*", default=None, metavar="FAMILY",
         help="the per-family table: the step variants on one small model per family (all when none named)",
     )
     p.add_argument("--out", type=Path, default=Path("runs/speed"))

@@ -172,3 +172,14 @@ def test_counts_of_timm_names_per_tier() -> None:
     union = set().union(*(counts[f"TLAlign: {f}"].names for f in families))
     assert counts["TLAlign"].names == tuple(sorted(union)) and 0 < counts["TLAlign"].count < counts["NoAlign"].count
     assert "vit_base_patch16_224" in counts["TLAlign: vit"].names and "resnet50" not in counts["TLAlign"].names
+
+
+def test_vits_with_a_conv_stem_embedding_refuse_tlalign_and_take_noalign() -> None:
+    """Hybrid ViTs and ViTamin are timm VisionTransformers whose patch_embed is a conv stem: their token
+    grid is not patch_embed.patch_size, so TL-Align refuses them (it crashed before); NoAlign takes them."""
+    for name in ("vit_tiny_r_s16_p8_224", "vitamin_small_224"):
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False)
+        with pytest.raises(TypeError, match="patch_embed is HybridEmbed, not timm's PatchEmbed"):
+            backbones.adapt(model, TLAlign())
+        assert type(backbones.adapt(model, NoAlign())) is AdaptedClassifier

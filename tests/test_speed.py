@@ -132,3 +132,18 @@ def test_build_model_takes_timm_names_without_patch_embed_img_size() -> None:
         assert size == 224 and speed.token_stride(model) == stride
     with pytest.raises(SystemExit, match="example:NAME with NAME one of vit, swin"):
         speed.build_model("example:nope", 10)
+
+
+def test_per_family_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--families`` runs the step variants per family and writes one row each (tiny models here)."""
+    monkeypatch.setattr(speed, "FAMILY_MODELS", {"convnext": "example:convnext"})
+    result = speed.main(
+        [
+            "--families", "convnext", "--num-classes", "10", "--batch-size", "2", "--steps", "1", "--warmup", "1",
+            "--repeats", "1", "--variants", "cutmix", "tlalign", "--out", str(tmp_path),
+        ]
+    )
+    row = result["families"]["convnext"]
+    assert set(row["steps"]) == {"cutmix", "tlalign"} and row["steps"]["cutmix"]["time_ratio"] == 1.0
+    report = next(tmp_path.glob("speed-families-*.md")).read_text()
+    assert "| convnext | example:convnext (" in report and "| CutMix + TL-Align (fast) time |" in report
