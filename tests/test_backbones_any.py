@@ -143,7 +143,7 @@ def test_mixtoken_trains_a_timm_model_outside_the_families() -> None:
     model = timm.create_model("test_vit_relpos", pretrained=False, num_classes=C, img_size=32)
     adapted = backbones.adapt(model, NoAlign())
     assert type(adapted) is AdaptedClassifier
-    with pytest.raises(TypeError, match="VisionTransformerRelPos is none of them"):
+    with pytest.raises(TypeError, match="TLAlign cannot adapt VisionTransformerRelPos, which is none of them"):
         backbones.adapt(model, TLAlign())
     g = torch.Generator().manual_seed(0)
     images, labels = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, C, (4,), generator=g)
