@@ -23,7 +23,7 @@ from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._count import count_timm_names
 from mixlabels.strategies import CutMix, MixToken
 
-from tests.test_backbones_common import cutmix_batch
+from test_backbones_common import cutmix_batch
 
 C = 10
 
