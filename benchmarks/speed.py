@@ -606,7 +606,8 @@ def format_families(result: dict[str, Any]) -> str:
         f"device: {result['device']}", f"command: {result['command']}", "",
         f"Per family: batch {cfg['batch_size']}, default input size, {cfg['repeats']} interleaved repeats x "
         f"{cfg['steps']} steps; time = paired per-repeat ratio to {LABELS[BASELINE]} (median [min, max]); "
-        "alloc = allocator peak ratio (live bytes of the step, whole process)",
+        "alloc peak = ratio of the allocator's peak live bytes (model, optimizer state, batch and step); "
+        "alloc step = ratio of what the step adds on top",
         "",
         "| family | model | " + " | ".join(f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + " |",
         "| --- | --- |" + " ---: | ---: | ---: |" * len(variants),
