@@ -21,10 +21,13 @@ Example:
 """
 
 from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
+from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
+from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
+from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
@@ -47,6 +50,10 @@ __all__ = [
     "AdaptedCaiT",
     "AdaptedMixer",
     "AdaptedConvNeXt",
+    "AdaptedMetaFormer",
+    "AdaptedClassifier",
+    "count_timm_names",
+    "TierCount",
     "reference_forward",
     "attention_with_labels",
 ]

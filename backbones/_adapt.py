@@ -14,11 +14,16 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers.norm import GroupNorm1
+from timm.models.metaformer import Attention as MetaAttention
+from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
+from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
@@ -39,6 +44,8 @@ class Family:
         build: ``build(model, scheme, reference)`` the adapter.
         example: a tiny randomly initialised timm model of the family (32x32 images, 10 classes):
             what the tests and the support matrix run.
+        timm_modules: the timm modules (``timm.list_models(module=...)``) holding the names this
+            family may accept; ``None``: every timm name (``backbones.count_timm_names`` counts them).
     """
 
     name: str
@@ -46,6 +53,7 @@ class Family:
     refusal: Callable[[nn.Module], str | None]
     build: Callable[[nn.Module, Scheme, bool], nn.Module]
     example: Callable[[], nn.Module]
+    timm_modules: tuple[str, ...] | None = ()
 
 
 def _tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]:
@@ -65,18 +73,24 @@ def _tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]
 
 _REGISTRY: list[Family] = [
     Family("vit", VIT_FAMILY, vit_refusal, AdaptedViT,
-           _tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)),
+           _tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+           ("vision_transformer", "deit")),
     Family("swin", SWIN_FAMILY, AdaptedSwin.refusal, AdaptedSwin,
            _tiny("swin_tiny_patch4_window7_224", img_size=32, patch_size=4, window_size=4, embed_dim=16,
-                 depths=(2, 2), num_heads=(2, 2))),
+                 depths=(2, 2), num_heads=(2, 2)), ("swin_transformer",)),
     Family("pvt_v2", PVT_FAMILY, AdaptedPVTv2.refusal, AdaptedPVTv2,
-           _tiny("pvt_v2_b0", depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), sr_ratios=(2, 1), mlp_ratios=(2, 2))),
+           _tiny("pvt_v2_b0", depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), sr_ratios=(2, 1), mlp_ratios=(2, 2)), ("pvt_v2",)),
     Family("cait", CAIT_FAMILY, AdaptedCaiT.refusal, AdaptedCaiT,
-           _tiny("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=1)),
+           _tiny("cait_xxs24_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, depth_token_only=1), ("cait",)),
     Family("mlp_mixer", MIXER_FAMILY, AdaptedMixer.refusal, AdaptedMixer,
-           _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2)),
+           _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2), ("mlp_mixer",)),
     Family("convnext", CONVNEXT_FAMILY, AdaptedConvNeXt.refusal, AdaptedConvNeXt,
-           _tiny("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32))),
+           _tiny("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 24, 32)), ("convnext",)),
+    Family("metaformer", METAFORMER_FAMILY, AdaptedMetaFormer.refusal, AdaptedMetaFormer,
+           _tiny(MetaFormer, depths=(1, 1, 1), dims=(8, 16, 32), token_mixers=(Pooling, SepConv, MetaAttention),
+                 norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
+    # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
+    Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip
 FAMILIES: tuple[Family, ...] = tuple(_REGISTRY)
 SUPPORTED: tuple[str, ...] = tuple(f.description for f in _REGISTRY)
@@ -104,7 +118,7 @@ def _check_model(model: object) -> None:
             f"or better adapt first and wrap the adapted module ({type(model).__name__}(adapt(model, scheme)))"
         )
     if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt takes a timm model (an nn.Module), got {type(model).__name__}")
+        raise TypeError(f"adapt takes a torch.nn.Module (a timm model, a torchvision model, your own classifier), got {type(model).__name__}")
 
 
 def check_scheme(scheme: object) -> None:
@@ -126,7 +140,8 @@ def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Modul
     """Wrap a timm model so that it also returns the scheme's aligned targets.
 
     Args:
-        model: a timm model of a supported family (``SUPPORTED``); shared, not copied.
+        model: a timm model of a supported family (``SUPPORTED``), or any classifier for
+            ``NoAlign``; shared, not copied.
         scheme: ``mixlabels.NoAlign()``, ``TransMix()``, ``TLAlign(...)``, ``TokenLabeling(...)``.
         reference: use the explicit, dense reference path (tests, speed baselines).
 
@@ -134,21 +149,39 @@ def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Modul
         A module: ``adapted(images)`` equals ``model(images)``; ``adapted(images, label_map)``
         is a ``mixlabels.AlignedOutput``. ``adapted.model is model``.
 
+    Any classifier (a timm model of any family, a torchvision model, your own ``nn.Module``
+    mapping images to logits) adapts with ``NoAlign()``; the other schemes need one of the
+    aligning families.
+
     Raises:
-        TypeError: the model's family is not supported (the message lists those that are), the
-            model is already adapted, compiled or wrapped (DDP, DataParallel), or the scheme is
-            not a scheme instance.
+        TypeError: the scheme needs a family this model is not of (the message lists those that
+            exist), the model is already adapted, compiled or wrapped (DDP, DataParallel), or the
+            scheme is not a scheme instance.
     """
     _check_model(model)
     check_scheme(scheme)
     reasons = []
-    for family in _REGISTRY:
+    for family in _REGISTRY[:-1]:
         why = family.refusal(model)
         if why is None:
             return family.build(model, scheme, reference)
         reasons.append(why)
-    listing = "\n  - ".join(SUPPORTED)
+    return _any_classifier(model, scheme, reference, reasons)
+
+
+def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: list[str]) -> nn.Module:
+    """The last family: ``NoAlign`` for any classifier; every other scheme refused, saying why and what works."""
+    fallback = _REGISTRY[-1]
+    why = fallback.refusal(model)
+    if why is not None:
+        raise TypeError(f"backbones.adapt takes a torch.nn.Module mapping images to logits: {why}")
+    if accepts_any_model(scheme):
+        return fallback.build(model, scheme, reference)
+    aligning = ", ".join(f.name for f in _REGISTRY[:-1])
+    listing = "\n  - ".join(f"{f.name}: {f.description}" for f in _REGISTRY[:-1])
     raise TypeError(
-        f"backbones.adapt cannot adapt {type(model).__name__}: {'; '.join(reasons)}.\n"
+        f"aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "
+        f"the families {aligning}; NoAlign() (the image-level CutMix/MixUp target) works for any classifier.\n"
+        f"{type(scheme).__name__} cannot adapt {type(model).__name__}, which is none of them: {'; '.join(reasons)}.\n"
         f"Supported families:\n  - {listing}"
     )

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, reduce
 from timm.layers.attention import Attention
+from timm.layers.patch_embed import PatchEmbed
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
@@ -44,6 +45,10 @@ def vit_refusal(model: nn.Module) -> str | None:
         return f"global_pool={model.global_pool!r} has no label readout; use 'token' or 'avg'"
     if not isinstance(model.patch_drop, nn.Identity):
         return "patch dropout (patch_drop_rate > 0) drops tokens the labels cannot follow; set patch_drop_rate=0"
+    if type(model.patch_embed) is not PatchEmbed:
+        # Hybrid (ResNet stem) and ViTamin (MBConv stages) embeddings: their token grid is not
+        # patch_embed.patch_size, so the labels would not follow the tokens.
+        return f"patch_embed is {type(model.patch_embed).__name__}, not timm's PatchEmbed (a conv stem's token grid has no label rule here)"
     if getattr(model.patch_embed, "dynamic_img_pad", False):
         return "dynamic_img_pad pads images, so patches no longer tile the label map; disable it"
     return None

@@ -31,6 +31,8 @@ Usage::
 
     python benchmarks/speed.py                       # CPU, tiny ViT, quick
     python benchmarks/speed.py --model deit_small_patch16_224 --batch-size 16
+    python benchmarks/speed.py --model pvt_v2_b0 --batch-size 8     # any supported family, its default input size
+    python benchmarks/speed.py --model example:swin --num-classes 10  # the registry's tiny 32 px model of a family
     python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128
     python benchmarks/speed.py --only mixers --mixers "ours CutMix" --mixer-batch 64   # one pair, more repeats
 """
@@ -77,7 +79,8 @@ LABELS = {
 
 
 def build_model(name: str, num_classes: int) -> tuple[torch.nn.Module, int]:
-    """A random-init timm ViT and its input size."""
+    """A random-init timm model and its input size: ``tiny``, ``example:FAMILY`` (the registry's tiny
+    32 px test model of a family, 10 classes) or any timm name at its default input size."""
     import timm
 
     if name == "tiny":  # DeiT-Ti's widths (192 dims, 3 heads, 12 blocks) on 32 px images, patch 4: 64 tokens
@@ -85,9 +88,47 @@ def build_model(name: str, num_classes: int) -> tuple[torch.nn.Module, int]:
             "deit_tiny_patch16_224", pretrained=False, num_classes=num_classes, img_size=32, patch_size=4
         )
         return model, 32
+    if name.startswith("example:"):
+        from mixlabels.backbones import FAMILIES
+
+        families = {f.name: f for f in FAMILIES}
+        family = families.get(name.removeprefix("example:"))
+        if family is None:
+            raise SystemExit(f"--model {name}: no such family; choose example:NAME with NAME one of {', '.join(families)}")
+        if num_classes != 10:
+            raise SystemExit(f"--model {name} is built with 10 classes (the registry's example); pass --num-classes 10")
+        return family.example(), 32
     model = timm.create_model(name, pretrained=False, num_classes=num_classes)
-    size: Any = getattr(model, "patch_embed").img_size
-    return model, int(size[0])
+    # Every timm model states its default input in its pretrained config (not every family has patch_embed.img_size).
+    cfg: Any = getattr(model, "pretrained_cfg", None)
+    size = cfg.get("input_size") if isinstance(cfg, dict) else None
+    if not size:
+        raise SystemExit(f"timm model {name} states no default input_size in its pretrained_cfg")
+    return model, int(size[-1])
+
+
+def token_stride(model: torch.nn.Module) -> int | None:
+    """Pixels per token of the first token grid (to snap CutMix boxes to it, as the official TL-Align
+    code does): the stride of the patch-embedding or stem convolution; ``None`` (pixel boxes) when there is none."""
+    for attr in ("patch_embed", "stem"):
+        first = getattr(model, attr, None)
+        if isinstance(first, torch.nn.Module):
+            convs = [mod for mod in first.modules() if isinstance(mod, torch.nn.Conv2d)]
+            if convs:
+                return int(convs[0].stride[0])
+    return None
+
+
+# One small model per aligning family (its smallest timm variant, default input size): the per-family table.
+FAMILY_MODELS = {
+    "vit": "deit_tiny_patch16_224",
+    "swin": "swin_tiny_patch4_window7_224",
+    "pvt_v2": "pvt_v2_b0",
+    "cait": "cait_xxs24_224",
+    "mlp_mixer": "mixer_s32_224",
+    "convnext": "convnext_atto",
+    "metaformer": "poolformerv2_s12",
+}
 
 
 def describe_device(device: str) -> str:
@@ -116,7 +157,7 @@ class StepBench:
         self.device = torch.device(args.device)
         model, size = build_model(args.model, args.num_classes)
         self.model = model.to(self.device).train()
-        patch = int(model.patch_embed.patch_size[0])  # type: ignore[index, union-attr]
+        patch = token_stride(model)
         gen = torch.Generator(device="cpu").manual_seed(0)
         self.images = torch.randn(args.batch_size, 3, size, size, generator=gen).to(self.device)
         self.labels = torch.randint(0, args.num_classes, (args.batch_size,), generator=gen).to(self.device)
@@ -129,9 +170,14 @@ class StepBench:
             "tlalign-widened": mixlabels.TLAlign(),
             "tlalign-reference": mixlabels.TLAlign(),
         }
-        self.adapted = {
-            v: adapt(model, schemes[v], reference=v == "tlalign-reference") for v in variants if v != "none"
-        }
+        self.adapted: dict[str, Any] = {}
+        self.refused: dict[str, str] = {}  # variant -> why adapt refuses the model (the 'any' family: NoAlign only)
+        for v in variants:
+            if v != "none":
+                try:
+                    self.adapted[v] = adapt(model, schemes[v], reference=v == "tlalign-reference")
+                except TypeError as err:
+                    self.refused[v] = str(err).splitlines()[0]
         self.routes: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
             v: widened_autograd if v == "tlalign-widened" else contextlib.nullcontext for v in variants
         }
@@ -192,11 +238,27 @@ def paired(times: Sequence[float], reference: Sequence[float]) -> tuple[float, f
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def measure_steps(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+def measure_steps(
+    args: argparse.Namespace, progress: Callable[[str], None], refused: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Step time of every variant, interleaved: ``repeats`` rounds, each running every variant's
-    block of ``steps`` steps back to back in a rotating order; ratios are paired per round."""
-    variants = list(args.variants)
-    bench = StepBench(args, variants)
+    block of ``steps`` steps back to back in a rotating order; ratios are paired per round.
+
+    A variant whose scheme refuses the model (TransMix on a pooled family) is left out and its
+    reason put in ``refused``."""
+    bench = StepBench(args, list(args.variants))
+    why = dict(bench.refused)
+    for v in args.variants:
+        if v not in why:
+            try:  # pooled families refuse TransMix when the forward starts
+                bench.step(v)
+            except ValueError as err:
+                why[v] = str(err).splitlines()[0]
+    variants = [v for v in args.variants if v not in why]
+    for v, reason in why.items():
+        progress(f"{LABELS[v]}: refused: {reason}")
+    if refused is not None:
+        refused.update(why)
     times = interleaved_times(
         {v: partial(bench.step, v) for v in variants}, rounds=args.repeats, per_block=args.steps,
         warmup=args.warmup, sync=bench.sync, progress=progress, label="steps: round",
@@ -520,6 +582,60 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
     return summary
 
 
+# --------------------------------------------------------------------------- per family
+
+
+def measure_families(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+    """``measure_steps`` on ``FAMILY_MODELS[f]`` for every family asked for, one after the other."""
+    rows: dict[str, Any] = {}
+    unknown = [f for f in args.families or () if f not in FAMILY_MODELS]
+    if unknown:
+        raise SystemExit(f"--families {' '.join(unknown)}: unknown; choose from {', '.join(FAMILY_MODELS)}")
+    for family in args.families or list(FAMILY_MODELS):
+        progress(f"family {family}: {FAMILY_MODELS[family]}")
+        fam_args = argparse.Namespace(**{**vars(args), "model": FAMILY_MODELS[family]})
+        refused: dict[str, str] = {}
+        rows[family] = {"model": FAMILY_MODELS[family], "steps": measure_steps(fam_args, progress, refused), "refused": refused}
+        # Each family's row as soon as it is measured: a long run cut short still says something.
+        progress(format_families({**result_head(args), "families": {family: rows[family]}}).splitlines()[-1])
+    return rows
+
+
+def result_head(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``format_families`` reads besides the rows."""
+    return {"device": describe_device(args.device), "command": "", "config": {"variants": args.variants,
+            "batch_size": args.batch_size, "repeats": args.repeats, "steps": args.steps}}
+
+
+def format_families(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    variants = [v for v in cfg["variants"] if v != BASELINE]
+    lines = [
+        f"device: {result['device']}", f"command: {result['command']}", "",
+        f"Per family: batch {cfg['batch_size']}, default input size, {cfg['repeats']} interleaved repeats x "
+        f"{cfg['steps']} steps; time = paired per-repeat ratio to {LABELS[BASELINE]} (median [min, max]); "
+        "alloc peak = ratio of the allocator's peak live bytes (model, optimizer state, batch and step); "
+        "alloc step = ratio of what the step adds on top",
+        "",
+        "| family | model | " + " | ".join(f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + " |",
+        "| --- | --- |" + " ---: | ---: | ---: |" * len(variants),
+    ]
+    for family, row in result["families"].items():
+        cells = []
+        for v in variants:
+            s = row["steps"].get(v)
+            if s is None:
+                cells.append("refused | - | -")
+                continue
+            cells.append(
+                f"{s['time_ratio']:.3f} [{s['time_ratio_min']:.3f}, {s['time_ratio_max']:.3f}] | "
+                f"{s['alloc_ratio']:.4f} | {s['alloc_step_ratio']:.4f}"
+            )
+        base = row["steps"][BASELINE]
+        lines.append(f"| {family} | {row['model']} ({base['step_ms_median']:.0f} ms) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -558,6 +674,7 @@ def format_report(result: dict[str, Any]) -> str:
             "CPU allocator (torch.profiler allocation events replayed in time order; on CUDA the same as peak MB / "
             "step MB).",
         ]
+        lines += [f"{LABELS[v]}: not measured, the scheme refuses this model: {why}" for v, why in result.get("refused", {}).items()]
         lines.append("")
     if "mixers" in result:
         cfg = result["config"]
@@ -580,7 +697,10 @@ def format_report(result: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast on cuda)")
-    p.add_argument("--model", default="tiny", help="'tiny' (32 px ViT of the CPU ablation) or a timm model name")
+    p.add_argument(
+        "--model", default="tiny",
+        help="'tiny' (32 px ViT of the CPU ablation), 'example:FAMILY' (a family's tiny test model) or a timm model name",
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3)
@@ -598,6 +718,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="time only the mixers whose name contains one of these (case-insensitive), plus their timm references",
     )
     p.add_argument("--only", choices=["steps", "mixers"], default=None)
+    p.add_argument(
+        "--families", nargs="*", default=None, metavar="FAMILY",
+        help="the per-family table: the step variants on one small model per family (all when none named)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/speed"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--worker", choices=STEP_VARIANTS, default=None, help=argparse.SUPPRESS)
@@ -623,8 +747,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
         "provenance": provenance(device=args.device),
     }
+    if args.families is not None:
+        result["families"] = measure_families(args, progress)
+        report = format_families(result)
+        print(report)
+        args.out.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        (args.out / f"speed-families-{args.device}-{stamp}.json").write_text(json.dumps(result, indent=2))
+        (args.out / f"speed-families-{args.device}-{stamp}.md").write_text(report + "\n")
+        return result
     if args.only in (None, "steps"):
-        result["steps"] = measure_steps(args, progress)
+        refused: dict[str, str] = {}
+        result["steps"] = measure_steps(args, progress, refused)
+        result["refused"] = refused
     if args.only in (None, "mixers"):
         result["mixers"] = measure_mixers(args, progress)
     result["provenance"] = finish(result["provenance"])

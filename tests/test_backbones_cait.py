@@ -10,7 +10,7 @@ import torch
 from test_backbones_common import C, IMG, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, set_fused, sharpen
 from torch.testing import assert_close
 
-from mixlabels.backbones._cait import label_matrix
+from mixlabels.backbones._cait import label_matrix, talking_heads_label_mix
 
 CONFIGS: dict[str, dict[str, Any]] = {"fused": {}, "explicit": {}, "avg": {"global_pool": "avg"}}
 
@@ -57,3 +57,11 @@ def test_talking_heads_label_matrix() -> None:
     mixed_heads = torch.einsum("gh,bhnm->bgnm", torch.randn(3, 3), a) + 0.1
     assert_close(label_matrix(mixed_heads).sum(-1), torch.ones(2, 5))
     assert (label_matrix(mixed_heads) >= 0).all()
+
+
+def test_talking_heads_label_mix_equals_the_matrix_product() -> None:
+    """The fast path's one-matmul form (ones column for the row sums) is ``label_matrix(a) @ y``."""
+    a = torch.einsum("gh,bhnm->bgnm", torch.randn(3, 3), torch.softmax(torch.randn(2, 3, 7, 7), dim=-1)) - 0.05
+    y = torch.rand(2, 7, 4)
+    y = y / y.sum(-1, keepdim=True)
+    assert_close(talking_heads_label_mix(a, y), label_matrix(a) @ y)

@@ -251,8 +251,10 @@ def test_unsupported_model_lists_supported_families() -> None:
     with pytest.raises(TypeError, match="Supported families") as err:
         backbones.adapt(resnet, TLAlign())
     assert "VisionTransformer" in str(err.value) and "ResNet" in str(err.value)
+    maxpooled = VisionTransformer(**BASE, global_pool="max", class_token=False)
     with pytest.raises(TypeError, match="global_pool"):
-        backbones.adapt(VisionTransformer(**BASE, global_pool="max", class_token=False), NoAlign())
+        backbones.adapt(maxpooled, TLAlign())
+    assert type(backbones.adapt(maxpooled, NoAlign())).__name__ == "AdaptedClassifier"  # NoAlign: any classifier
 
 
 def test_clear_input_errors() -> None:

@@ -267,7 +267,7 @@ def _bad() -> list[Bad]:
         ("adapt a compiled model", lambda _: adapt(torch.compile(vit()), TLAlign()), TypeError, r"torch.compile'd.*_orig_mod"),  # type: ignore[arg-type]
         ("adapt DataParallel", lambda _: adapt(nn.DataParallel(vit()), TLAlign()), TypeError, r"DataParallel wrapper.*dp.module"),
         ("adapt a ResNet", lambda _: adapt(timm.create_model("resnet10t", num_classes=C), TLAlign()), TypeError, r"(?s)cannot adapt ResNet.*Supported families"),
-        ("adapt a function", lambda _: adapt(print, TLAlign()), TypeError, r"takes a timm model \(an nn.Module\)"),  # type: ignore[arg-type]
+        ("adapt a function", lambda _: adapt(print, TLAlign()), TypeError, r"takes a torch.nn.Module"),  # type: ignore[arg-type]
         ("aligned with class ids", lambda _: adapt(vit(), TLAlign())(X, Y), TypeError, r"TokenLabelMap.*TokenLabelMap.unmixed"),
         ("aligned map of other size", lambda _: adapt(vit(), TLAlign())(X, cutmix_map(big)), ValueError, r"made for 32x32 images but the images are 16x16"),
         ("aligned batch differs", lambda _: adapt(vit(), TLAlign())(X[:2], cutmix_map()), ValueError, r"batch size 2 but the label map has 4"),

@@ -34,7 +34,10 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
     "tokenmix": lambda g: TokenMix(C, patch_size=8, min_tokens=2, generator=g),
 }
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
-REFUSED = {(f, "TransMix") for f in ("swin", "pvt_v2", "mlp_mixer", "convnext")}
+REFUSED = {(f, "TransMix") for f in ("swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer")}
+# The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
+# needs a `patch_embed` the ResNet lacks.
+ANY_REFUSED = {("any", s) for s in SCHEMES if s != "NoAlign"}
 
 
 @cache
@@ -43,10 +46,12 @@ def example(family: str) -> torch.nn.Module:
 
 
 def test_registry_families_are_disjoint() -> None:
-    assert len(FAMILY) == len(backbones.FAMILIES) == len(backbones.SUPPORTED) == 6
+    assert len(FAMILY) == len(backbones.FAMILIES) == len(backbones.SUPPORTED) == 8
+    assert backbones.FAMILIES[-1].name == "any"  # the fallback: every module, NoAlign only
     for name, family in FAMILY.items():
         model = example(name)
-        assert [f.name for f in backbones.FAMILIES if f.refusal(model) is None] == [name]
+        assert [f.name for f in backbones.FAMILIES[:-1] if f.refusal(model) is None] == ([name] if name != "any" else [])
+        assert backbones.FAMILIES[-1].refusal(model) is None
         assert type(backbones.adapt(model, SCHEMES["NoAlign"])) is family.build
 
 
@@ -59,7 +64,15 @@ def test_training_step(mixer: str, family: str, scheme: str) -> None:
     mixed, lm = MIXERS[mixer](g)(images, labels)
     model = example(family)
     model.train()
+    if (family, scheme) in ANY_REFUSED:
+        with pytest.raises(TypeError, match="works for any classifier"):
+            backbones.adapt(model, SCHEMES[scheme])
+        return
     adapted = backbones.adapt(model, SCHEMES[scheme])
+    if family == "any" and mixer == "mixtoken":
+        with pytest.raises(ValueError, match="no `patch_embed`"):
+            adapted(mixed, lm)
+        return
     if (family, scheme) in REFUSED:
         with pytest.raises(ValueError, match="no class token"):
             adapted(mixed, lm)
@@ -81,8 +94,9 @@ def test_training_step(mixer: str, family: str, scheme: str) -> None:
 def test_support_matrix_is_generated_from_the_registry() -> None:
     rows = backbones.support_matrix()
     assert [(r.family, r.scheme) for r in rows] == [(f, s) for f in FAMILY for s in SCHEMES]
-    assert {(r.family, r.scheme) for r in rows if not r.supported} == REFUSED
-    assert all("no class token" in r.reason for r in rows if not r.supported)
+    assert {(r.family, r.scheme) for r in rows if not r.supported} == REFUSED | ANY_REFUSED
+    assert all("no class token" in r.reason for r in rows if (r.family, r.scheme) in REFUSED)
+    assert all("works for any classifier" in r.reason for r in rows if (r.family, r.scheme) in ANY_REFUSED)
     md = backbones.support_markdown(rows)
     for name, family in FAMILY.items():
         assert f"| {name} |" in md and family.description in md

@@ -105,3 +105,45 @@ def test_only_the_selected_mixers_are_timed(tmp_path: Path) -> None:
     assert set(mixers) == {"ours CutMix", "ours CutMix (elem)", "timm CutMix (batch)"}
     assert all(len(s["s_per_repeat"]) == 2 for s in mixers.values())
     assert "| ours CutMix |" in next(tmp_path.glob("*.md")).read_text()
+
+
+@pytest.mark.parametrize("family", ["pvt_v2", "any"])  # pvt_v2: crashed before; any: NoAlign only
+def test_speed_runs_every_family(tmp_path: Path, family: str) -> None:
+    """``--model`` takes any supported family; a scheme that refuses the model is reported, not timed."""
+    result = speed.main(
+        [
+            "--only", "steps", "--model", f"example:{family}", "--num-classes", "10", "--batch-size", "2",
+            "--steps", "1", "--warmup", "1", "--repeats", "1", "--variants", "cutmix", "transmix", "tlalign",
+            "--out", str(tmp_path),
+        ]
+    )
+    expected_refused = {"transmix", "tlalign"} if family == "any" else {"transmix"}  # pooled: no class token
+    assert set(result["refused"]) == expected_refused and set(result["steps"]) == {"cutmix", "tlalign"} - expected_refused
+    assert ("no class token" if family != "any" else "works for any classifier") in result["refused"]["transmix"]
+    for s in result["steps"].values():
+        assert s["step_ms_median"] > 0 and s["alloc_peak_mb"] > 0
+    report = next(tmp_path.glob("*.md")).read_text()
+    assert "CutMix + TransMix: not measured, the scheme refuses this model" in report
+
+
+def test_build_model_takes_timm_names_without_patch_embed_img_size() -> None:
+    for name, stride in [("pvt_v2_b0", 4), ("convnext_atto", 4), ("mixer_s32_224", 32), ("resnet18", None)]:
+        model, size = speed.build_model(name, 10)
+        assert size == 224 and speed.token_stride(model) == stride
+    with pytest.raises(SystemExit, match="example:NAME with NAME one of vit, swin"):
+        speed.build_model("example:nope", 10)
+
+
+def test_per_family_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--families`` runs the step variants per family and writes one row each (tiny models here)."""
+    monkeypatch.setattr(speed, "FAMILY_MODELS", {"convnext": "example:convnext"})
+    result = speed.main(
+        [
+            "--families", "convnext", "--num-classes", "10", "--batch-size", "2", "--steps", "1", "--warmup", "1",
+            "--repeats", "1", "--variants", "cutmix", "tlalign", "--out", str(tmp_path),
+        ]
+    )
+    row = result["families"]["convnext"]
+    assert set(row["steps"]) == {"cutmix", "tlalign"} and row["steps"]["cutmix"]["time_ratio"] == 1.0
+    report = next(tmp_path.glob("speed-families-*.md")).read_text()
+    assert "| convnext | example:convnext (" in report and "| CutMix + TL-Align (fast) time |" in report
