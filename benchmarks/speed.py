@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -63,7 +64,8 @@ import torch.nn.functional as F
 
 from benchmarks._provenance import finish, provenance
 
-STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference")
+STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference", "tlalign-cells")
+DEFAULT_VARIANTS = STEP_VARIANTS[:-1]  # tlalign-cells measures a past route: asked for by name
 BASELINE = "cutmix"
 LABELS = {
     "none": "no mixing",
@@ -72,6 +74,7 @@ LABELS = {
     "tlalign": "CutMix + TL-Align (fast)",
     "tlalign-widened": "CutMix + TL-Align (widened autograd)",
     "tlalign-reference": "CutMix + TL-Align (reference)",
+    "tlalign-cells": "CutMix + TL-Align (box mask densified to cells)",
 }
 
 
@@ -161,14 +164,16 @@ class StepBench:
         gen = torch.Generator(device="cpu").manual_seed(0)
         self.images = torch.randn(args.batch_size, 3, size, size, generator=gen).to(self.device)
         self.labels = torch.randint(0, args.num_classes, (args.batch_size,), generator=gen).to(self.device)
-        # Boxes snapped to the token grid, as the official TL-Align code does.
-        self.mixer = CutMix(num_classes=args.num_classes, label_smoothing=0.1, patch_size=patch)
+        # Boxes snapped to the token grid, as the official TL-Align code does, or on pixels (timm's CutMix).
+        pixel_boxes = bool(getattr(args, "pixel_boxes", False))
+        self.mixer = CutMix(num_classes=args.num_classes, label_smoothing=0.1, patch_size=None if pixel_boxes else patch)
         schemes: dict[str, Any] = {
             "cutmix": mixlabels.NoAlign(),
             "transmix": mixlabels.TransMix(),
             "tlalign": mixlabels.TLAlign(),
             "tlalign-widened": mixlabels.TLAlign(),
             "tlalign-reference": mixlabels.TLAlign(),
+            "tlalign-cells": mixlabels.TLAlign(),
         }
         self.adapted: dict[str, Any] = {}
         self.refused: dict[str, str] = {}  # variant -> why adapt refuses the model (the 'any' family: NoAlign only)
@@ -186,11 +191,15 @@ class StepBench:
 
     def step(self, variant: str) -> None:
         """One full training step: mix, forward, loss, backward, AdamW."""
+        import mixlabels
+
         with self.routes[variant](), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             if variant == "none":
                 loss = F.cross_entropy(self.model(self.images), self.labels, label_smoothing=0.1)
             else:
                 mixed, label_map = self.mixer(self.images, self.labels)
+                if variant == "tlalign-cells":  # the route before mask types: token weights from a cell mask
+                    label_map = dataclasses.replace(label_map, mask=mixlabels.CellMask(label_map.mask.dense()))
                 loss = self.adapted[variant](mixed, label_map).loss()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -465,6 +474,8 @@ def measure_memory(variant: str, args: argparse.Namespace, progress: Callable[[s
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--device", args.device,
            "--model", args.model, "--batch-size", str(args.batch_size), "--warmup", str(args.warmup),
            "--num-classes", str(args.num_classes), "--threads", str(torch.get_num_threads())]
+    if getattr(args, "pixel_boxes", False):
+        cmd.append("--pixel-boxes")
     if not args.amp:
         cmd.append("--no-amp")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -706,7 +717,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats of every variant")
     p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--variants", nargs="+", default=list(STEP_VARIANTS), choices=STEP_VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=STEP_VARIANTS,
+                   help="step variants (tlalign-cells: TL-Align with the CutMix boxes densified to a cell mask, "
+                   "the route every map took before BoxMask; with --pixel-boxes a per-pixel mask each step)")
+    p.add_argument("--pixel-boxes", action="store_true",
+                   help="CutMix boxes on pixels (timm's CutMix) instead of snapped to the token grid")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32 on cuda")
     p.add_argument("--mixer-batch", type=int, default=128)
     p.add_argument("--mixer-size", type=int, default=224)

@@ -147,3 +147,29 @@ def test_per_family_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert set(row["steps"]) == {"cutmix", "tlalign"} and row["steps"]["cutmix"]["time_ratio"] == 1.0
     report = next(tmp_path.glob("speed-families-*.md")).read_text()
     assert "| convnext | example:convnext (" in report and "| CutMix + TL-Align (fast) time |" in report
+
+
+def test_cells_variant_is_the_same_step_on_a_densified_mask(tmp_path: Path) -> None:
+    """``tlalign-cells`` (the route before BoxMask: token weights from cells) gives the fast path's loss
+    to the bit on pixel boxes, and the per-pixel mask it builds shows in its allocations."""
+    import argparse
+
+    args = argparse.Namespace(device="cpu", model="example:vit", num_classes=10, batch_size=4, amp=False, pixel_boxes=True)
+    bench = speed.StepBench(args, ["tlalign", "tlalign-cells"])
+    losses = {}
+    for v in ("tlalign", "tlalign-cells"):
+        torch.manual_seed(3)
+        mixed, lm = bench.mixer(bench.images, bench.labels, generator=torch.Generator().manual_seed(1))
+        if v == "tlalign-cells":
+            import dataclasses
+
+            import mixlabels
+
+            lm = dataclasses.replace(lm, mask=mixlabels.CellMask(lm.mask.dense()))
+        assert lm.mask.shape[2:] == bench.images.shape[2:]  # pixel boxes: a per-pixel grid
+        losses[v] = bench.adapted[v](mixed, lm).loss()
+    assert torch.equal(losses["tlalign"], losses["tlalign-cells"])
+    result = speed.main(["--only", "steps", "--pixel-boxes", "--num-classes", "10", "--batch-size", "2", "--steps", "1",
+                         "--warmup", "1", "--repeats", "1", "--variants", "cutmix", "tlalign", "tlalign-cells",
+                         "--out", str(tmp_path)])
+    assert set(result["steps"]) == {"cutmix", "tlalign", "tlalign-cells"}
