@@ -11,11 +11,13 @@ Events per layer (``len(blocks)`` self-attention layers, then the class-attentio
   ``mixed = mean_h(Norm(|A'_h|)) Y`` over the patch tokens (with ``proj_w = I`` it is
   the ordinary rule); the class row is passed through unchanged (it does not exist
   yet). timm materialises ``A'`` anyway (there is no fused talking-heads kernel), so
-  the labels reuse it. ``residual`` after attention and after the MLP.
+  the labels reuse it. ``residual(layer, keep, mixed=...)`` after attention and
+  ``residual(layer, keep, mixed=None)`` after the MLP.
 - class attention: only the class token moves: ``mixed`` is the class token's head-mean
   attention row over ``[cls; patches]`` applied to the labels (fused into timm's
   ``scaled_dot_product_attention`` when that is on), the patch rows unchanged;
-  ``class_attention`` in the last layer (TransMix); ``residual`` twice.
+  ``class_attention`` in the last layer (TransMix); ``residual`` with ``mixed``, then
+  without (the MLP).
 - readout: ``pool("token", 0)`` (or ``"mean"`` over the patches for ``global_pool='avg'``).
 
 Shapes: ``b`` batch, ``h`` heads, ``n m`` tokens, ``d`` head dim, ``l`` label channels.
@@ -133,17 +135,17 @@ class AdaptedCaiT(AdaptedBase):
     def _self_attention_block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         attn = blk.attn
         a, v = talking_heads(attn, blk.norm1(x))
-        if tracker.wants_labels(layer):
-            y = tracker.labels()
+        y, mixed = tracker.labels_for(layer), None
+        if y is not None:
             with torch.autocast(device_type=y.device.type, enabled=False):
                 patches = talking_heads_label_mix(a, y[:, 1:])
-            tracker.spatial_mix(layer, torch.cat((y[:, :1], patches), dim=1))  # the class token is not here yet
+            mixed = torch.cat((y[:, :1], patches), dim=1)  # the class token is not here yet
         out = rearrange(attn.attn_drop(a) @ v, "b h n d -> b n (h d)")
         out, keep = branch(blk.drop_path, blk.gamma_1 * attn.proj_drop(attn.proj(out)))
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=mixed)
         x = x + out
         out, keep = branch(blk.drop_path, blk.gamma_2 * blk.mlp(blk.norm2(x)))
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=None)
         return x + out
 
     def _class_attention_block(self, blk: Any, x: Tensor, cls: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
@@ -154,9 +156,7 @@ class AdaptedCaiT(AdaptedBase):
         v = rearrange(attn.v(u), "b n (h d) -> b h n d", h=attn.num_heads)
         if tracker.wants_class_attention(layer):
             tracker.class_attention(layer, class_attention(q, k, attn.scale))  # b (1 + n)
-        wants = tracker.wants_labels(layer)
-        y = tracker.labels() if wants else None
-        mixed = None
+        y, mixed = tracker.labels_for(layer), None
         if attn.fused_attn:
             dropout_p = attn.attn_drop.p if attn.training else 0.0
             if y is not None:
@@ -169,13 +169,13 @@ class AdaptedCaiT(AdaptedBase):
                 mixed = explicit_mix(a, y)
             out = attn.attn_drop(a) @ v
         if y is not None and mixed is not None:
-            tracker.spatial_mix(layer, torch.cat((mixed, y[:, 1:]), dim=1))  # only the class token moves
+            mixed = torch.cat((mixed, y[:, 1:]), dim=1)  # only the class token moves
         out = attn.proj_drop(attn.proj(rearrange(out, "b h 1 d -> b 1 (h d)")))
         out, keep = branch(blk.drop_path, blk.gamma_1 * out)
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=mixed)
         cls = cls + out
         out, keep = branch(blk.drop_path, blk.gamma_2 * blk.mlp(blk.norm2(cls)))
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=None)
         return cls + out
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

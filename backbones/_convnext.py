@@ -2,12 +2,12 @@
 
 TL-Align Appendix D, ``W^s(Z) = T(K)``. Events per block ``layer``:
 
-- ``conv_dw``: ``spatial_mix(layer, Norm(T(K)) Y)`` with ``K = mean_c(|K_c| / sum|K_c|)``
+- ``conv_dw``: the branch's labels ``Norm(T(K)) Y`` (``Y = labels_for(layer)``) with ``K = mean_c(|K_c| / sum|K_c|)``
   (``backbones._common.conv_mix``: the channels' normalised absolute kernels averaged
   like attention heads, applied with the layer's own padding and dilation, every row
   renormalised over the taps inside the grid); the rest of the block (norm, MLP,
   layer scale, GRN of ConvNeXt V2: per-token or per-channel) is channel mixing;
-  then one ``residual(layer, keep)``: the whole block is one residual branch;
+  then one ``residual(layer, keep, mixed=Norm(T(K)) Y)``: the whole block is one residual branch;
 - stem (a ``patch`` stem: ``kernel == stride``): the labels start as the exact area
   fractions of its cells; each stage's downsampling convolution: ``aggregate`` summing
   the labels under its window;
@@ -122,10 +122,11 @@ class AdaptedConvNeXt(AdaptedBase):
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         conv = blk.conv_dw
         h = conv(x)
-        if tracker.wants_labels(layer):  # the kernel's matrix, input-independent: a cheap l-channel conv
-            tracker.spatial_mix(layer, conv_mix(tracker.labels(), grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation))
+        labels, mixed = tracker.labels_for(layer), None
+        if labels is not None:  # the kernel's matrix, input-independent: a cheap l-channel conv
+            mixed = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
         out, keep = branch(blk.drop_path, _branch_tokens(blk, h))
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=mixed)
         return out + blk.shortcut(x)  # type: ignore[no-any-return]
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

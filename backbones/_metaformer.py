@@ -13,7 +13,8 @@ aggregate; channel operations leave labels alone. Events per block ``layer``:
   pwconv2``: the depthwise conv is the spatial mix, ``Norm(T(K)) Y`` with ``K`` the channels'
   normalised absolute kernels averaged (``backbones._common.conv_mix``, as ConvNeXt's).
 - ``Attention`` (CAFormer's last stages): ``mean_h(A_h) Y`` fused into the attention call.
-- every block: ``spatial_mix`` then ``residual`` (token mixer), ``residual`` (MLP). Layer
+- every block: ``residual(layer, keep, mixed=...)`` (token mixer, on ``labels_for(layer)``),
+  ``residual(layer, keep, mixed=None)`` (MLP). Layer
   scale and residual scale are per-channel, the norms per token or per sample (timm's
   ``GroupNorm1`` of PoolFormer normalises each sample by statistics over all its tokens: two
   scalars shared by every token move no token's content to another): channel mixing.
@@ -178,34 +179,33 @@ class AdaptedMetaFormer(AdaptedBase):
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
-        mixer, wants = blk.token_mixer, tracker.wants_labels(layer)
+        mixer, labels, mixed = blk.token_mixer, tracker.labels_for(layer), None
         h = blk.norm1(x)
         if type(mixer) is Attention:
             q, k, v = _qkv(mixer, h)
             dropout_p = mixer.attn_drop.p if mixer.training else 0.0
             if not mixer.fused_attn:
                 a = ((q @ k.transpose(-2, -1)) * mixer.scale).softmax(dim=-1)  # timm's explicit path
-                if wants:
-                    tracker.spatial_mix(layer, explicit_mix(a, tracker.labels()))
+                if labels is not None:
+                    mixed = explicit_mix(a, labels)
                 out = mixer.attn_drop(a) @ v
-            elif wants:
-                out, mixed = attention_with_labels(q, k, v, tracker.labels(), mixer.scale, dropout_p)
-                tracker.spatial_mix(layer, mixed)
+            elif labels is not None:
+                out, mixed = attention_with_labels(q, k, v, labels, mixer.scale, dropout_p)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
             out = _attn_out(mixer, out)
         else:
             out = mixer(h)
-            if wants and type(mixer) is Pooling:
-                tracker.spatial_mix(layer, pooling_mix(tracker.labels(), grid, _pool_kernel(mixer)))
-            elif wants:  # SepConv: its depthwise conv, input-independent: a cheap l-channel conv
+            if labels is not None and type(mixer) is Pooling:
+                mixed = pooling_mix(labels, grid, _pool_kernel(mixer))
+            elif labels is not None:  # SepConv: its depthwise conv, input-independent: a cheap l-channel conv
                 conv = mixer.dwconv
-                tracker.spatial_mix(layer, conv_mix(tracker.labels(), grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation))
+                mixed = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
         out, keep = branch(blk.drop_path1, out)
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=mixed)
         x = blk.res_scale1(x) + blk.layer_scale1(out)
         out, keep = branch(blk.drop_path2, blk.mlp(blk.norm2(x)))
-        tracker.residual(layer, keep)  # channel mixing
+        tracker.residual(layer, keep, mixed=None)  # channel mixing
         return blk.res_scale2(x) + blk.layer_scale2(out)  # type: ignore[no-any-return]
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

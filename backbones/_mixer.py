@@ -7,8 +7,9 @@ units, ``W^s = |W_2| |W_1|`` (``(n, hidden) @ (hidden, n)``: how strongly token 
 can reach token ``i``, whatever the sign or the activation), and Table 10's ``Norm``
 makes every row a distribution: ``mixed = Norm(|W_2| |W_1|) Y``. Biases are point-wise.
 
-Events per block ``layer``: ``spatial_mix`` + ``residual`` (token MLP), ``residual``
-(channel MLP); readout ``pool("mean", 0)`` (no class token: TransMix refuses).
+Events per block ``layer``: ``residual(layer, keep, mixed=Norm(|W_2| |W_1|) Y)`` (token
+MLP, ``Y = labels_for(layer)``), ``residual(layer, keep, mixed=None)`` (channel MLP);
+readout ``pool("mean", 0)`` (no class token: TransMix refuses).
 
 Shapes: ``b`` batch, ``n m`` tokens, ``c`` channels, ``l`` label channels.
 """
@@ -80,15 +81,15 @@ class AdaptedMixer(AdaptedBase):
         x, grid = _embed(m, images, label_map)
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=len(m.blocks), class_token=False))
         for layer, blk in enumerate(m.blocks):
-            if tracker.wants_labels(layer):
-                y = tracker.labels()
+            y, mixed = tracker.labels_for(layer), None
+            if y is not None:
                 with torch.autocast(device_type=y.device.type, enabled=False):
-                    tracker.spatial_mix(layer, token_mixing_matrix(blk.mlp_tokens) @ y)
+                    mixed = token_mixing_matrix(blk.mlp_tokens) @ y
             out, keep = branch(blk.drop_path, _token_mlp(blk, x))
-            tracker.residual(layer, keep)
+            tracker.residual(layer, keep, mixed=mixed)
             x = x + out
             out, keep = branch(blk.drop_path, blk.mlp_channels(blk.norm2(x)))
-            tracker.residual(layer, keep)  # channel mixing
+            tracker.residual(layer, keep, mixed=None)  # channel mixing
             x = x + out
         x = m.norm(x)
         tracker.pool("mean", 0)

@@ -5,11 +5,12 @@ Events per block ``layer`` (blocks counted over all stages):
 - attention: keys and values come from a reduced grid (a ``sr_ratio`` strided conv, or
   the ``linear`` variant's adaptive average pool to 7x7); their labels are reduced the
   same way, ``Norm(sum_i Y_i)`` over each key's window (an average for the pool), and
-  ``spatial_mix(layer, mean_h(A_h) Y_kv)`` (fused into timm's attention when that is on);
-  ``residual``;
+  ``residual(layer, keep, mixed=mean_h(A_h) Y_kv)`` with ``Y = labels_for(layer)`` (the
+  mix fused into timm's attention when that is on);
 - MLP: ``fc1 -> dwconv -> act -> fc2``: the depthwise 3x3 conv is a spatial mix,
   ``Norm(T(K)) Y`` with the normalised absolute kernel (``backbones._common.conv_mix``);
-  ``spatial_mix(layer, ...)`` then ``residual``. One layer index serves both mixes.
+  ``residual(layer, keep, mixed=...)`` on ``labels_for(layer)`` asked again (the labels
+  after the attention residual). One layer index serves both mixes.
 - patch embeddings are overlapping strided convs (7x7 stride 4, then 3x3 stride 2 per
   stage): ``aggregate`` sums the labels under every window (zero padding adds nothing).
   For the stem the labels start on the pixel grid (``TokenLayout.grid`` is ``(H, W)``),
@@ -141,32 +142,32 @@ class AdaptedPVTv2(AdaptedBase):
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
-        attn, wants = blk.attn, tracker.wants_labels(layer)
+        attn, labels, mixed = blk.attn, tracker.labels_for(layer), None
         q, k, v = _keys_values(attn, blk.norm1(x), grid)
-        y = reduced_key_labels(attn, tracker.labels(), grid) if wants else None  # b m l
+        y = reduced_key_labels(attn, labels, grid) if labels is not None else None  # b m l
         if attn.fused_attn:
             dropout_p = attn.attn_drop.p if attn.training else 0.0
             if y is not None:
                 out, mixed = attention_with_labels(q, k, v, y, attn.scale, dropout_p)
-                tracker.spatial_mix(layer, mixed)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         else:
             a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # b h n m
             if y is not None:
-                tracker.spatial_mix(layer, explicit_mix(a, y))
+                mixed = explicit_mix(a, y)
             out = attn.attn_drop(a) @ v
         out = attn.proj_drop(attn.proj(rearrange(out, "b h n d -> b n (h d)")))
         out, keep = branch(blk.drop_path1, out)
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=mixed)
         x = x + out
         mlp = blk.mlp
         t = mlp.dwconv(_mlp_in(mlp, blk.norm2(x), grid))
-        if wants:
+        labels, mixed = tracker.labels_for(layer), None  # the labels after the attention residual
+        if labels is not None:
             conv = mlp.dwconv
-            tracker.spatial_mix(layer, conv_mix(tracker.labels(), grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation))
+            mixed = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
         out, keep = branch(blk.drop_path2, _mlp_out(mlp, t))
-        tracker.residual(layer, keep)
+        tracker.residual(layer, keep, mixed=mixed)
         return x + out
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

@@ -2,12 +2,12 @@
 
 Events per block ``layer`` (blocks counted over all stages):
 
-- window attention: ``spatial_mix(layer, mixed)`` with ``mixed = mean_h(A_h) Y`` computed
-  inside every window, where ``A_h`` includes timm's relative position bias and, in
-  shifted blocks, the shift mask; the labels are cyclically shifted and partitioned
-  exactly like the tokens and shifted back, so ``mixed`` is in the stream's layout;
-  then ``residual(layer, keep)``;
-- MLP: ``residual(layer, keep)`` (channel mixing);
+- window attention: ``residual(layer, keep, mixed=mean_h(A_h) Y)`` with ``Y =
+  labels_for(layer)`` and the mix computed inside every window, where ``A_h`` includes
+  timm's relative position bias and, in shifted blocks, the shift mask; the labels are
+  cyclically shifted and partitioned exactly like the tokens and shifted back, so
+  ``mixed`` is in the stream's layout (``mixed=None`` when ``labels_for`` is ``None``);
+- MLP: ``residual(layer, keep, mixed=None)`` (channel mixing);
 - patch merging (start of stages 1..): ``aggregate`` summing every 2x2 group of labels;
 - readout: ``pool("mean", 0)`` (global average pooling, no class token: TransMix refuses).
 
@@ -110,32 +110,34 @@ class AdaptedSwin(AdaptedBase):
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         h = x.shape[1]
-        out, keep = branch(blk.drop_path1, self._shifted_window_attention(blk, blk.norm1(x), layer, tracker))
-        tracker.residual(layer, keep)
+        out, mixed = self._shifted_window_attention(blk, blk.norm1(x), layer, tracker)
+        out, keep = branch(blk.drop_path1, out)
+        tracker.residual(layer, keep, mixed=mixed)
         x = rearrange(x + out, "b h w c -> b (h w) c")
         out, keep = branch(blk.drop_path2, blk.mlp(blk.norm2(x)))
-        tracker.residual(layer, keep)  # channel mixing: labels unchanged
+        tracker.residual(layer, keep, mixed=None)  # channel mixing: labels unchanged
         return rearrange(x + out, "b (h w) c -> b h w c", h=h)
 
-    def _shifted_window_attention(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+    def _shifted_window_attention(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> tuple[Tensor, Tensor | None]:
+        """The attention branch's output and, when the scheme aligns ``layer``, its mixed labels ``(b, n, l)``."""
         b, h, w, _ = x.shape
         (wh, ww), shift = blk.window_size, tuple(blk.shift_size)
         back = (-shift[0], -shift[1])
         shifted = torch.roll(x, shifts=back, dims=(1, 2)) if any(shift) else x
         windows = rearrange(shifted, f"b (nh wh) (nw ww) c -> {WINDOWS} c", wh=wh, ww=ww)
         mask = blk.get_attn_mask(shifted) if blk.dynamic_mask else blk.attn_mask  # nW n n or None
-        labels = None
-        if tracker.wants_labels(layer):  # labels move with the tokens: same shift, same windows
-            y = rearrange(tracker.labels(), "b (h w) l -> b h w l", h=h)
+        labels, aligned = None, tracker.labels_for(layer)
+        if aligned is not None:  # labels move with the tokens: same shift, same windows
+            y = rearrange(aligned, "b (h w) l -> b h w l", h=h)
             y = torch.roll(y, shifts=back, dims=(1, 2)) if any(shift) else y
             labels = rearrange(y, f"b (nh wh) (nw ww) l -> {WINDOWS} l", wh=wh, ww=ww)
         out, mixed = window_attention(blk.attn, windows, mask, labels)
         if mixed is not None:
             y = rearrange(mixed, f"{WINDOWS} l -> b (nh wh) (nw ww) l", b=b, nh=h // wh, wh=wh)
             y = torch.roll(y, shifts=shift, dims=(1, 2)) if any(shift) else y
-            tracker.spatial_mix(layer, rearrange(y, "b h w l -> b (h w) l"))
+            mixed = rearrange(y, "b h w l -> b (h w) l")
         out = rearrange(out, f"{WINDOWS} c -> b (nh wh) (nw ww) c", b=b, nh=h // wh, wh=wh)
-        return torch.roll(out, shifts=shift, dims=(1, 2)) if any(shift) else out
+        return (torch.roll(out, shifts=shift, dims=(1, 2)) if any(shift) else out), mixed
 
     # ------------------------------------------------------------------ reference
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

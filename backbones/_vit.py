@@ -106,35 +106,37 @@ class AdaptedViT(AdaptedBase):
         return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
-        out, keep = branch(blk.drop_path1, blk.ls1(self._attention(blk.attn, blk.norm1(x), layer, tracker)))
-        tracker.residual(layer, keep)
+        out, mixed = self._attention(blk.attn, blk.norm1(x), layer, tracker)
+        out, keep = branch(blk.drop_path1, blk.ls1(out))
+        tracker.residual(layer, keep, mixed=mixed)
         x = x + out
         out, keep = branch(blk.drop_path2, blk.ls2(blk.mlp(blk.norm2(x))))
-        tracker.residual(layer, keep)  # channel mixing: labels unchanged
+        tracker.residual(layer, keep, mixed=None)  # channel mixing: labels unchanged
         return x + out
 
-    def _attention(self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+    def _attention(self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker) -> tuple[Tensor, Tensor | None]:
+        """The attention branch's output and, when the scheme aligns ``layer``, its mixed labels ``(b, n, l)``."""
         gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
         q, k, v = rearrange(attn.qkv(x), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
         q, k = attn.q_norm(q), attn.k_norm(k)
         dropout_p = attn.attn_drop.p if attn.training else 0.0
         if tracker.wants_class_attention(layer):
             tracker.class_attention(layer, class_attention(q, k, attn.scale))  # b n, from q_cls only
+        labels, mixed = tracker.labels_for(layer), None
         if not attn.fused_attn:
             # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
             a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # b h n n
-            if tracker.wants_labels(layer):
+            if labels is not None:
                 mean = reduce(a.detach().float(), "b h n m -> b n m", "mean")
                 with torch.autocast(device_type=mean.device.type, enabled=False):  # labels stay fp32
-                    tracker.spatial_mix(layer, mean @ tracker.labels())
+                    mixed = mean @ labels
             out = attn.attn_drop(a) @ v
-        elif tracker.wants_labels(layer):
-            out, mixed = attention_with_labels(q, k, v, tracker.labels(), attn.scale, dropout_p)
-            tracker.spatial_mix(layer, mixed)  # b n l
+        elif labels is not None:
+            out, mixed = attention_with_labels(q, k, v, labels, attn.scale, dropout_p)  # mixed: b n l
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
         out = rearrange(out, "b h n d -> b n (h d)")
         out = attn.norm(out) if hasattr(attn, "norm") else out
         if gate is not None:
             out = out * gate
-        return attn.proj_drop(attn.proj(out))  # type: ignore[no-any-return]
+        return attn.proj_drop(attn.proj(out)), mixed

@@ -9,18 +9,19 @@ serves every scheme.
 Events, in the order a pre-norm transformer block emits them (``layer`` counts the
 spatial-mixing layers the adapter announced in ``TokenLayout.depth``, from 0):
 
-- ``wants_labels(layer)``: should the adapter compute the spatial mix of the
-  labels at this layer? If not it runs its ordinary (fastest) kernel.
-- ``labels()``: the current labels ``(b, n, l)`` fp32 (``l`` = sources ``k``, or
-  classes ``c`` for dense labels) to push through the spatial mix.
-- ``spatial_mix(layer, mixed)``: ``mixed = mean_h(A_h) @ labels()`` ``(b, n, l)``,
-  the head-mean attention (or normalised kernel) applied to the labels.
+- ``labels_for(layer)``: the current labels ``(b, n, l)`` fp32, no grad (``l`` =
+  sources ``k``, or classes ``c`` for dense labels) when the scheme aligns ``layer``,
+  else ``None``: then the adapter runs its ordinary (fastest) kernel and computes no
+  label mix. One question, one answer: there is no separate "wants" call.
 - ``wants_class_attention(layer)`` / ``class_attention(layer, weights)``: the head
   mean of the class token's attention row ``(b, n)`` (TransMix).
-- ``residual(layer, keep)``: a residual ``Z <- Z + g(Z)`` was added. If a spatial
-  mix arrived since the last residual, ``g``'s labels are the mixed labels, else
-  ``g`` was channel mixing and its labels equal the input's. ``keep`` ``(b,)`` bool
-  says which samples kept the branch under stochastic depth (``None``: all).
+- ``residual(layer, keep, mixed=...)``: a residual ``Z <- Z + g(Z)`` was added, and
+  ``mixed`` is the labels of ``g``: ``mean_h(A_h) @ labels`` ``(b, n, l)``, the head-mean
+  attention (or normalised kernel) applied to the labels ``labels_for(layer)`` returned,
+  or ``None`` when ``g`` mixes channels only (or ``labels_for(layer)`` was ``None``): its
+  labels equal its input's. ``keep`` ``(b,)`` bool says which samples kept the branch
+  under stochastic depth (``None``: all). The branch's labels travel in the call itself,
+  so no event depends on the order of an earlier one.
 - ``aggregate(merge)``: tokens were merged (patch merging, strided conv);
   ``merge`` maps labels ``(b, n, l) -> (b, n', l)`` by summing the merged tokens,
   and the tracker renormalises. Also for a change of token layout (cyclic shift).
@@ -35,10 +36,10 @@ Example (a tiny single-head "model" adapted by hand; see ``backbones`` for timm)
     >>> lm = TokenLabelMap.from_mask(mask, torch.tensor([1, 0]), torch.tensor([0, 1]), num_classes=2)
     >>> tracker = TLAlign().start(lm, TokenLayout(grid=(2, 2), num_prefix=1, depth=1, class_token=True))
     >>> attn = torch.full((2, 5, 5), 0.2)  # (b, n, n): uniform attention, rows sum to 1
-    >>> if tracker.wants_labels(0):
-    ...     tracker.spatial_mix(0, attn @ tracker.labels())
-    >>> tracker.residual(0, keep=None)  # Z <- Z + attention(Z)
-    >>> tracker.residual(0, keep=None)  # Z <- Z + mlp(Z): channel mixing, labels unchanged
+    >>> labels = tracker.labels_for(0)  # None if the scheme left layer 0 alone
+    >>> mixed = attn @ labels if labels is not None else None
+    >>> tracker.residual(0, keep=None, mixed=mixed)  # Z <- Z + attention(Z)
+    >>> tracker.residual(0, keep=None, mixed=None)  # Z <- Z + mlp(Z): channel mixing, labels unchanged
     >>> tracker.pool("token", 0)
     >>> tracker.finish().target.tolist()
     [[0.5, 0.5], [0.5, 0.5]]
@@ -140,16 +141,8 @@ class AlignedOutput:
 class LabelTracker(Protocol):
     """The labels of one batch while a backbone runs; receives the adapter's events."""
 
-    def wants_labels(self, layer: int) -> bool:
-        """Whether the adapter must compute ``mean_h(A_h) @ labels()`` at ``layer``."""
-        ...
-
-    def labels(self) -> Tensor:
-        """Current labels ``(b, n, l)`` fp32, no grad."""
-        ...
-
-    def spatial_mix(self, layer: int, mixed: Tensor) -> None:
-        """The spatially mixed labels ``(b, n, l)`` of ``layer`` (its residual branch's labels)."""
+    def labels_for(self, layer: int) -> Tensor | None:
+        """Current labels ``(b, n, l)`` fp32, no grad, if the scheme aligns ``layer``; else ``None``."""
         ...
 
     def wants_class_attention(self, layer: int) -> bool:
@@ -160,8 +153,12 @@ class LabelTracker(Protocol):
         """The head-mean attention row of the class token ``(b, n)`` over all tokens."""
         ...
 
-    def residual(self, layer: int, keep: Tensor | None) -> None:
-        """A residual branch was added; ``keep`` ``(b,)`` bool marks samples that kept it."""
+    def residual(self, layer: int, keep: Tensor | None, *, mixed: Tensor | None) -> None:
+        """A residual branch was added; ``keep`` ``(b,)`` bool marks samples that kept it.
+
+        ``mixed`` ``(b, n, l)``: the branch's labels, its spatial mix applied to ``labels_for(layer)``;
+        ``None`` for a branch that mixes channels only (or a layer ``labels_for`` answered ``None``).
+        """
         ...
 
     def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:

@@ -45,7 +45,6 @@ class CompactTracker:
         self._dense = rules.uses_token_targets and label_map.token_targets is not None
         self._y: Tensor | None = None  # b n l, the aligned labels
         self._static: Tensor | None = None  # b n l, unaligned labels for token targets
-        self._pending: Tensor | None = None  # b n l, labels of the residual branch in flight
         self._class_weights: Tensor | None = None  # b k, the class-attention lambda
         self._readout: tuple[Readout, int] = ("token" if layout.class_token else "mean", layout.num_prefix)
         if rules.tracks_aligned or rules.tracks_input:
@@ -59,16 +58,9 @@ class CompactTracker:
             self._static = y0 if rules.tracks_input else None
 
     # ------------------------------------------------------------------ events
-    def wants_labels(self, layer: int) -> bool:
-        return self._rules.wants_labels(layer)
-
-    def labels(self) -> Tensor:
-        if self._y is None:
-            raise RuntimeError("labels() called on a tracker that aligns no labels; check wants_labels() first")
-        return self._y
-
-    def spatial_mix(self, layer: int, mixed: Tensor) -> None:
-        self._pending = mixed.detach().float()
+    def labels_for(self, layer: int) -> Tensor | None:
+        # an aligned layer implies tracked labels (``Rules.tracks_aligned``), so this is never a silent None
+        return self._y if self._rules.wants_labels(layer) else None
 
     def wants_class_attention(self, layer: int) -> bool:
         return self._rules.wants_class_attention(layer)
@@ -78,11 +70,15 @@ class CompactTracker:
         with _fp32(weights.device):
             self._class_weights = self._rules.class_weights(weights.detach().float(), area, self._layout.num_prefix)
 
-    def residual(self, layer: int, keep: Tensor | None) -> None:
-        branch, self._pending = self._pending, None
-        if branch is None or self._y is None:
-            return  # channel mixing: Norm(Y + Y) = Y
-        self._y = self._rules.residual(self._y, branch, keep)
+    def residual(self, layer: int, keep: Tensor | None, *, mixed: Tensor | None) -> None:
+        if mixed is None:
+            return  # channel mixing (or an unaligned layer): Norm(Y + Y) = Y
+        if self._y is None or not self._rules.wants_labels(layer):
+            raise ValueError(
+                f"residual(layer={layer}, mixed=...) got mixed labels for a layer this scheme does not align "
+                f"(labels_for({layer}) is None); pass mixed=None there, and mix labels only where labels_for answers"
+            )
+        self._y = self._rules.residual(self._y, mixed.detach().float(), keep)
 
     def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
         with _fp32(self._lm.device):

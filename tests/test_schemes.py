@@ -12,6 +12,7 @@ from mixlabels import backbones
 from mixlabels.backbones import attention_with_labels
 from mixlabels import (
     AlignedOutput,
+    LabelTracker,
     NoAlign,
     SchemeConfig,
     TLAlign,
@@ -45,27 +46,33 @@ def run_tracker(scheme: TLAlign, lm: TokenLabelMap, attention: str) -> torch.Ten
     tracker = scheme.start(lm, LAYOUT)
     n = LAYOUT.num_tokens
     for layer in range(LAYOUT.depth):
-        if tracker.wants_labels(layer):
-            y = tracker.labels()
+        y, mixed = tracker.labels_for(layer), None
+        if y is not None:
             q, k, v = (t.expand(y.shape[0], -1, -1, -1) for t in qk_for(attention, n))
             _, mixed = attention_with_labels(q, k, v, y, scale=8**-0.5)
-            tracker.spatial_mix(layer, mixed)
-        tracker.residual(layer, keep=None)
-        tracker.residual(layer, keep=None)
-    return tracker.labels()
+        tracker.residual(layer, keep=None, mixed=mixed)
+        tracker.residual(layer, keep=None, mixed=None)
+    return current_labels(tracker)
+
+
+def current_labels(tracker: LabelTracker, layer: int = 0) -> torch.Tensor:
+    """The tracker's labels now, asked through an aligned ``layer``."""
+    labels = tracker.labels_for(layer)
+    assert labels is not None
+    return labels
 
 
 # ---------------------------------------------------------------------------- hand-checkable
 @pytest.mark.parametrize("normalize", [True, False])
 def test_identity_attention_leaves_labels_unchanged(normalize: bool) -> None:
     lm = left_half_map()
-    start = TLAlign().start(lm, LAYOUT).labels()
+    start = current_labels(TLAlign().start(lm, LAYOUT))
     assert_close(run_tracker(TLAlign(normalize=normalize), lm, "identity"), start)
 
 
 def test_uniform_attention_drives_tokens_to_the_image_mean() -> None:
     lm = left_half_map()
-    start = TLAlign().start(lm, LAYOUT).labels()  # b n k
+    start = current_labels(TLAlign().start(lm, LAYOUT))  # b n k
     mean = start.mean(dim=1, keepdim=True)
     assert_close(mean[:, 0], lm.image_weights)  # class token = area mean, so the token mean is lambda
     got = run_tracker(TLAlign(), lm, "uniform")
@@ -107,16 +114,18 @@ def test_transmix_hand_checked() -> None:
 def test_dropped_branch_keeps_labels_and_layers_select() -> None:
     lm = left_half_map()
     tracker = TLAlign(layers=(1,)).start(lm, LAYOUT)
-    assert [tracker.wants_labels(i) for i in range(3)] == [False, True, False]
-    start = tracker.labels()
+    assert [tracker.labels_for(i) is not None for i in range(3)] == [False, True, False]
+    start = current_labels(tracker, 1)
     uniform = start.mean(dim=1, keepdim=True).expand_as(start)
-    tracker.spatial_mix(1, uniform)
-    tracker.residual(1, keep=torch.tensor([True, False]))
-    assert_close(tracker.labels()[0], (start[0] + uniform[0]) / 2)
-    assert_close(tracker.labels()[1], start[1])  # dropped by stochastic depth: unchanged
+    tracker.residual(1, keep=torch.tensor([True, False]), mixed=uniform)
+    assert_close(current_labels(tracker, 1)[0], (start[0] + uniform[0]) / 2)
+    assert_close(current_labels(tracker, 1)[1], start[1])  # dropped by stochastic depth: unchanged
+    with pytest.raises(ValueError, match=r"layer=0.*does not align.*pass mixed=None"):
+        tracker.residual(0, keep=None, mixed=uniform)  # a mix where the scheme asked for none: refused
+    assert_close(current_labels(tracker, 1)[1], start[1])  # ... and it left the labels alone
     with pytest.raises(ValueError, match="out of range"):
         TLAlign(layers=(3,)).start(lm, LAYOUT)
-    assert TLAlign(layers=(-1,)).start(lm, LAYOUT).wants_labels(2)
+    assert TLAlign(layers=(-1,)).start(lm, LAYOUT).labels_for(2) is not None
 
 
 def dense_drop_path_reference(lm: TokenLabelMap, attn: torch.Tensor, keeps: torch.Tensor, rule: str) -> torch.Tensor:
@@ -144,9 +153,8 @@ def test_drop_path_rule_against_a_dense_reference(rule: str) -> None:
     keeps = torch.tensor([[True, False, True], [False, False, True], [True, True, True]])  # layer b
     tracker = TLAlign(drop_path=rule).start(lm, LAYOUT)
     for layer in range(LAYOUT.depth):
-        tracker.spatial_mix(layer, attn[layer] @ tracker.labels())
-        tracker.residual(layer, keeps[layer])  # attention residual
-        tracker.residual(layer, ~keeps[layer])  # MLP residual: no spatial mix, labels unchanged whatever the draw
+        tracker.residual(layer, keeps[layer], mixed=attn[layer] @ current_labels(tracker, layer))  # attention residual
+        tracker.residual(layer, ~keeps[layer], mixed=None)  # MLP residual: no spatial mix, labels unchanged whatever the draw
     tracker.pool("token", 0)  # the class token, as the ViT adapter reads it
     got = tracker.finish().target
     assert_close(got, dense_drop_path_reference(lm, attn, keeps, rule))
@@ -169,7 +177,7 @@ def test_aggregate_sums_and_renormalises() -> None:
     lm = left_half_map()
     tracker = TLAlign().start(lm, TokenLayout(GRID, 0, 1, class_token=False))
     tracker.aggregate(lambda y: y.sum(dim=1, keepdim=True))  # merge all four tokens into one
-    assert_close(tracker.labels()[:, 0], lm.image_weights)
+    assert_close(current_labels(tracker)[:, 0], lm.image_weights)
     tracker.pool("mean", 0)
     assert_close(tracker.finish().target, lm.image_targets())
 
