@@ -46,20 +46,22 @@ class DataConfig(Config[None]):
     crop_padding: Annotated[int, Field(ge=0, description="tensor loader: random crop after zero padding by this")] = 4
     hflip: Annotated[float, Field(ge=0.0, le=1.0, description="probability of a horizontal flip")] = 0.5
     auto_augment: Annotated[str | None, Field(description="folder loader: timm auto-augment policy")] = None
-    mean: tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
-    std: tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
+    mean: Annotated[tuple[float, float, float], Field(description="per-channel mean the images are normalised by")] = (
+        0.4914, 0.4822, 0.4465)
+    std: Annotated[tuple[float, float, float], Field(description="per-channel std the images are normalised by")] = (
+        0.2470, 0.2435, 0.2616)
 
 
 class ModelConfig(Config[nn.Module]):
     """A timm model (``pretrained=False``); unset fields keep the timm factory's values."""
 
     name: Annotated[str, Field(description="timm model name")] = "deit_tiny_patch16_224"
-    img_size: int | None = 32
-    patch_size: int | None = 4
-    embed_dim: int | None = 64
-    depth: int | None = 6
-    num_heads: int | None = 2
-    mlp_ratio: float | None = None
+    img_size: Annotated[int | None, Field(description="timm's img_size (the job sets it to the data's)")] = 32
+    patch_size: Annotated[int | None, Field(description="timm's patch_size: pixels per token side")] = 4
+    embed_dim: Annotated[int | None, Field(description="timm's embed_dim: token width")] = 64
+    depth: Annotated[int | None, Field(description="timm's depth: transformer blocks")] = 6
+    num_heads: Annotated[int | None, Field(description="timm's num_heads: attention heads per block")] = 2
+    mlp_ratio: Annotated[float | None, Field(description="timm's mlp_ratio: MLP hidden width over embed_dim")] = None
     drop_path: Annotated[float, Field(ge=0.0, lt=1.0, description="stochastic depth rate")] = 0.1
     class_token: Annotated[bool | None, Field(description="timm's class_token (False for a pooled annotator)")] = None
     global_pool: Annotated[str | None, Field(description="timm's global_pool ('token', 'avg', ...)")] = None
@@ -68,7 +70,8 @@ class ModelConfig(Config[nn.Module]):
     ] = False
     init: Annotated[
         str | None,
-        Field(description="start from this file: a state dict or timm checkpoint, loaded strictly (fine-tuning)"),
+        Field(description="start from this file (fine-tuning): a state dict or timm checkpoint (.pth/.safetensors; "
+              "{'state_dict': ...}, {'model': ...} or {'state_dict_ema': ...} as timm's train.py writes), loaded strictly"),
     ] = None
 
     @model_validator(mode="after")
@@ -144,14 +147,14 @@ class RecipeConfig(Config[None]):
     batch_size: Annotated[int, Field(ge=2, description="global batch size (split over ranks)")] = 64
     opt: Annotated[str, Field(description="timm optimizer name")] = "adamw"
     lr: Annotated[float, Field(gt=0.0, description="peak learning rate (absolute, not scaled)")] = 1e-3
-    weight_decay: Annotated[float, Field(ge=0.0)] = 0.05
+    weight_decay: Annotated[float, Field(ge=0.0, description="AdamW's decoupled weight decay")] = 0.05
     warmup: Annotated[float, Field(ge=0.0, lt=1.0, description="fraction of the steps in linear warmup")] = 0.05
-    warmup_lr: Annotated[float, Field(ge=0.0)] = 1e-6
-    min_lr: Annotated[float, Field(ge=0.0)] = 1e-5
+    warmup_lr: Annotated[float, Field(ge=0.0, description="learning rate at the first warmup step")] = 1e-6
+    min_lr: Annotated[float, Field(ge=0.0, description="learning rate the cosine schedule ends at")] = 1e-5
     clip_grad: Annotated[float | None, Field(gt=0.0, description="clip the gradient norm to this")] = None
-    label_smoothing: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    label_smoothing: Annotated[float, Field(ge=0.0, lt=1.0, description="label smoothing of the targets")] = 0.1
     reprob: Annotated[float, Field(ge=0.0, le=1.0, description="random erasing probability")] = 0.25
-    remode: Literal["const", "rand", "pixel"] = "pixel"
+    remode: Annotated[Literal["const", "rand", "pixel"], Field(description="random erasing fill (timm's mode)")] = "pixel"
     mix_prob: Annotated[float, Field(ge=0.0, le=1.0, description="probability that a batch is mixed")] = 1.0
 
 
@@ -244,8 +247,8 @@ class AblationConfig(Config[None]):
     threads: Annotated[
         int | None, Field(ge=1, description="torch threads per rank (default: the idle cores, from the load average)")
     ] = None
-    eval_batch_size: PositiveInt = 500
-    quiet: bool = False
+    eval_batch_size: Annotated[PositiveInt, Field(description="images per evaluation batch (per rank)")] = 500
+    quiet: Annotated[bool, Field(description="no progress bars")] = False
     save_checkpoints: Annotated[
         bool, Field(description="keep every trained model as <out>/checkpoints/<run key>.pth (state dict)")
     ] = False
