@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mixlabels.backbones._common import branch
 from mixlabels import DenseTracker, Scheme, TokenLabelMap, TokenLayout
 
 __all__ = ["DenseRules", "conv_matrix", "window_matrix", "row_normalise", "drop_path_reference"]
@@ -64,12 +65,10 @@ def window_matrix(attn: Tensor, index: Tensor, n: int) -> Tensor:
 
 
 def drop_path_reference(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:
-    """timm's DropPath with the same draw, written out (reference)."""
-    prob = float(getattr(module, "drop_prob", 0.0))
-    if prob == 0.0 or not module.training:
-        return x, None
-    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - prob)
-    return x * (mask / (1.0 - prob) if getattr(module, "scale_by_keep", True) else mask), mask.flatten() > 0
+    """timm's DropPath with the same draw, and who kept the branch: the adapters' one helper
+    (``branch``), so fast and reference paths drop the same samples; the function-preservation
+    tests hold that helper to timm's own ``DropPath``."""
+    return branch(module, x)
 
 
 class DenseRules(DenseTracker):

@@ -17,20 +17,10 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import branch as through_drop_path
 from mixlabels import AlignedOutput, DenseTracker, Scheme, TokenLabelMap, TokenLayout
 
 __all__ = ["reference_forward"]
-
-
-def _drop_path(x: Tensor, module: nn.Module) -> tuple[Tensor, Tensor | None]:
-    """timm's DropPath, same RNG draw, and the per-sample keep flags."""
-    prob = float(getattr(module, "drop_prob", 0.0))
-    if prob == 0.0 or not module.training:
-        return x, None
-    keep_prob = 1.0 - prob
-    mask = x.new_empty((x.shape[0], 1, 1)).bernoulli_(keep_prob)  # b 1 1
-    scaled = mask / keep_prob if getattr(module, "scale_by_keep", True) else mask
-    return x * scaled, mask.view(-1) > 0
 
 
 def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
@@ -71,12 +61,12 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
         out = attn.norm(rearrange(out, "b h n d -> b n (h d)"))
         if getattr(attn, "gate", None) is not None:
             out = out * attn.gate(h).sigmoid()
-        branch, keep = _drop_path(blk.ls1(attn.proj_drop(attn.proj(out))), blk.drop_path1)
+        branch, keep = through_drop_path(blk.drop_path1, blk.ls1(attn.proj_drop(attn.proj(out))))
         tracker.mix(i, a.detach().double().mean(dim=1), keep)  # Eq. 9: head-mean attention on the labels
         if tracker.wants_class_attention(i):
             tracker.attend_class(a.detach().double()[:, :, 0].mean(dim=1))  # b n: the class token's row
         x = x + branch
-        branch, _ = _drop_path(blk.ls2(blk.mlp(blk.norm2(x))), blk.drop_path2)
+        branch, _ = through_drop_path(blk.drop_path2, blk.ls2(blk.mlp(blk.norm2(x))))
         x = x + branch  # MLP residual: Norm(Y + Y) = Y
     x = m.norm(x)
     output = m.forward_head(x)
