@@ -29,7 +29,7 @@ from einops import rearrange
 from timm.layers.drop import DropPath
 from torch import Tensor, nn
 
-from mixlabels import AlignedOutput, Scheme, TokenLabelMap
+from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._timm_face import TimmFace, check_distributed
 
@@ -39,6 +39,8 @@ __all__ = [
     "conv_label_kernel",
     "conv_mix",
     "sum_pool_merge",
+    "conv_aggregate",
+    "start_on_stem",
     "pool_labels",
     "mix_token_space",
     "check_static_conv",
@@ -164,6 +166,25 @@ def sum_pool_merge(grid: tuple[int, int], kernel: tuple[int, int], stride: tuple
         return pool_labels(labels, grid, kernel, stride, padding)[0]
 
     return merge, (int(out[0]), int(out[1]))
+
+
+def conv_aggregate(tracker: LabelTracker, grid: tuple[int, int], conv: Any) -> tuple[int, int]:
+    """The ``aggregate`` event of a strided conv (downsampling, a stem) over ``grid``: labels summed
+    over each of its windows. Returns the grid it produces."""
+    merge, out = sum_pool_merge(grid, conv.kernel_size, conv.stride, conv.padding)
+    tracker.aggregate(merge)
+    return out
+
+
+def start_on_stem(
+    scheme: Scheme, label_map: TokenLabelMap, start: tuple[int, int], grid: tuple[int, int], depth: int, stem: Any
+) -> LabelTracker:
+    """A pooled pyramid model's tracker: labels start on ``start`` (the pixels, or the token grid for a
+    token-space map) and, where that is the pixels, are summed over every window of the ``stem`` conv."""
+    tracker = scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=depth, class_token=False))
+    if start != grid:  # pixel labels summed over every stem window
+        conv_aggregate(tracker, start, stem)
+    return tracker
 
 
 def mix_token_space(x: Tensor, label_map: TokenLabelMap, channels_last: bool) -> Tensor:

@@ -27,7 +27,7 @@ from timm.models.convnext import ConvNeXt, ConvNeXtBlock
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, mix_token_space, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -105,9 +105,7 @@ class AdaptedConvNeXt(AdaptedBase):
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):
-                conv = stage.downsample[1]
-                merge, grid = sum_pool_merge(grid, conv.kernel_size, conv.stride, conv.padding)
-                tracker.aggregate(merge)
+                grid = conv_aggregate(tracker, grid, stage.downsample[1])
             x = stage.downsample(x)
             for blk in stage.blocks:
                 x = self._block(blk, x, layer, tracker, grid)

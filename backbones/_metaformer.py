@@ -41,10 +41,10 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
-from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 
 __all__ = ["AdaptedMetaFormer", "METAFORMER_FAMILY", "pooling_mix"]
 
@@ -155,17 +155,11 @@ class AdaptedMetaFormer(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         depth = sum(len(stage.blocks) for stage in m.stages)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=depth, class_token=False))
-        if start != grid:  # pixel labels summed over every stem window
-            stem = m.stem.conv
-            merge, _ = sum_pool_merge(start, stem.kernel_size, stem.stride, stem.padding)
-            tracker.aggregate(merge)
+        tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.stem.conv)
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):
-                conv = stage.downsample.conv
-                merge, grid = sum_pool_merge(grid, conv.kernel_size, conv.stride, conv.padding)
-                tracker.aggregate(merge)
+                grid = conv_aggregate(tracker, grid, stage.downsample.conv)
                 x = stage.downsample(x)
             x = _to_tokens(stage, x)
             for blk in stage.blocks:
