@@ -7,6 +7,7 @@ Every measured figure of the project's documents comes from here, so none is typ
     python -m benchmarks.report --add-ablation runs/ablation/table7-cifar10-deit_tiny_patch16_224
     python -m benchmarks.report --add-speed runs/speed/speed-cpu-20261123-181500.json
     python -m benchmarks.report --add-analysis runs/analysis-sharpened/analysis.json
+    python -m benchmarks.report --add-rmse scratch=runs/a0/analysis.json fine-tuned=runs/a1/analysis.json
 
 ``--add-ablation`` and ``--add-speed`` copy a trimmed summary of a benchmark's output
 (no checkpoints, no per-step arrays) into ``benchmarks/results/<section>.json`` and
@@ -36,7 +37,7 @@ from benchmarks._archive import REPO_ROOT
 from benchmarks._provenance import provenance
 
 __all__ = ["RESULTS_DIR", "RESULTS_MD", "SECTIONS", "render", "render_readme", "summarize_ablation", "summarize_speed",
-           "summarize_analysis", "main"]
+           "summarize_analysis", "summarize_rmse", "main"]
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 RESULTS_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
@@ -113,7 +114,7 @@ def render_ablation(summary: dict[str, Any]) -> str:
                   f"{train / 60:.1f} min of training in all.", ""]
     if missing:
         lines += [f"Not finished: {', '.join(p.name for p in missing)} (shown as -).", ""]
-    lines.append(ablation.render_markdown(cfg, planned, records, summary.get("annotator")).rstrip("\n"))
+    lines.append(ablation.render_markdown(cfg, planned, records, summary.get("annotator"), summary.get("base")).rstrip("\n"))
     return "\n".join(lines)
 
 
@@ -132,12 +133,13 @@ def summarize_ablation(out: Path, *, command: str | None = None, same_machine: b
         results = json.loads(results_file.read_text())
         cfg = AblationConfig.model_validate(results["config"])
         records, prov, teacher = results["runs"], results.get("provenance"), results.get("annotator")
+        base = results.get("base")
     else:
         if command is None:
             raise FileNotFoundError(f"no results.json in {out} (the job has not finished): pass --command "
                                     "'python benchmarks/ablation.py ...' (as it was run) to take its finished run files")
         cfg, _ = ablation.resolve_config(shlex.split(command)[2:])
-        records, prov, teacher = [], None, None
+        records, prov, teacher, base = [], None, None, None
     num_classes = 10 if cfg.data.source in ("cifar10", "imagenette") else None
     if num_classes is None:
         raise ValueError(f"--add-ablation knows the class count of cifar10 and imagenette only, not {cfg.data.source}")
@@ -153,6 +155,9 @@ def summarize_ablation(out: Path, *, command: str | None = None, same_machine: b
         records = [by_key[p.key] for p in planned if p.key in by_key]
         if not records:
             raise FileNotFoundError(f"no finished run of {command!r} in {out / 'runs'}")
+    if base is None and cfg.profile == "finetune":  # a job still running: its base model's run file
+        base_file = out / "runs" / f"{planned[0].run.base}.json"
+        base = json.loads(base_file.read_text()) if base_file.is_file() else None
     if prov is None:
         if command is None or not same_machine:
             raise ValueError(f"{out} has no provenance (written before the ablation recorded it): pass --command "
@@ -170,8 +175,10 @@ def summarize_ablation(out: Path, *, command: str | None = None, same_machine: b
         "device_type": device_type,
         "runs": [{k: r[k] for k in keep if k in r} for r in records],
         "annotator": _trim_teacher(teacher),
+        "base": {"run": base["run"], "result": base["result"]} if base else None,
     }
-    return _ABLATION_TABLE_NAME[cfg.table], summary
+    # a fine-tuning job is its own table: it never replaces the from-scratch one
+    return _ABLATION_TABLE_NAME[cfg.table] + ("-finetune" if cfg.profile == "finetune" else ""), summary
 
 
 def _trim_teacher(teacher: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -267,6 +274,38 @@ def summarize_analysis(path: Path) -> tuple[str, dict[str, Any]]:
     return name, summary
 
 
+def summarize_rmse(items: Sequence[tuple[str, Path]]) -> tuple[str, dict[str, Any]]:
+    """``("analysis-finetune", summary)``: the CutMix-vs-TL-Align target RMSE of several analysed checkpoints.
+
+    ``items``: ``(label, analysis.json)`` pairs, e.g. a model trained from scratch, the finetune
+    profile's base model and a cell fine-tuned from it, analysed on the same images.
+    """
+    rows = []
+    for label, path in items:
+        name, one = summarize_analysis(path)
+        if name != "analysis-trained":
+            raise ValueError(f"{path} analysed a random-init model: --add-rmse compares trained checkpoints")
+        rows.append({"label": label, "checkpoint": one["config"]["checkpoint"], "model": one["model"],
+                     "images": one["images"], "grid": one["grid"], "rmse": one["rmse"],
+                     "last_block_error": {k: v[-1] for k, v in one["mean_abs_error_vs_similarity"].items()},
+                     "provenance": one["provenance"]})
+    if not rows:
+        raise ValueError("--add-rmse needs at least one LABEL=analysis.json")
+    return "analysis-finetune", {"kind": "rmse", "provenance": rows[0]["provenance"], "rows": rows}
+
+
+def render_rmse(summary: dict[str, Any]) -> str:
+    """One row per analysed checkpoint: how far TL-Align's targets moved from the area (CutMix) targets."""
+    lines = ["| model | images | RMSE(CutMix, TL-Align targets) | last block: mean abs error to the similarity ratio, "
+             "CutMix / TL-Align | command |", "| --- | ---: | ---: | ---: | --- |"]
+    for r in summary["rows"]:
+        err = r["last_block_error"]
+        lines.append(f"| {r['label']} | {r['images']} | {r['rmse']:.4f} | {err.get('cutmix', math.nan):.3f} / "
+                     f"{err.get('tl_align', math.nan):.3f} | `{r['provenance'].get('command', 'unknown')}` |")
+    dates = sorted({str(r["provenance"].get("date")) for r in summary["rows"]})
+    return "\n".join([provenance_line(summary["provenance"]), "", f"Analysed {', '.join(dates)}.", "", *lines])
+
+
 def render_analysis(summary: dict[str, Any]) -> str:
     """Each scheme's mean |ratio - similarity ratio| per block, and the RMSE of CutMix vs TL-Align targets."""
     errors: dict[str, list[float]] = summary["mean_abs_error_vs_similarity"]
@@ -343,6 +382,18 @@ SECTIONS: tuple[Section, ...] = (
             "python benchmarks/analysis.py --data cifar10 --checkpoint runs/ablation/size-d64/checkpoints/<key>.pth",
             "The same measures on a model the ablation trained (`--save-checkpoints`; the analysis reads the run file "
             "next to the checkpoint for its head count).", render_analysis),
+    Section("table7-finetune", "Table 7 fine-tuned from a trained model (CPU)",
+            "python benchmarks/ablation.py --profile finetune --seeds 0-9 --base-epochs 40 --save-checkpoints",
+            "The question the from-scratch table cannot answer: does TL-Align help once attention is trained? One "
+            "base model (the same DeiT) is trained with CutMix on Imagenette at 32 px, then every cell fine-tunes it "
+            "on CIFAR-10 with the CPU default recipe; ten seeds per cell, paired per seed.", render_ablation),
+    Section("analysis-finetune", "Analysis: do aligned labels move further on trained attention?",
+            "python benchmarks/analysis.py --data cifar10 --batch-size 64 --checkpoint <checkpoint> --out <dir> "
+            "(once per model)",
+            "The RMSE between the CutMix (area) targets and the TL-Align targets on the same CutMix batch of CIFAR-10 "
+            "training images (the analysis' Fig. 3 measure), for a model trained from scratch at the CPU default, the "
+            "finetune profile's base model and a cell fine-tuned from it. 0 means alignment changed nothing.",
+            render_rmse),
     Section("speed-cuda", "Training-step cost of alignment (GPU)",
             "python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128",
             "The paper's Table 2 setting (DeiT-S, batch 128, bf16).", _steps_or_missing),
@@ -362,7 +413,8 @@ def _section_body(section: Section, found: dict[str, dict[str, Any]]) -> str:
     if section.name in found:
         return section.render(found[section.name])
     add = ("--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else
-           "--add-analysis <its out dir>/analysis.json" if section.name.startswith("analysis")
+           "--add-rmse LABEL=<its out dir>/analysis.json ..." if section.name == "analysis-finetune"
+           else "--add-analysis <its out dir>/analysis.json" if section.name.startswith("analysis")
            else "--add-ablation <its output dir>")
     return f"Not measured for this version. Run `{section.command}`, then `python -m benchmarks.report {add}`."
 
@@ -408,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--add-ablation", type=Path, metavar="DIR", help="an ablation output directory (--out)")
     p.add_argument("--add-speed", type=Path, metavar="FILE", help="a speed.py JSON (runs/speed/speed-<device>-*.json)")
     p.add_argument("--add-analysis", type=Path, metavar="FILE", help="an analysis.py JSON (<out>/analysis.json)")
+    p.add_argument("--add-rmse", nargs="+", metavar="LABEL=FILE",
+                   help="analysis.py JSONs of trained checkpoints, each with a row label: the RMSE comparison")
     p.add_argument("--command", help="--add-ablation: the command that ran it, when its output does not record it")
     p.add_argument("--same-machine", action="store_true",
                    help="--add-ablation of output without provenance: this machine ran it (take cores, CPU, torch here)")
@@ -423,6 +477,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             added.append(summarize_speed(args.add_speed))
         if args.add_analysis is not None:
             added.append(summarize_analysis(args.add_analysis))
+        if args.add_rmse is not None:
+            bad = [item for item in args.add_rmse if "=" not in item]
+            if bad:
+                raise ValueError(f"--add-rmse takes LABEL=FILE pairs, got {', '.join(bad)}")
+            added.append(summarize_rmse([(label, Path(file)) for label, file in (i.split("=", 1) for i in args.add_rmse)]))
         for name, summary in added:
             args.results_dir.mkdir(parents=True, exist_ok=True)
             (args.results_dir / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -134,3 +134,52 @@ def test_add_analysis_keeps_the_errors_and_the_rmse(tmp_path: Path) -> None:
     (tmp_path / "analysis.json").write_text(json.dumps(numbers))
     with pytest.raises(ValueError, match="--sharpen"):
         report.summarize_analysis(tmp_path / "analysis.json")
+
+
+def _fake_analysis(path: Path, checkpoint: str | None, rmse: float, command: str) -> Path:
+    errors = {"cutmix": [0.3, 0.4], "tl_align": [0.2, 0.25]}
+    numbers = {"config": {"sharpen": 1.0, "checkpoint": checkpoint}, "model": {"name": "deit_tiny_patch16_224"},
+               "initialisation": "trained", "grid": [8, 8], "classes": ["a"] * 64, "rmse": rmse,
+               "per_block_sample0": {"mean_abs_error_vs_similarity": errors},
+               "rmse_by_size": [{"label": "analysed model", "kind": "main", "rmse": rmse}],
+               "provenance": {**PROVENANCE, "command": command}}
+    path.write_text(json.dumps(numbers))
+    return path
+
+
+def test_add_rmse_compares_trained_checkpoints_row_by_row(tmp_path: Path) -> None:
+    scratch = _fake_analysis(tmp_path / "a.json", "s.pth", 0.0125, "analysis.py --checkpoint s.pth")
+    tuned = _fake_analysis(tmp_path / "b.json", "t.pth", 0.0625, "analysis.py --checkpoint t.pth")
+    name, summary = report.summarize_rmse([("from scratch", scratch), ("fine-tuned", tuned)])
+    assert name == "analysis-finetune" and [r["label"] for r in summary["rows"]] == ["from scratch", "fine-tuned"]
+    text = report.render_rmse(summary)
+    assert "| from scratch | 64 | 0.0125 | 0.400 / 0.250 | `analysis.py --checkpoint s.pth` |" in text
+    assert "| fine-tuned | 64 | 0.0625 | 0.400 / 0.250 | `analysis.py --checkpoint t.pth` |" in text
+    random_init = _fake_analysis(tmp_path / "c.json", None, 0.01, "analysis.py")
+    with pytest.raises(ValueError, match="--sharpen"):  # a random-init, unsharpened run shows nothing
+        report.summarize_rmse([("random", random_init)])
+    results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
+    readme.write_text(report.README.read_text())
+    paths = ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
+    assert report.main(["--add-rmse", f"scratch={scratch}", *paths]) == 0
+    assert (results / "analysis-finetune.json").is_file() and "| scratch | 64 | 0.0125 |" in md.read_text()
+    assert report.main(["--add-rmse", str(scratch), *paths]) == 2  # no LABEL=
+
+
+def test_a_finetune_job_is_its_own_section_with_its_base_model(tmp_path: Path) -> None:
+    cfg, _ = ablation.resolve_config([*TINY, "--profile", "finetune", "--out", str(tmp_path / "out")])
+    planned = ablation.plan(cfg, 10, "cpu")
+    base_run = ablation.base_run(cfg, 10, "cpu")
+    base = {"run": base_run.model_dump(mode="json"),
+            "result": {"top1": 55.5, "steps": 1176, "train_seconds": 60.0}}
+    records = [{"table": 7, "row": p.cell.row, "label": p.cell.label, "aligned": p.cell.aligned, "seed": p.seed,
+                "key": p.key, "result": {"top1": 30.0 + p.seed, "train_seconds": 10.0, "steps": 2}, "finished": 1.9e9}
+               for p in planned]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.json").write_text(json.dumps({
+        "config": cfg.model_dump(mode="json"), "runs": records, "annotator": None, "base": base,
+        "provenance": PROVENANCE}))
+    name, summary = report.summarize_ablation(tmp_path / "out")
+    assert name == "table7-finetune" and summary["base"]["result"]["top1"] == 55.5
+    text = report.render_ablation(summary)
+    assert "Fine-tuned from one base model" in text and "top-1 55.50% on its own test images" in text
