@@ -23,7 +23,7 @@ from pydantic import TypeAdapter
 from mixlabels import SCHEMES as REGISTRY
 from mixlabels import Scheme, SchemeConfig, TokenLabelMap
 
-__all__ = ["SCHEMES", "SupportRow", "support_matrix", "support_markdown"]
+__all__ = ["SCHEMES", "SupportRow", "support_matrix", "support_markdown", "support_summary"]
 
 # The README table's columns: the core registry's defaults (which name them), plus aligned token labeling.
 SCHEMES: dict[str, Scheme] = {
@@ -96,4 +96,31 @@ def support_markdown(rows: list[SupportRow] | None = None) -> str:
     lines += [f"[{i + 1}] {why}" for i, why in enumerate(reasons)]
     lines.append("")
     lines += [f"- **{fam}**: {cell[(fam, schemes[0])].description}" for fam in families]
+    return "\n".join(lines) + "\n"
+
+
+def _short(reason: str) -> str:
+    """A refusal in a few words (the full text is in docs/families.md)."""
+    if "no class token" in reason:
+        return "no class token"
+    if "works for any classifier" in reason:
+        return "NoAlign only"
+    return reason.split(";")[0][:80]
+
+
+def support_summary(rows: list[SupportRow] | None = None) -> str:
+    """The matrix per scheme (the README's short form): which families each scheme takes, and why not the rest."""
+    rows = support_matrix() if rows is None else rows
+    schemes = list(dict.fromkeys(r.scheme for r in rows))
+    families = list(dict.fromkeys(r.family for r in rows))
+    lines = [f"{len(families)} families; the full matrix, with what each family covers: "
+             "[docs/families.md](docs/families.md).", "",
+             "| scheme | families | refused |", "| --- | --- | --- |"]
+    for s in schemes:
+        took = [r.family for r in rows if r.scheme == s and r.supported]
+        refused = [r for r in rows if r.scheme == s and not r.supported]
+        whys = list(dict.fromkeys(_short(r.reason) for r in refused))
+        why = "; ".join(f"{', '.join(r.family for r in refused if _short(r.reason) == w)} ({w})" for w in whys)
+        shown = "all" if len(took) == len(families) else ", ".join(took)
+        lines.append(f"| `{s}` | {shown} | {why or '-'} |")
     return "\n".join(lines) + "\n"
