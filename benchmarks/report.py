@@ -219,6 +219,33 @@ def render_steps(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_families(summary: dict[str, Any]) -> str:
+    """``speed.py --families``: per family, TL-Align's step time and allocator peaks as ratios to CutMix + NoAlign."""
+    from benchmarks.speed import BASELINE, LABELS
+
+    cfg = summary["config"]
+    variants = [v for v in cfg["variants"] if v != BASELINE]
+    lines = [provenance_line(summary["provenance"]), "",
+             f"One small timm model per family at its default input size, batch {cfg['batch_size']}, "
+             f"{cfg['repeats']} interleaved rounds of {cfg['steps']} steps; time: the paired per-round ratio to "
+             f"{LABELS[BASELINE]} (median [min, max]); alloc peak: ratio of the allocator's peak live bytes (model, "
+             "optimizer state, batch and step); alloc step: ratio of what the step adds on top. Target: time <= 1.03, "
+             "alloc <= 1.01.", "",
+             "| family | model (CutMix step ms) | " + " | ".join(
+                 f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + " |",
+             "| --- | --- |" + " ---: | ---: | ---: |" * len(variants)]
+    for family, row in summary["families"].items():
+        cells = []
+        for v in variants:
+            s = row["steps"].get(v)
+            cells.append("refused | - | -" if s is None else
+                         f"{_f(s['time_ratio'], 3)} [{_f(s['time_ratio_min'], 3)}, {_f(s['time_ratio_max'], 3)}] | "
+                         f"{_f(s.get('alloc_ratio'), 4)} | {_f(s.get('alloc_step_ratio'), 4)}")
+        base = row["steps"][BASELINE]
+        lines.append(f"| {family} | `{row['model']}` ({_f(base['step_ms_median'], 0)}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def render_mixers(summary: dict[str, Any]) -> str:
     """The mixer table of ``speed.py``: time per batch, paired ratio to timm's batch-mode ``Mixup``."""
     cfg = summary["config"]
@@ -243,6 +270,10 @@ def summarize_speed(path: Path) -> tuple[str, dict[str, Any]]:
         return {name: {k: v for k, v in row.items() if k not in _DROP} for name, row in table.items()}
 
     device = "cuda" if str(result["config"]["device"]).startswith("cuda") else "cpu"
+    if "families" in result:  # speed.py --families: one row per family, its own section
+        families = {name: {**row, "steps": trim(row["steps"])} for name, row in result["families"].items()}
+        return f"speed-families-{device}", {"kind": "speed-families", "provenance": result["provenance"],
+                                            "config": result["config"], "families": families}
     summary = {"kind": "speed", "provenance": result["provenance"], "config": result["config"],
                **{part: trim(result[part]) for part in ("steps", "mixers") if part in result}}
     return f"speed-{device}", summary
@@ -369,6 +400,11 @@ SECTIONS: tuple[Section, ...] = (
             "Variants run interleaved in one process; memory is measured in one fresh process per variant. "
             "`alloc` columns: the peak of live bytes in torch's CPU allocator (exact, the same in every run); "
             "peak RSS moves by a few percent between processes.", _steps_or_missing),
+    Section("speed-families-cpu", "Training-step cost of alignment per backbone family (CPU)",
+            "python benchmarks/speed.py --families --batch-size 8 --steps 2 --warmup 1 --repeats 5 "
+            "--variants cutmix tlalign",
+            "Every aligning family's own small model (`FAMILY_MODELS` in `benchmarks/speed.py`), variants interleaved "
+            "in one process, memory measured in a fresh process per variant.", render_families),
     Section("speed-cpu", "Mixer cost (CPU)", _SPEED_CPU,
             "Every mixer builds its `TokenLabelMap` and image targets; timm, kornia and torchvision mixers for "
             "comparison.", _mixers_or_missing),
@@ -412,7 +448,8 @@ def _load(results_dir: Path) -> dict[str, dict[str, Any]]:
 def _section_body(section: Section, found: dict[str, dict[str, Any]]) -> str:
     if section.name in found:
         return section.render(found[section.name])
-    add = ("--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else
+    add = ("--add-speed runs/speed/speed-families-cpu-<stamp>.json" if section.name.startswith("speed-families") else
+           "--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else
            "--add-rmse LABEL=<its out dir>/analysis.json ..." if section.name == "analysis-finetune"
            else "--add-analysis <its out dir>/analysis.json" if section.name.startswith("analysis")
            else "--add-ablation <its output dir>")

@@ -596,8 +596,10 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
 # --------------------------------------------------------------------------- per family
 
 
-def measure_families(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
-    """``measure_steps`` on ``FAMILY_MODELS[f]`` for every family asked for, one after the other."""
+def measure_families(args: argparse.Namespace, progress: Callable[[str], None],
+                     save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """``measure_steps`` on ``FAMILY_MODELS[f]`` for every family asked for, one after the other;
+    ``save(rows)`` after each (a run cut short keeps the families it measured)."""
     rows: dict[str, Any] = {}
     unknown = [f for f in args.families or () if f not in FAMILY_MODELS]
     if unknown:
@@ -609,6 +611,8 @@ def measure_families(args: argparse.Namespace, progress: Callable[[str], None]) 
         rows[family] = {"model": FAMILY_MODELS[family], "steps": measure_steps(fam_args, progress, refused), "refused": refused}
         # Each family's row as soon as it is measured: a long run cut short still says something.
         progress(format_families({**result_head(args), "families": {family: rows[family]}}).splitlines()[-1])
+        if save is not None:
+            save(rows)
     return rows
 
 
@@ -763,12 +767,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "provenance": provenance(device=args.device),
     }
     if args.families is not None:
-        result["families"] = measure_families(args, progress)
-        report = format_families(result)
-        print(report)
         args.out.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        (args.out / f"speed-families-{args.device}-{stamp}.json").write_text(json.dumps(result, indent=2))
+        path = args.out / f"speed-families-{args.device}-{stamp}.json"
+
+        def save(rows: dict[str, Any]) -> None:
+            path.write_text(json.dumps({**result, "families": rows}, indent=2))
+
+        result["families"] = measure_families(args, progress, save)
+        result["provenance"] = finish(result["provenance"])
+        save(result["families"])
+        report = format_families(result)
+        print(report)
         (args.out / f"speed-families-{args.device}-{stamp}.md").write_text(report + "\n")
         return result
     if args.only in (None, "steps"):

@@ -183,3 +183,19 @@ def test_a_finetune_job_is_its_own_section_with_its_base_model(tmp_path: Path) -
     assert name == "table7-finetune" and summary["base"]["result"]["top1"] == 55.5
     text = report.render_ablation(summary)
     assert "Fine-tuned from one base model" in text and "top-1 55.50% on its own test images" in text
+
+
+def test_add_speed_of_a_families_run_is_its_own_section(tmp_path: Path) -> None:
+    row = {"img_s": 4.0, "step_ms_median": 500.0, "step_ms_min": 490.0, "step_ms_max": 510.0, "peak_mb": 900.0,
+           "step_mb": 100.0, "alloc_peak_mb": 300.0, "alloc_step_mb": 120.0, "step_s_per_round": [0.5, 0.5]}
+    aligned = {**row, "time_ratio": 1.025, "time_ratio_min": 1.01, "time_ratio_max": 1.04, "alloc_ratio": 1.0,
+               "alloc_step_ratio": 1.0005}
+    config = {"device": "cpu", "variants": ["cutmix", "tlalign"], "batch_size": 8, "repeats": 5, "steps": 2}
+    families = {"swin": {"model": "swin_tiny_patch4_window7_224", "steps": {"cutmix": row, "tlalign": aligned},
+                         "refused": {}}}
+    (tmp_path / "f.json").write_text(json.dumps({"device": "CPU", "command": "speed.py --families", "config": config,
+                                                 "provenance": PROVENANCE, "families": families}))
+    name, summary = report.summarize_speed(tmp_path / "f.json")
+    assert name == "speed-families-cpu" and "step_s_per_round" not in json.dumps(summary)
+    text = report.render_families(summary)
+    assert "| swin | `swin_tiny_patch4_window7_224` (500) | 1.025 [1.010, 1.040] | 1.0000 | 1.0005 |" in text
