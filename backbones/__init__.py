@@ -23,6 +23,7 @@ Example:
 from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
 from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._attention import attention_with_labels
+from mixlabels.backbones._beit import AdaptedBeit
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._count import TierCount, count_timm_names
@@ -53,6 +54,7 @@ __all__ = [
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
     "AdaptedRelPosViT",
+    "AdaptedBeit",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

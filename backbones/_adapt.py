@@ -21,6 +21,7 @@ from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
+from mixlabels.backbones._beit import BEIT_FAMILY, AdaptedBeit
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
@@ -93,6 +94,9 @@ _REGISTRY: list[Family] = [
     Family("vit_relpos", RELPOS_FAMILY, AdaptedRelPosViT.refusal, AdaptedRelPosViT,
            _tiny("vit_relpos_medium_patch16_cls_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
                  rel_pos_dim=16), ("vision_transformer_relpos",)),
+    Family("beit", BEIT_FAMILY, AdaptedBeit.refusal, AdaptedBeit,
+           _tiny("beit_base_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+           ("beit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

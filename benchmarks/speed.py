@@ -132,6 +132,7 @@ FAMILY_MODELS = {
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
     "vit_relpos": "vit_relpos_small_patch16_224",
+    "beit": "beit_base_patch16_224",
 }
 
 
