@@ -28,6 +28,7 @@ from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
+from mixlabels.backbones._eva import AdaptedEva
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
@@ -55,6 +56,7 @@ __all__ = [
     "AdaptedMetaFormer",
     "AdaptedRelPosViT",
     "AdaptedBeit",
+    "AdaptedEva",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

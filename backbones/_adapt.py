@@ -24,6 +24,7 @@ from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_
 from mixlabels.backbones._beit import BEIT_FAMILY, AdaptedBeit
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
@@ -97,6 +98,9 @@ _REGISTRY: list[Family] = [
     Family("beit", BEIT_FAMILY, AdaptedBeit.refusal, AdaptedBeit,
            _tiny("beit_base_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
            ("beit",)),
+    Family("eva", EVA_FAMILY, AdaptedEva.refusal, AdaptedEva,
+           _tiny("vit_small_patch16_rope_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+           ("eva",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

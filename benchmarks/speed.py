@@ -133,6 +133,7 @@ FAMILY_MODELS = {
     "metaformer": "poolformerv2_s12",
     "vit_relpos": "vit_relpos_small_patch16_224",
     "beit": "beit_base_patch16_224",
+    "eva": "eva02_tiny_patch14_224",
 }
 
 
