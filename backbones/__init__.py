@@ -23,13 +23,16 @@ Example:
 from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
 from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._attention import attention_with_labels
+from mixlabels.backbones._beit import AdaptedBeit
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
+from mixlabels.backbones._eva import AdaptedEva
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
+from mixlabels.backbones._relpos import AdaptedRelPosViT
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
@@ -51,6 +54,9 @@ __all__ = [
     "AdaptedMixer",
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
+    "AdaptedRelPosViT",
+    "AdaptedBeit",
+    "AdaptedEva",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

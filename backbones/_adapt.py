@@ -21,11 +21,14 @@ from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
+from mixlabels.backbones._beit import BEIT_FAMILY, AdaptedBeit
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
+from mixlabels.backbones._relpos import RELPOS_FAMILY, AdaptedRelPosViT
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
@@ -89,6 +92,15 @@ _REGISTRY: list[Family] = [
     Family("metaformer", METAFORMER_FAMILY, AdaptedMetaFormer.refusal, AdaptedMetaFormer,
            _tiny(MetaFormer, depths=(1, 1, 1), dims=(8, 16, 32), token_mixers=(Pooling, SepConv, MetaAttention),
                  norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
+    Family("vit_relpos", RELPOS_FAMILY, AdaptedRelPosViT.refusal, AdaptedRelPosViT,
+           _tiny("vit_relpos_medium_patch16_cls_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                 rel_pos_dim=16), ("vision_transformer_relpos",)),
+    Family("beit", BEIT_FAMILY, AdaptedBeit.refusal, AdaptedBeit,
+           _tiny("beit_base_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+           ("beit",)),
+    Family("eva", EVA_FAMILY, AdaptedEva.refusal, AdaptedEva,
+           _tiny("vit_small_patch16_rope_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+           ("eva",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

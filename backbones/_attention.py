@@ -348,18 +348,22 @@ def explicit_mix(a: Tensor, labels: Tensor) -> Tensor:
         return reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels.detach().float()
 
 
-def class_attention(q: Tensor, k: Tensor, scale: float, index: int = 0) -> Tensor:
+def class_attention(q: Tensor, k: Tensor, scale: float, index: int = 0, bias: Tensor | None = None) -> Tensor:
     """Head-mean attention row of one query token over all tokens, without the full matrix.
 
     Args:
         q, k: ``(b, h, n, d)``.
         index: the query token (the class token).
+        bias: the attention's additive bias broadcastable to ``(b, h, n, n)`` (a relative
+            position bias), or ``None``: its row ``index`` joins the scores.
 
     Returns:
         ``(b, n)`` fp32, no grad, rows sum to 1.
     """
     with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
         scores = torch.einsum("bhd,bhnd->bhn", q[:, :, index].float(), k.float()) * scale  # b h n
+        if bias is not None:
+            scores = scores + bias[..., index, :].float()
         return reduce(scores.softmax(dim=-1), "b h n -> b n", "mean")
 
 

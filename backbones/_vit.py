@@ -10,19 +10,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, reduce
+from einops import rearrange
 from timm.layers.attention import Attention
 from timm.layers.patch_embed import PatchEmbed
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
-from mixlabels.backbones._attention import attention_with_labels, class_attention
+from mixlabels.backbones._attention import attention_with_labels, class_attention, explicit_mix
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._vit_reference import reference_forward
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
-__all__ = ["AdaptedViT", "VIT_FAMILY", "vit_refusal"]
+__all__ = ["AdaptedViT", "VIT_FAMILY", "attend", "vit_refusal"]
 
 VIT_FAMILY = (
     "timm VisionTransformer (ViT/DeiT with a class token; VisionTransformerDistilled with its distillation "
@@ -119,24 +119,39 @@ class AdaptedViT(AdaptedBase):
         gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
         q, k, v = rearrange(attn.qkv(x), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
         q, k = attn.q_norm(q), attn.k_norm(k)
-        dropout_p = attn.attn_drop.p if attn.training else 0.0
-        if tracker.wants_class_attention(layer):
-            tracker.class_attention(layer, class_attention(q, k, attn.scale))  # b n, from q_cls only
-        labels, mixed = tracker.labels_for(layer), None
-        if not attn.fused_attn:
-            # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
-            a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # b h n n
-            if labels is not None:
-                mean = reduce(a.detach().float(), "b h n m -> b n m", "mean")
-                with torch.autocast(device_type=mean.device.type, enabled=False):  # labels stay fp32
-                    mixed = mean @ labels
-            out = attn.attn_drop(a) @ v
-        elif labels is not None:
-            out, mixed = attention_with_labels(q, k, v, labels, attn.scale, dropout_p)  # mixed: b n l
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        out, mixed = attend(attn, q, k, v, layer, tracker)
         out = rearrange(out, "b h n d -> b n (h d)")
         out = attn.norm(out) if hasattr(attn, "norm") else out
         if gate is not None:
             out = out * gate
         return attn.proj_drop(attn.proj(out)), mixed
+
+
+def attend(
+    attn: Any, q: Tensor, k: Tensor, v: Tensor, layer: int, tracker: LabelTracker, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Self-attention of a timm attention module (``scale``, ``attn_drop``, ``fused_attn``) with its events.
+
+    Args:
+        q, k, v: ``(b, h, n, d)``, after any q/k norm or rotary embedding (the mixing weights are
+            the attention rows whatever made q and k).
+        bias: an additive bias broadcastable to ``(b, h, n, n)`` (a relative position bias), or ``None``.
+
+    Returns:
+        The output ``(b, h, n, d)`` as timm computes it (its explicit path when ``fused_attn`` is off)
+        and, when the scheme aligns ``layer``, the mixed labels ``(b, n, l)``.
+    """
+    if tracker.wants_class_attention(layer):
+        tracker.class_attention(layer, class_attention(q, k, attn.scale, bias=bias))  # b n, from q_cls only
+    labels, mixed = tracker.labels_for(layer), None
+    if not attn.fused_attn:
+        # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
+        scores = (q * attn.scale) @ k.transpose(-2, -1)  # b h n n
+        a = (scores if bias is None else scores + bias).softmax(dim=-1)
+        if labels is not None:
+            mixed = explicit_mix(a, labels)
+        return attn.attn_drop(a) @ v, mixed
+    dropout_p = attn.attn_drop.p if attn.training else 0.0
+    if labels is not None:
+        return attention_with_labels(q, k, v, labels, attn.scale, dropout_p, attn_mask=bias)  # mixed: b n l
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p), None

@@ -131,6 +131,9 @@ FAMILY_MODELS = {
     "mlp_mixer": "mixer_s32_224",
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
+    "vit_relpos": "vit_relpos_small_patch16_224",
+    "beit": "beit_base_patch16_224",
+    "eva": "eva02_tiny_patch14_224",
 }
 
 
