@@ -31,6 +31,7 @@ from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
+from mixlabels.backbones._swinv2 import AdaptedSwinV2
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
@@ -46,6 +47,7 @@ __all__ = [
     "SupportRow",
     "AdaptedViT",
     "AdaptedSwin",
+    "AdaptedSwinV2",
     "AdaptedPVTv2",
     "AdaptedCaiT",
     "AdaptedMixer",
