@@ -32,6 +32,7 @@ from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
+from mixlabels.backbones._swinv2_cr import AdaptedSwinV2Cr
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
@@ -48,6 +49,7 @@ __all__ = [
     "AdaptedViT",
     "AdaptedSwin",
     "AdaptedSwinV2",
+    "AdaptedSwinV2Cr",
     "AdaptedPVTv2",
     "AdaptedCaiT",
     "AdaptedMixer",

@@ -28,6 +28,7 @@ from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
+from mixlabels.backbones._swinv2_cr import SWINV2_CR_FAMILY, AdaptedSwinV2Cr
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
@@ -93,6 +94,9 @@ _REGISTRY: list[Family] = [
     Family("swinv2", SWINV2_FAMILY, AdaptedSwinV2.refusal, AdaptedSwinV2,
            _tiny("swinv2_tiny_window8_256", img_size=32, patch_size=4, window_size=4, embed_dim=16,
                  depths=(2, 2), num_heads=(2, 2)), ("swin_transformer_v2",)),
+    Family("swinv2_cr", SWINV2_CR_FAMILY, AdaptedSwinV2Cr.refusal, AdaptedSwinV2Cr,
+           _tiny("swinv2_cr_tiny_224", img_size=32, patch_size=4, window_size=4, embed_dim=16,
+                 depths=(2, 2), num_heads=(2, 2), init_values=1.0), ("swin_transformer_v2_cr",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

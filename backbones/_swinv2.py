@@ -4,9 +4,11 @@ What differs from Swin v1 (``_swin.py``, whose window, shift and merge label cod
 
 - cosine attention: ``A_h = softmax(cos(q_i, k_j) * s_h + B_h + M)`` with a learnable per-head
   logit scale ``s_h = exp(min(t_h, log 100))``, a continuous position bias ``B_h = 16
-  sigmoid(cpb_mlp(coords))`` and the shift mask ``M``; the fast path hands SDPA the normalised
-  ``q * s_h``, the normalised ``k`` and scale 1, with ``B_h + M`` as the additive mask, so its
-  softmax is timm's;
+  sigmoid(cpb_mlp(coords))`` and the shift mask ``M``; without gradients the fast path hands SDPA
+  the normalised ``q * s_h``, the normalised ``k`` and scale 1, with ``B_h + M`` as the additive
+  mask, so its softmax is timm's; in training the bias needs its gradient, which no fused kernel
+  returns, so the matrix is built as timm builds it (timm has no fused route either) and mixes
+  the labels too;
 - post-norm residuals ``x + drop_path(norm(branch(x)))``: the norm is a channel op, so the labels
   follow the branch's token mix exactly as in a pre-norm block.
 
@@ -41,7 +43,7 @@ from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_t
 from mixlabels.backbones._dense import DenseRules, conv_matrix, window_matrix
 from mixlabels.backbones._swin import check_window_grids, shifted_windows, window_ids
 
-__all__ = ["AdaptedSwinV2", "SWINV2_FAMILY"]
+__all__ = ["AdaptedSwinV2", "SWINV2_FAMILY", "cosine_attention", "cosine_scores", "cosine_window_attention"]
 
 SWINV2_FAMILY = (
     "timm SwinTransformerV2 (cosine window attention with learnable logit scale and continuous position bias, "
@@ -89,14 +91,55 @@ def _logit_scale(attn: Any) -> Tensor:
 
 
 def _scores(attn: Any, q: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
-    """timm's cosine attention logits ``(b nw, hd, n, m)`` plus bias and mask, in timm's order of operations."""
-    scores = (F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)) * _logit_scale(attn)
-    scores = scores + _position_bias(attn).unsqueeze(0)
+    return cosine_scores(q, k, _logit_scale(attn), _position_bias(attn), mask)
+
+
+def cosine_scores(q: Tensor, k: Tensor, logit_scale: Tensor, bias: Tensor, mask: Tensor | None) -> Tensor:
+    """timm's cosine attention logits ``(b nw, hd, n, m)``: ``cos(q, k) s_h + B_h (+ M)`` in timm's order of operations.
+
+    ``logit_scale`` ``(hd, 1, 1)`` (clamped and exponentiated), ``bias`` ``(hd, n, m)``, ``mask`` ``(nw, n, m)``.
+    """
+    scores = (F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)) * logit_scale
+    scores = scores + bias.unsqueeze(0)
     if mask is not None:
         nw = mask.shape[0]
         scores = rearrange(scores, "(b nw) hd n m -> b nw hd n m", nw=nw) + rearrange(mask, "nw n m -> 1 nw 1 n m")
         scores = rearrange(scores, "b nw hd n m -> (b nw) hd n m")
     return scores
+
+
+def cosine_attention(
+    q: Tensor, k: Tensor, v: Tensor, logit_scale: Tensor, bias: Tensor, mask: Tensor | None, labels: Tensor | None,
+    attn_drop: nn.Module,
+) -> tuple[Tensor, Tensor | None]:
+    """Swin V2's cosine window attention ``(b nw, hd, n, d)`` and ``mean_h(A_h) @ labels`` (``None`` without labels).
+
+    Args:
+        q, k, v: ``(b nw, hd, n, d)``.
+        logit_scale: ``(hd, 1, 1)``, clamped and exponentiated.
+        bias: ``(hd, n, n)`` position bias.
+        mask: ``(nw, n, n)`` 0/-100 shift mask or ``None``.
+        labels: ``(b nw, n, l)`` window labels, or ``None`` when this layer is not aligned.
+        attn_drop: the module's attention dropout (timm's own draw on the matrix is kept when active).
+
+    Without gradients (evaluation, a frozen bias) this is one fused SDPA call that also mixes
+    the labels; in training the bias MLP needs its gradient and the matrix is built explicitly.
+    """
+    dropping = attn_drop.training and isinstance(attn_drop, nn.Dropout) and attn_drop.p > 0
+    if dropping or (torch.is_grad_enabled() and bias.requires_grad):
+        # timm's own dropout draw on the matrix; or a learnable bias, whose gradient no fused kernel
+        # returns (SDPA would build the matrix on its math path anyway): timm's order, timm's rounding
+        a = cosine_scores(q, k, logit_scale, bias, mask).softmax(dim=-1)
+        mixed = explicit_mix(a, labels) if labels is not None else None  # the undropped attention, as the paper's code
+        return attn_drop(a) @ v, mixed
+    # cos(q, k) s_h = (s_h q / |q|) . (k / |k|): SDPA at scale 1 with the bias (and mask) as its mask
+    qs, kn = F.normalize(q, dim=-1) * logit_scale, F.normalize(k, dim=-1)
+    attn_mask = bias.unsqueeze(0)  # 1 hd n m
+    if mask is not None:
+        attn_mask = attn_mask + repeat(mask, "nw n m -> (b nw) 1 n m", b=q.shape[0] // mask.shape[0])
+    if labels is None:
+        return F.scaled_dot_product_attention(qs, kn, v, attn_mask=attn_mask, scale=1.0), None
+    return attention_with_labels(qs, kn, v, labels, 1.0, 0.0, attn_mask=attn_mask)
 
 
 def cosine_window_attention(attn: Any, x: Tensor, mask: Tensor | None, labels: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -108,23 +151,7 @@ def cosine_window_attention(attn: Any, x: Tensor, mask: Tensor | None, labels: T
         labels: ``(b nw, n, l)`` window labels, or ``None`` when this layer is not aligned.
     """
     q, k, v = _qkv(attn, x)
-    mixed = None
-    if attn.training and attn.attn_drop.p > 0:  # timm's own dropout draw on the matrix: keep it
-        a = attn.softmax(_scores(attn, q, k, mask))
-        if labels is not None:
-            mixed = explicit_mix(a, labels)  # the undropped attention, as the paper's code
-        out = attn.attn_drop(a) @ v
-    else:
-        # cos(q, k) s_h = (s_h q / |q|) . (k / |k|): SDPA at scale 1 with the bias (and mask) as its mask
-        qs = F.normalize(q, dim=-1) * _logit_scale(attn)
-        kn = F.normalize(k, dim=-1)
-        bias = _position_bias(attn).unsqueeze(0)  # 1 hd n m
-        if mask is not None:
-            bias = bias + repeat(mask, "nw n m -> (b nw) 1 n m", b=x.shape[0] // mask.shape[0])
-        if labels is None:
-            out = F.scaled_dot_product_attention(qs, kn, v, attn_mask=bias, scale=1.0)
-        else:
-            out, mixed = attention_with_labels(qs, kn, v, labels, 1.0, 0.0, attn_mask=bias)
+    out, mixed = cosine_attention(q, k, v, _logit_scale(attn), _position_bias(attn), mask, labels, attn.attn_drop)
     out = rearrange(out, "b hd n d -> b n (hd d)")
     return attn.proj_drop(attn.proj(out)), mixed
 
