@@ -22,6 +22,7 @@ from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
+from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
@@ -97,6 +98,8 @@ _REGISTRY: list[Family] = [
     Family("swinv2_cr", SWINV2_CR_FAMILY, AdaptedSwinV2Cr.refusal, AdaptedSwinV2Cr,
            _tiny("swinv2_cr_tiny_224", img_size=32, patch_size=4, window_size=4, embed_dim=16,
                  depths=(2, 2), num_heads=(2, 2), init_values=1.0), ("swin_transformer_v2_cr",)),
+    Family("davit", DAVIT_FAMILY, AdaptedDaViT.refusal, AdaptedDaViT,
+           _tiny("davit_tiny", depths=(1, 1), embed_dims=(16, 32), num_heads=(2, 2), window_size=4), ("davit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

@@ -133,6 +133,7 @@ FAMILY_MODELS = {
     "metaformer": "poolformerv2_s12",
     "swinv2": "swinv2_tiny_window8_256",
     "swinv2_cr": "swinv2_cr_tiny_224",
+    "davit": "davit_tiny",
 }
 
 
