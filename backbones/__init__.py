@@ -26,6 +26,7 @@ from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._davit import AdaptedDaViT
+from mixlabels.backbones._gcvit import AdaptedGCViT
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
@@ -52,6 +53,7 @@ __all__ = [
     "AdaptedSwinV2",
     "AdaptedSwinV2Cr",
     "AdaptedDaViT",
+    "AdaptedGCViT",
     "AdaptedPVTv2",
     "AdaptedCaiT",
     "AdaptedMixer",

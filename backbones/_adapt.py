@@ -17,12 +17,14 @@ import torch
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
+from timm.models.gcvit import GlobalContextVit
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
+from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
@@ -61,7 +63,7 @@ class Family:
 
 def _tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]:
     """A seeded tiny model: ``timm.create_model(name, ...)``, or the class itself where timm's
-    registered variants pin an argument (``mixer_*`` fixes ``patch_size``)."""
+    registered variants pin an argument (``mixer_*`` fixes ``patch_size``, ``gcvit_*`` ``depths``)."""
 
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -100,6 +102,8 @@ _REGISTRY: list[Family] = [
                  depths=(2, 2), num_heads=(2, 2), init_values=1.0), ("swin_transformer_v2_cr",)),
     Family("davit", DAVIT_FAMILY, AdaptedDaViT.refusal, AdaptedDaViT,
            _tiny("davit_tiny", depths=(1, 1), embed_dims=(16, 32), num_heads=(2, 2), window_size=4), ("davit",)),
+    Family("gcvit", GCVIT_FAMILY, AdaptedGCViT.refusal, AdaptedGCViT,
+           _tiny(GlobalContextVit, img_size=32, window_size=4, embed_dim=16, depths=(1, 2), num_heads=(2, 2)), ("gcvit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

@@ -134,6 +134,7 @@ FAMILY_MODELS = {
     "swinv2": "swinv2_tiny_window8_256",
     "swinv2_cr": "swinv2_cr_tiny_224",
     "davit": "davit_tiny",
+    "gcvit": "gcvit_xxtiny",
 }
 
 
