@@ -157,7 +157,14 @@ def _window_attention(attn: Any, x: Tensor, q_global: Tensor, labels: Tensor | N
 
 def _global_query(stage: Any, x: Tensor) -> Tensor:
     """The stage's global query map ``(b, wh, ww, c)`` from the whole NCHW feature map, as timm makes it."""
-    return stage.global_norm(rearrange(stage.global_block(x), "b c h w -> b h w c"))  # type: ignore[no-any-return]
+    q: Tensor = stage.global_norm(rearrange(stage.global_block(x), "b c h w -> b h w c"))
+    for blk in stage.blocks:
+        if blk.attn.use_global and tuple(q.shape[1:3]) != tuple(blk.window_size):
+            raise ValueError(
+                f"the global query map is {q.shape[1]}x{q.shape[2]} for {blk.window_size[0]}x{blk.window_size[1]} "
+                f"windows: its pooling levels were fixed for another image size; use the model's img_size"
+            )
+    return q
 
 
 def _dw_matrix(conv: Any, grid: tuple[int, int]) -> Tensor:

@@ -83,6 +83,9 @@ def test_timm_names_adapt_and_refusals() -> None:
     lm48 = TokenLabelMap.unmixed(torch.arange(B), C, (48, 48))  # 12x12 then 6x6 tokens: windows of 4 do not tile
     with pytest.raises(ValueError, match="not divisible by its 4x4 windows"):
         backbones.adapt(make(), TokenLabeling())(torch.randn(B, 3, 48, 48), lm48)
+    lm64 = TokenLabelMap.unmixed(torch.arange(B), C, (64, 64))  # tiles the windows, but the global query is 8x8
+    with pytest.raises(ValueError, match="the global query map is 8x8 for 4x4 windows"):
+        backbones.adapt(make(), TokenLabeling())(torch.randn(B, 3, 64, 64), lm64)
     with pytest.raises(TypeError, match="only global average pooling"):
         backbones.adapt(make(global_pool="max"), TLAlign())
     pooled: Any = make()
