@@ -26,6 +26,8 @@ from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._beit import AdaptedBeit
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
+from mixlabels.backbones._davit import AdaptedDaViT
+from mixlabels.backbones._gcvit import AdaptedGCViT
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._eva import AdaptedEva
@@ -34,6 +36,8 @@ from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._relpos import AdaptedRelPosViT
 from mixlabels.backbones._swin import AdaptedSwin
+from mixlabels.backbones._swinv2 import AdaptedSwinV2
+from mixlabels.backbones._swinv2_cr import AdaptedSwinV2Cr
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
@@ -49,6 +53,10 @@ __all__ = [
     "SupportRow",
     "AdaptedViT",
     "AdaptedSwin",
+    "AdaptedSwinV2",
+    "AdaptedSwinV2Cr",
+    "AdaptedDaViT",
+    "AdaptedGCViT",
     "AdaptedPVTv2",
     "AdaptedCaiT",
     "AdaptedMixer",

@@ -17,12 +17,15 @@ import torch
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
+from timm.models.gcvit import GlobalContextVit
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._beit import BEIT_FAMILY, AdaptedBeit
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
+from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
+from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
@@ -30,6 +33,8 @@ from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._relpos import RELPOS_FAMILY, AdaptedRelPosViT
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
+from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
+from mixlabels.backbones._swinv2_cr import SWINV2_CR_FAMILY, AdaptedSwinV2Cr
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
@@ -61,7 +66,7 @@ class Family:
 
 def _tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]:
     """A seeded tiny model: ``timm.create_model(name, ...)``, or the class itself where timm's
-    registered variants pin an argument (``mixer_*`` fixes ``patch_size``)."""
+    registered variants pin an argument (``mixer_*`` fixes ``patch_size``, ``gcvit_*`` ``depths``)."""
 
     def make() -> nn.Module:
         torch.manual_seed(0)
@@ -101,6 +106,16 @@ _REGISTRY: list[Family] = [
     Family("eva", EVA_FAMILY, AdaptedEva.refusal, AdaptedEva,
            _tiny("vit_small_patch16_rope_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
            ("eva",)),
+    Family("swinv2", SWINV2_FAMILY, AdaptedSwinV2.refusal, AdaptedSwinV2,
+           _tiny("swinv2_tiny_window8_256", img_size=32, patch_size=4, window_size=4, embed_dim=16,
+                 depths=(2, 2), num_heads=(2, 2)), ("swin_transformer_v2",)),
+    Family("swinv2_cr", SWINV2_CR_FAMILY, AdaptedSwinV2Cr.refusal, AdaptedSwinV2Cr,
+           _tiny("swinv2_cr_tiny_224", img_size=32, patch_size=4, window_size=4, embed_dim=16,
+                 depths=(2, 2), num_heads=(2, 2), init_values=1.0), ("swin_transformer_v2_cr",)),
+    Family("davit", DAVIT_FAMILY, AdaptedDaViT.refusal, AdaptedDaViT,
+           _tiny("davit_tiny", depths=(1, 1), embed_dims=(16, 32), num_heads=(2, 2), window_size=4), ("davit",)),
+    Family("gcvit", GCVIT_FAMILY, AdaptedGCViT.refusal, AdaptedGCViT,
+           _tiny(GlobalContextVit, img_size=32, window_size=4, embed_dim=16, depths=(1, 2), num_heads=(2, 2)), ("gcvit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

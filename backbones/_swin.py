@@ -17,6 +17,7 @@ Shapes: ``b`` batch, ``h w`` token grid, ``nh nw`` windows, ``wh ww`` window siz
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_t
 from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
-__all__ = ["AdaptedSwin", "SWIN_FAMILY"]
+__all__ = ["AdaptedSwin", "SWIN_FAMILY", "check_window_grids", "shifted_windows", "window_ids", "Attend"]
 
 SWIN_FAMILY = (
     "timm SwinTransformer v1 (window attention with relative position bias and shift mask, patch merging, "
@@ -58,10 +59,18 @@ def _swin_refusal(model: nn.Module) -> str | None:
 
 
 def _window_grids(model: Any, grid: tuple[int, int]) -> None:
-    """Refuse grids the windows or merges would pad: padded tokens have no labels."""
+    check_window_grids(model.layers, grid, PatchMerging)
+
+
+def check_window_grids(stages: Any, grid: tuple[int, int], merging: type[nn.Module]) -> None:
+    """Refuse grids the windows or merges would pad: padded tokens have no labels.
+
+    ``stages``: modules with ``downsample`` (a ``merging`` 2x2 merge or not) and ``blocks``
+    (each with ``window_size``), as timm's Swin v1 and v2 stages.
+    """
     h, w = grid
-    for i, stage in enumerate(model.layers):
-        if isinstance(stage.downsample, PatchMerging):
+    for i, stage in enumerate(stages):
+        if isinstance(stage.downsample, merging):
             if h % 2 or w % 2:
                 raise ValueError(f"stage {i} merges a {h}x{w} grid with padding; use an image size whose grids stay even")
             h, w = h // 2, w // 2
@@ -72,6 +81,43 @@ def _window_grids(model: Any, grid: tuple[int, int]) -> None:
                     f"stage {i}'s {h}x{w} grid is not divisible by its {wh}x{ww} windows: timm would pad with "
                     "tokens that carry no label; pick an image size (or window size) that tiles every stage"
                 )
+
+
+# (windows (b nW, n, c), their labels (b nW, n, l) or None) -> (output (b nW, n, c), mixed labels or None)
+Attend = Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]]
+
+
+def shifted_windows(
+    x: Tensor, aligned: Tensor | None, window: tuple[int, int], shift: tuple[int, int], attend: Attend
+) -> tuple[Tensor, Tensor | None]:
+    """Cyclic shift, window partition, ``attend``, and back, for tokens ``(b, h, w, c)`` and their labels.
+
+    The labels ``(b, h*w, l)`` (``None``: this layer is not aligned) move with the tokens: same
+    shift, same windows; the mixed labels come back in the stream's layout ``(b, h*w, l)``.
+    """
+    b, h, w, _ = x.shape
+    (wh, ww), back = window, (-shift[0], -shift[1])
+    shifted = torch.roll(x, shifts=back, dims=(1, 2)) if any(shift) else x
+    windows = rearrange(shifted, f"b (nh wh) (nw ww) c -> {WINDOWS} c", wh=wh, ww=ww)
+    labels = None
+    if aligned is not None:
+        y = rearrange(aligned, "b (h w) l -> b h w l", h=h)
+        y = torch.roll(y, shifts=back, dims=(1, 2)) if any(shift) else y
+        labels = rearrange(y, f"b (nh wh) (nw ww) l -> {WINDOWS} l", wh=wh, ww=ww)
+    out, mixed = attend(windows, labels)
+    if mixed is not None:
+        y = rearrange(mixed, f"{WINDOWS} l -> b (nh wh) (nw ww) l", b=b, nh=h // wh, wh=wh)
+        y = torch.roll(y, shifts=shift, dims=(1, 2)) if any(shift) else y
+        mixed = rearrange(y, "b h w l -> b (h w) l")
+    out = rearrange(out, f"{WINDOWS} c -> b (nh wh) (nw ww) c", b=b, nh=h // wh, wh=wh)
+    return (torch.roll(out, shifts=shift, dims=(1, 2)) if any(shift) else out), mixed
+
+
+def window_ids(grid: tuple[int, int], window: tuple[int, int], shift: tuple[int, int]) -> Tensor:
+    """``(nW, wh*ww)``: the original token id of every row of every shifted window (the reference's scatter index)."""
+    h, w = grid
+    ids = torch.roll(torch.arange(h * w).view(1, h, w, 1), shifts=(-shift[0], -shift[1]), dims=(1, 2))
+    return rearrange(ids, "1 (nh wh) (nw ww) 1 -> (nh nw) (wh ww)", wh=window[0], ww=window[1])
 
 
 class AdaptedSwin(AdaptedBase):
@@ -120,24 +166,12 @@ class AdaptedSwin(AdaptedBase):
 
     def _shifted_window_attention(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> tuple[Tensor, Tensor | None]:
         """The attention branch's output and, when the scheme aligns ``layer``, its mixed labels ``(b, n, l)``."""
-        b, h, w, _ = x.shape
-        (wh, ww), shift = blk.window_size, tuple(blk.shift_size)
-        back = (-shift[0], -shift[1])
-        shifted = torch.roll(x, shifts=back, dims=(1, 2)) if any(shift) else x
-        windows = rearrange(shifted, f"b (nh wh) (nw ww) c -> {WINDOWS} c", wh=wh, ww=ww)
-        mask = blk.get_attn_mask(shifted) if blk.dynamic_mask else blk.attn_mask  # nW n n or None
-        labels, aligned = None, tracker.labels_for(layer)
-        if aligned is not None:  # labels move with the tokens: same shift, same windows
-            y = rearrange(aligned, "b (h w) l -> b h w l", h=h)
-            y = torch.roll(y, shifts=back, dims=(1, 2)) if any(shift) else y
-            labels = rearrange(y, f"b (nh wh) (nw ww) l -> {WINDOWS} l", wh=wh, ww=ww)
-        out, mixed = window_attention(blk.attn, windows, mask, labels)
-        if mixed is not None:
-            y = rearrange(mixed, f"{WINDOWS} l -> b (nh wh) (nw ww) l", b=b, nh=h // wh, wh=wh)
-            y = torch.roll(y, shifts=shift, dims=(1, 2)) if any(shift) else y
-            mixed = rearrange(y, "b h w l -> b (h w) l")
-        out = rearrange(out, f"{WINDOWS} c -> b (nh wh) (nw ww) c", b=b, nh=h // wh, wh=wh)
-        return (torch.roll(out, shifts=shift, dims=(1, 2)) if any(shift) else out), mixed
+        mask = blk.get_attn_mask(x) if blk.dynamic_mask else blk.attn_mask  # nW n n or None (x: only its shape)
+
+        def attend(windows: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            return window_attention(blk.attn, windows, mask, labels)
+
+        return shifted_windows(x, tracker.labels_for(layer), tuple(blk.window_size), tuple(blk.shift_size), attend)
 
     # ------------------------------------------------------------------ reference
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
@@ -159,9 +193,7 @@ class AdaptedSwin(AdaptedBase):
             for blk in stage.blocks:
                 b, h, w, c = x.shape
                 (wh, ww), shift = blk.window_size, tuple(blk.shift_size)
-                # token ids after the cyclic shift, window by window: where each window's rows come from
-                ids = torch.roll(torch.arange(h * w).view(1, h, w, 1), shifts=(-shift[0], -shift[1]), dims=(1, 2))
-                ids = rearrange(ids, "1 (nh wh) (nw ww) 1 -> (nh nw) (wh ww)", wh=wh, ww=ww)
+                ids = window_ids((h, w), (wh, ww), shift)  # where each shifted window's rows come from
                 windows = rearrange(blk.norm1(x).flatten(1, 2)[:, ids], "b nw n c -> (b nw) n c")
                 attn = blk.attn
                 q, k, v = rearrange(attn.qkv(windows), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)

@@ -419,10 +419,10 @@ SECTIONS: tuple[Section, ...] = (
             "The same measures on a model the ablation trained (`--save-checkpoints`; the analysis reads the run file "
             "next to the checkpoint for its head count).", render_analysis),
     Section("table7-finetune", "Table 7 fine-tuned from a trained model (CPU)",
-            "python benchmarks/ablation.py --profile finetune --seeds 0-9 --base-epochs 40 --save-checkpoints",
+            "python benchmarks/ablation.py --profile finetune --seeds 0-4 --base-epochs 40 --save-checkpoints",
             "The question the from-scratch table cannot answer: does TL-Align help once attention is trained? One "
             "base model (the same DeiT) is trained with CutMix on Imagenette at 32 px, then every cell fine-tunes it "
-            "on CIFAR-10 with the CPU default recipe; ten seeds per cell, paired per seed.", render_ablation),
+            "on CIFAR-10 with the CPU default recipe; five seeds per cell, paired per seed.", render_ablation),
     Section("analysis-finetune", "Analysis: do aligned labels move further on trained attention?",
             "python benchmarks/analysis.py --data cifar10 --batch-size 64 --checkpoint <checkpoint> --out <dir> "
             "(once per model)",

@@ -134,6 +134,10 @@ FAMILY_MODELS = {
     "vit_relpos": "vit_relpos_small_patch16_224",
     "beit": "beit_base_patch16_224",
     "eva": "eva02_tiny_patch14_224",
+    "swinv2": "swinv2_tiny_window8_256",
+    "swinv2_cr": "swinv2_cr_tiny_224",
+    "davit": "davit_tiny",
+    "gcvit": "gcvit_xxtiny",
 }
 
 

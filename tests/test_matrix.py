@@ -37,6 +37,7 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
 POOLED_FAMILIES = [
     "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer",
     "beit",
+    "swinv2", "swinv2_cr", "davit", "gcvit",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
