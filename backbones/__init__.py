@@ -26,6 +26,7 @@ from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._count import TierCount, count_timm_names
+from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
@@ -52,6 +53,7 @@ __all__ = [
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
     "AdaptedClassifier",
+    "AdaptedEfficientViTMIT",
     "count_timm_names",
     "TierCount",
     "reference_forward",

@@ -23,6 +23,7 @@ from torch import nn
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
@@ -89,6 +90,9 @@ _REGISTRY: list[Family] = [
     Family("metaformer", METAFORMER_FAMILY, AdaptedMetaFormer.refusal, AdaptedMetaFormer,
            _tiny(MetaFormer, depths=(1, 1, 1), dims=(8, 16, 32), token_mixers=(Pooling, SepConv, MetaAttention),
                  norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
+    Family("efficientvit_mit", EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT.refusal, AdaptedEfficientViTMIT,
+           _tiny("efficientvit_b0", widths=(8, 16, 16, 32), depths=(1, 1, 1, 1), head_dim=8, head_widths=(32, 32)),
+           ("efficientvit_mit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip
