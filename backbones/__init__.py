@@ -30,6 +30,7 @@ from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
+from mixlabels.backbones._mvitv2 import AdaptedMViTv2
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._task import AlignedClassificationTask
@@ -54,6 +55,7 @@ __all__ = [
     "AdaptedMetaFormer",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
+    "AdaptedMViTv2",
     "count_timm_names",
     "TierCount",
     "reference_forward",

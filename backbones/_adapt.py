@@ -18,6 +18,7 @@ from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.mlp_mixer import MlpMixer
+from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
@@ -26,6 +27,7 @@ from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
+from mixlabels.backbones._mvitv2 import MVITV2_FAMILY, AdaptedMViTv2
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
@@ -93,6 +95,9 @@ _REGISTRY: list[Family] = [
     Family("efficientvit_mit", EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT.refusal, AdaptedEfficientViTMIT,
            _tiny("efficientvit_b0", widths=(8, 16, 16, 32), depths=(1, 1, 1, 1), head_dim=8, head_widths=(32, 32)),
            ("efficientvit_mit",)),
+    Family("mvitv2", MVITV2_FAMILY, AdaptedMViTv2.refusal, AdaptedMViTv2,
+           _tiny(MultiScaleVit, img_size=32, cfg=MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=1, stride_kv_adaptive=(2, 2))),
+           ("mvitv2",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

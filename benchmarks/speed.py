@@ -132,6 +132,7 @@ FAMILY_MODELS = {
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
     "efficientvit_mit": "efficientvit_b0",
+    "mvitv2": "mvitv2_tiny",
 }
 
 
