@@ -25,6 +25,7 @@ from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
+from mixlabels.backbones._efficientvit_msra import EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._mvitv2 import MVITV2_FAMILY, AdaptedMViTv2
@@ -98,6 +99,9 @@ _REGISTRY: list[Family] = [
     Family("mvitv2", MVITV2_FAMILY, AdaptedMViTv2.refusal, AdaptedMViTv2,
            _tiny(MultiScaleVit, img_size=32, cfg=MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=1, stride_kv_adaptive=(2, 2))),
            ("mvitv2",)),
+    Family("efficientvit_msra", EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA.refusal, AdaptedEfficientViTMSRA,
+           _tiny("efficientvit_m0", img_size=32, embed_dim=(16, 32), key_dim=(4, 4), depth=(1, 1), num_heads=(2, 2),
+                 down_ops=(("", 1), ("subsample", 2))), ("efficientvit_msra",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

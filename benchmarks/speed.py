@@ -133,6 +133,7 @@ FAMILY_MODELS = {
     "metaformer": "poolformerv2_s12",
     "efficientvit_mit": "efficientvit_b0",
     "mvitv2": "mvitv2_tiny",
+    "efficientvit_msra": "efficientvit_m0",
 }
 
 
