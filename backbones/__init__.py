@@ -28,6 +28,7 @@ from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import AdaptedEfficientViTMSRA
+from mixlabels.backbones._hiera import AdaptedHiera
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
@@ -58,6 +59,7 @@ __all__ = [
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",
     "AdaptedEfficientViTMSRA",
+    "AdaptedHiera",
     "count_timm_names",
     "TierCount",
     "reference_forward",

@@ -27,6 +27,7 @@ from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
+from mixlabels.backbones._hiera import HIERA_FAMILY, AdaptedHiera
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._mvitv2 import MVITV2_FAMILY, AdaptedMViTv2
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
@@ -102,6 +103,9 @@ _REGISTRY: list[Family] = [
     Family("efficientvit_msra", EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA.refusal, AdaptedEfficientViTMSRA,
            _tiny("efficientvit_m0", img_size=32, embed_dim=(16, 32), key_dim=(4, 4), depth=(1, 1), num_heads=(2, 2),
                  down_ops=(("", 1), ("subsample", 2))), ("efficientvit_msra",)),
+    Family("hiera", HIERA_FAMILY, AdaptedHiera.refusal, AdaptedHiera,
+           _tiny("hiera_tiny_224", img_size=32, embed_dim=16, num_heads=1, stages=(1, 1, 1), q_pool=2, mask_unit_size=(4, 4),
+                 mask_unit_attn=(True, True, False)), ("hiera",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

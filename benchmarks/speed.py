@@ -134,6 +134,7 @@ FAMILY_MODELS = {
     "efficientvit_mit": "efficientvit_b0",
     "mvitv2": "mvitv2_tiny",
     "efficientvit_msra": "efficientvit_m0",
+    "hiera": "hiera_tiny_224",
 }
 
 
