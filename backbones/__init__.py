@@ -29,10 +29,14 @@ from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._davit import AdaptedDaViT
 from mixlabels.backbones._gcvit import AdaptedGCViT
 from mixlabels.backbones._count import TierCount, count_timm_names
+from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
+from mixlabels.backbones._efficientvit_msra import AdaptedEfficientViTMSRA
+from mixlabels.backbones._hiera import AdaptedHiera
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._eva import AdaptedEva
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
+from mixlabels.backbones._mvitv2 import AdaptedMViTv2
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._relpos import AdaptedRelPosViT
 from mixlabels.backbones._swin import AdaptedSwin
@@ -66,6 +70,10 @@ __all__ = [
     "AdaptedBeit",
     "AdaptedEva",
     "AdaptedClassifier",
+    "AdaptedEfficientViTMIT",
+    "AdaptedMViTv2",
+    "AdaptedEfficientViTMSRA",
+    "AdaptedHiera",
     "count_timm_names",
     "TierCount",
     "reference_forward",

@@ -19,6 +19,7 @@ from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.gcvit import GlobalContextVit
 from timm.models.mlp_mixer import MlpMixer
+from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
@@ -28,8 +29,12 @@ from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
 from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
+from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
+from mixlabels.backbones._efficientvit_msra import EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
+from mixlabels.backbones._hiera import HIERA_FAMILY, AdaptedHiera
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
+from mixlabels.backbones._mvitv2 import MVITV2_FAMILY, AdaptedMViTv2
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._relpos import RELPOS_FAMILY, AdaptedRelPosViT
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
@@ -116,6 +121,18 @@ _REGISTRY: list[Family] = [
            _tiny("davit_tiny", depths=(1, 1), embed_dims=(16, 32), num_heads=(2, 2), window_size=4), ("davit",)),
     Family("gcvit", GCVIT_FAMILY, AdaptedGCViT.refusal, AdaptedGCViT,
            _tiny(GlobalContextVit, img_size=32, window_size=4, embed_dim=16, depths=(1, 2), num_heads=(2, 2)), ("gcvit",)),
+    Family("efficientvit_mit", EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT.refusal, AdaptedEfficientViTMIT,
+           _tiny("efficientvit_b0", widths=(8, 16, 16, 32), depths=(1, 1, 1, 1), head_dim=8, head_widths=(32, 32)),
+           ("efficientvit_mit",)),
+    Family("mvitv2", MVITV2_FAMILY, AdaptedMViTv2.refusal, AdaptedMViTv2,
+           _tiny(MultiScaleVit, img_size=32, cfg=MultiScaleVitCfg(depths=(1, 1), embed_dim=16, num_heads=1, stride_kv_adaptive=(2, 2))),
+           ("mvitv2",)),
+    Family("efficientvit_msra", EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA.refusal, AdaptedEfficientViTMSRA,
+           _tiny("efficientvit_m0", img_size=32, embed_dim=(16, 32), key_dim=(4, 4), depth=(1, 1), num_heads=(2, 2),
+                 down_ops=(("", 1), ("subsample", 2))), ("efficientvit_msra",)),
+    Family("hiera", HIERA_FAMILY, AdaptedHiera.refusal, AdaptedHiera,
+           _tiny("hiera_tiny_224", img_size=32, embed_dim=16, num_heads=1, stages=(1, 1, 1), q_pool=2, mask_unit_size=(4, 4),
+                 mask_unit_attn=(True, True, False)), ("hiera",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

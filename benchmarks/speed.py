@@ -138,6 +138,10 @@ FAMILY_MODELS = {
     "swinv2_cr": "swinv2_cr_tiny_224",
     "davit": "davit_tiny",
     "gcvit": "gcvit_xxtiny",
+    "efficientvit_mit": "efficientvit_b0",
+    "mvitv2": "mvitv2_tiny",
+    "efficientvit_msra": "efficientvit_m0",
+    "hiera": "hiera_tiny_224",
 }
 
 

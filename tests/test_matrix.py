@@ -38,6 +38,7 @@ POOLED_FAMILIES = [
     "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer",
     "beit",
     "swinv2", "swinv2_cr", "davit", "gcvit",
+    "efficientvit_mit", "mvitv2", "efficientvit_msra", "hiera",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
