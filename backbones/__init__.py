@@ -30,6 +30,9 @@ from mixlabels.backbones._matrix import SupportRow, support_markdown, support_ma
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
+from mixlabels.backbones._resmlp import AdaptedResMLP
+from mixlabels.backbones._gmlp import AdaptedGMLP
+from mixlabels.backbones._crossvit import AdaptedCrossViT
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
@@ -52,6 +55,9 @@ __all__ = [
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
     "AdaptedClassifier",
+    "AdaptedResMLP",
+    "AdaptedGMLP",
+    "AdaptedCrossViT",
     "count_timm_names",
     "TierCount",
     "reference_forward",

@@ -14,17 +14,22 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers.mlp import GatedMlp
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
-from timm.models.mlp_mixer import MlpMixer
+from timm.models.crossvit import CrossVit
+from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
+from mixlabels.backbones._gmlp import GMLP_FAMILY, AdaptedGMLP
+from mixlabels.backbones._crossvit import CROSSVIT_FAMILY, AdaptedCrossViT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
+from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
@@ -89,6 +94,15 @@ _REGISTRY: list[Family] = [
     Family("metaformer", METAFORMER_FAMILY, AdaptedMetaFormer.refusal, AdaptedMetaFormer,
            _tiny(MetaFormer, depths=(1, 1, 1), dims=(8, 16, 32), token_mixers=(Pooling, SepConv, MetaAttention),
                  norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
+    Family("resmlp", RESMLP_FAMILY, AdaptedResMLP.refusal, AdaptedResMLP,
+           _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2, mlp_ratio=2, block_layer=ResBlock,
+                 norm_layer=Affine), ("mlp_mixer",)),
+    Family("gmlp", GMLP_FAMILY, AdaptedGMLP.refusal, AdaptedGMLP,
+           _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2, mlp_ratio=2,
+                 block_layer=SpatialGatingBlock, mlp_layer=GatedMlp), ("mlp_mixer",)),
+    Family("crossvit", CROSSVIT_FAMILY, AdaptedCrossViT.refusal, AdaptedCrossViT,
+           _tiny(CrossVit, img_size=32, img_scale=(1.0, 0.75), patch_size=(4, 8), embed_dim=(16, 32),
+                 depth=((1, 1, 0),), num_heads=(2, 2), mlp_ratio=(2, 2, 1)), ("crossvit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

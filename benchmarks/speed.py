@@ -131,6 +131,9 @@ FAMILY_MODELS = {
     "mlp_mixer": "mixer_s32_224",
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
+    "resmlp": "resmlp_12_224",
+    "gmlp": "gmlp_ti16_224",
+    "crossvit": "crossvit_tiny_240",
 }
 
 

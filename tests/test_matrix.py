@@ -36,6 +36,7 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
 POOLED_FAMILIES = [
     "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer",
+    "resmlp", "gmlp",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
@@ -74,6 +75,10 @@ def test_training_step(mixer: str, family: str, scheme: str) -> None:
     adapted = backbones.adapt(model, SCHEMES[scheme])
     if family == "any" and mixer == "mixtoken":
         with pytest.raises(ValueError, match="no `patch_embed`"):
+            adapted(mixed, lm)
+        return
+    if family == "crossvit" and mixer == "mixtoken":  # two patch grids: one token-space map cannot mix both
+        with pytest.raises(ValueError, match="CrossViT embeds the image twice"):
             adapted(mixed, lm)
         return
     if (family, scheme) in REFUSED:
