@@ -33,6 +33,7 @@ from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._resmlp import AdaptedResMLP
 from mixlabels.backbones._gmlp import AdaptedGMLP
 from mixlabels.backbones._crossvit import AdaptedCrossViT
+from mixlabels.backbones._tnt import AdaptedTNT
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
@@ -58,6 +59,7 @@ __all__ = [
     "AdaptedResMLP",
     "AdaptedGMLP",
     "AdaptedCrossViT",
+    "AdaptedTNT",
     "count_timm_names",
     "TierCount",
     "reference_forward",

@@ -19,6 +19,7 @@ from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.crossvit import CrossVit
+from timm.models.tnt import TNT
 from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 from torch import nn
 
@@ -31,6 +32,7 @@ from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
+from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
@@ -103,6 +105,9 @@ _REGISTRY: list[Family] = [
     Family("crossvit", CROSSVIT_FAMILY, AdaptedCrossViT.refusal, AdaptedCrossViT,
            _tiny(CrossVit, img_size=32, img_scale=(1.0, 0.75), patch_size=(4, 8), embed_dim=(16, 32),
                  depth=((1, 1, 0),), num_heads=(2, 2), mlp_ratio=(2, 2, 1)), ("crossvit",)),
+    Family("tnt", TNT_FAMILY, AdaptedTNT.refusal, AdaptedTNT,
+           _tiny(TNT, img_size=32, patch_size=8, embed_dim=32, inner_dim=8, depth=2, num_heads_inner=2,
+                 num_heads_outer=2), ("tnt",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

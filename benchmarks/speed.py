@@ -134,6 +134,7 @@ FAMILY_MODELS = {
     "resmlp": "resmlp_12_224",
     "gmlp": "gmlp_ti16_224",
     "crossvit": "crossvit_tiny_240",
+    "tnt": "tnt_s_patch16_224",
 }
 
 
