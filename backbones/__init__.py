@@ -39,6 +39,10 @@ from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._mvitv2 import AdaptedMViTv2
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._relpos import AdaptedRelPosViT
+from mixlabels.backbones._resmlp import AdaptedResMLP
+from mixlabels.backbones._gmlp import AdaptedGMLP
+from mixlabels.backbones._crossvit import AdaptedCrossViT
+from mixlabels.backbones._tnt import AdaptedTNT
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import AdaptedSwinV2Cr
@@ -74,6 +78,10 @@ __all__ = [
     "AdaptedMViTv2",
     "AdaptedEfficientViTMSRA",
     "AdaptedHiera",
+    "AdaptedResMLP",
+    "AdaptedGMLP",
+    "AdaptedCrossViT",
+    "AdaptedTNT",
     "count_timm_names",
     "TierCount",
     "reference_forward",

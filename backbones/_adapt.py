@@ -14,12 +14,16 @@ from typing import Any
 
 import timm
 import torch
+from timm.layers.mlp import GatedMlp
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.gcvit import GlobalContextVit
 from timm.models.mlp_mixer import MlpMixer
 from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+from timm.models.crossvit import CrossVit
+from timm.models.tnt import TNT
+from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
@@ -27,6 +31,8 @@ from mixlabels.backbones._beit import BEIT_FAMILY, AdaptedBeit
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
 from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
+from mixlabels.backbones._gmlp import GMLP_FAMILY, AdaptedGMLP
+from mixlabels.backbones._crossvit import CROSSVIT_FAMILY, AdaptedCrossViT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
@@ -37,6 +43,9 @@ from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._mvitv2 import MVITV2_FAMILY, AdaptedMViTv2
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._relpos import RELPOS_FAMILY, AdaptedRelPosViT
+from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
+from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
+from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import SWINV2_CR_FAMILY, AdaptedSwinV2Cr
@@ -133,6 +142,18 @@ _REGISTRY: list[Family] = [
     Family("hiera", HIERA_FAMILY, AdaptedHiera.refusal, AdaptedHiera,
            _tiny("hiera_tiny_224", img_size=32, embed_dim=16, num_heads=1, stages=(1, 1, 1), q_pool=2, mask_unit_size=(4, 4),
                  mask_unit_attn=(True, True, False)), ("hiera",)),
+    Family("resmlp", RESMLP_FAMILY, AdaptedResMLP.refusal, AdaptedResMLP,
+           _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2, mlp_ratio=2, block_layer=ResBlock,
+                 norm_layer=Affine), ("mlp_mixer",)),
+    Family("gmlp", GMLP_FAMILY, AdaptedGMLP.refusal, AdaptedGMLP,
+           _tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2, mlp_ratio=2,
+                 block_layer=SpatialGatingBlock, mlp_layer=GatedMlp), ("mlp_mixer",)),
+    Family("crossvit", CROSSVIT_FAMILY, AdaptedCrossViT.refusal, AdaptedCrossViT,
+           _tiny(CrossVit, img_size=32, img_scale=(1.0, 0.75), patch_size=(4, 8), embed_dim=(16, 32),
+                 depth=((1, 1, 0),), num_heads=(2, 2), mlp_ratio=(2, 2, 1)), ("crossvit",)),
+    Family("tnt", TNT_FAMILY, AdaptedTNT.refusal, AdaptedTNT,
+           _tiny(TNT, img_size=32, patch_size=8, embed_dim=32, inner_dim=8, depth=2, num_heads_inner=2,
+                 num_heads_outer=2), ("tnt",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

@@ -11,6 +11,10 @@ Events per block ``layer``: ``residual(layer, keep, mixed=Norm(|W_2| |W_1|) Y)``
 MLP, ``Y = labels_for(layer)``), ``residual(layer, keep, mixed=None)`` (channel MLP);
 readout ``pool("mean", 0)`` (no class token: TransMix refuses).
 
+``AdaptedMixer`` walks the blocks through ``_block`` / ``_reference_block``; ResMLP
+(``_resmlp.py``) and gMLP (``_gmlp.py``) are the same model class with other blocks and
+override only those two.
+
 Shapes: ``b`` batch, ``n m`` tokens, ``c`` channels, ``l`` label channels.
 """
 
@@ -29,7 +33,7 @@ from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
-__all__ = ["AdaptedMixer", "MIXER_FAMILY", "token_mixing_matrix"]
+__all__ = ["AdaptedMixer", "MIXER_FAMILY", "mixer_model_refusal", "token_mixing_matrix"]
 
 MIXER_FAMILY = (
     "timm MlpMixer with MixerBlock (token-mixing MLP as the spatial mix Norm(|W2| |W1|); "
@@ -37,15 +41,29 @@ MIXER_FAMILY = (
 )
 
 
-def _mixer_refusal(model: nn.Module) -> str | None:
+def mixer_model_refusal(model: nn.Module, block: type[nn.Module]) -> str | None:
+    """Why ``model`` is not a timm ``MlpMixer`` built from ``block`` blocks with the mean readout
+    (``MixerBlock``: family mlp_mixer, ``ResBlock``: resmlp, ``SpatialGatingBlock``: gmlp)."""
     if type(model) is not MlpMixer:
         return f"{type(model).__name__} is not a timm MlpMixer"
     m: Any = model
     if m.global_pool != "avg":
         return f"global_pool={m.global_pool!r} has no label readout; use 'avg'"
     for i, blk in enumerate(m.blocks):
-        if type(blk) is not MixerBlock:
-            return f"block {i} is {type(blk).__name__}; only MixerBlock (not ResMLP or gMLP blocks) is supported"
+        if type(blk) is not block:
+            return (
+                f"block {i} is {type(blk).__name__}, not {block.__name__} (MlpMixer blocks adapt by type: MixerBlock "
+                "as mlp_mixer, ResBlock as resmlp, SpatialGatingBlock as gmlp; one type per model)"
+            )
+    return None
+
+
+def _mixer_refusal(model: nn.Module) -> str | None:
+    why = mixer_model_refusal(model, MixerBlock)
+    if why is not None:
+        return why
+    m: Any = model
+    for i, blk in enumerate(m.blocks):
         mlp = blk.mlp_tokens
         if type(mlp) is not Mlp or type(mlp.fc1) is not nn.Linear or not isinstance(mlp.norm, nn.Identity):
             return f"block {i}'s token MLP is not a plain two-layer timm Mlp"
@@ -81,16 +99,7 @@ class AdaptedMixer(AdaptedBase):
         x, grid = _embed(m, images, label_map)
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=len(m.blocks), class_token=False))
         for layer, blk in enumerate(m.blocks):
-            y, mixed = tracker.labels_for(layer), None
-            if y is not None:
-                with torch.autocast(device_type=y.device.type, enabled=False):
-                    mixed = token_mixing_matrix(blk.mlp_tokens) @ y
-            out, keep = branch(blk.drop_path, _token_mlp(blk, x))
-            tracker.residual(layer, keep, mixed=mixed)
-            x = x + out
-            out, keep = branch(blk.drop_path, blk.mlp_channels(blk.norm2(x)))
-            tracker.residual(layer, keep, mixed=None)  # channel mixing
-            x = x + out
+            x = self._block(blk, x, layer, tracker)
         x = m.norm(x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -98,20 +107,37 @@ class AdaptedMixer(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        """One ``MixerBlock`` with its events (subclasses: other ``MlpMixer`` block types)."""
+        y, mixed = tracker.labels_for(layer), None
+        if y is not None:
+            with torch.autocast(device_type=y.device.type, enabled=False):
+                mixed = token_mixing_matrix(blk.mlp_tokens) @ y
+        out, keep = branch(blk.drop_path, _token_mlp(blk, x))
+        tracker.residual(layer, keep, mixed=mixed)
+        x = x + out
+        out, keep = branch(blk.drop_path, blk.mlp_channels(blk.norm2(x)))
+        tracker.residual(layer, keep, mixed=None)  # channel mixing
+        return x + out
+
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
-        """The path-weight matrix summed hidden unit by hidden unit, on dense labels."""
+        """Explicit token-mixing matrices block by block (``_reference_block``), on dense labels."""
         m: Any = self.model
         x, grid = _embed(m, images, label_map)
         rules = DenseRules(self.scheme, label_map, grid, 0, len(m.blocks))
         for layer, blk in enumerate(m.blocks):
-            w1 = blk.mlp_tokens.fc1.weight.detach().double().abs()  # hidden n
-            w2 = blk.mlp_tokens.fc2.weight.detach().double().abs()  # n hidden
-            paths = torch.einsum("ik,kj->ij", w2, w1)
-            out, keep = _drop(blk.drop_path, _token_mlp(blk, x))
-            rules.mix(layer, (paths / paths.sum(dim=1, keepdim=True)).unsqueeze(0), keep)
-            x = x + out
-            x = x + _drop(blk.drop_path, blk.mlp_channels(blk.norm2(x)))[0]
+            x = self._reference_block(blk, x, layer, rules)
         x = m.norm(x)
         output = m.forward_head(x)
         token_logits = m.head(m.head_drop(x)) if self.scheme.needs_token_logits else None
         return rules.result(output, output, "mean", token_logits)
+
+    def _reference_block(self, blk: Any, x: Tensor, layer: int, rules: DenseRules) -> Tensor:
+        """The path-weight matrix summed hidden unit by hidden unit."""
+        w1 = blk.mlp_tokens.fc1.weight.detach().double().abs()  # hidden n
+        w2 = blk.mlp_tokens.fc2.weight.detach().double().abs()  # n hidden
+        paths = torch.einsum("ik,kj->ij", w2, w1)
+        out, keep = _drop(blk.drop_path, _token_mlp(blk, x))
+        rules.mix(layer, (paths / paths.sum(dim=1, keepdim=True)).unsqueeze(0), keep)
+        x = x + out
+        return x + _drop(blk.drop_path, blk.mlp_channels(blk.norm2(x)))[0]

@@ -142,6 +142,10 @@ FAMILY_MODELS = {
     "mvitv2": "mvitv2_tiny",
     "efficientvit_msra": "efficientvit_m0",
     "hiera": "hiera_tiny_224",
+    "resmlp": "resmlp_12_224",
+    "gmlp": "gmlp_ti16_224",
+    "crossvit": "crossvit_tiny_240",
+    "tnt": "tnt_s_patch16_224",
 }
 
 

@@ -39,6 +39,7 @@ POOLED_FAMILIES = [
     "beit",
     "swinv2", "swinv2_cr", "davit", "gcvit",
     "efficientvit_mit", "mvitv2", "efficientvit_msra", "hiera",
+    "resmlp", "gmlp",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
@@ -77,6 +78,10 @@ def test_training_step(mixer: str, family: str, scheme: str) -> None:
     adapted = backbones.adapt(model, SCHEMES[scheme])
     if family == "any" and mixer == "mixtoken":
         with pytest.raises(ValueError, match="no `patch_embed`"):
+            adapted(mixed, lm)
+        return
+    if family == "crossvit" and mixer == "mixtoken":  # two patch grids: one token-space map cannot mix both
+        with pytest.raises(ValueError, match="CrossViT embeds the image twice"):
             adapted(mixed, lm)
         return
     if (family, scheme) in REFUSED:
