@@ -27,6 +27,7 @@ from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
+from mixlabels.backbones._maxxvit import AdaptedMaxxVit
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
@@ -51,6 +52,7 @@ __all__ = [
     "AdaptedMixer",
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
+    "AdaptedMaxxVit",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

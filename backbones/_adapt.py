@@ -16,6 +16,7 @@ import timm
 import torch
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
+from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitTransformerCfg
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
@@ -23,6 +24,7 @@ from torch import nn
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._maxxvit import MAXXVIT_FAMILY, AdaptedMaxxVit
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
@@ -89,6 +91,9 @@ _REGISTRY: list[Family] = [
     Family("metaformer", METAFORMER_FAMILY, AdaptedMetaFormer.refusal, AdaptedMetaFormer,
            _tiny(MetaFormer, depths=(1, 1, 1), dims=(8, 16, 32), token_mixers=(Pooling, SepConv, MetaAttention),
                  norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
+    Family("maxxvit", MAXXVIT_FAMILY, AdaptedMaxxVit.refusal, AdaptedMaxxVit,
+           _tiny(MaxxVit, img_size=32, cfg=MaxxVitCfg(embed_dim=(8, 16, 32), depths=(1, 1, 1), block_type=("C", "M", "T"),
+                 stem_width=8, transformer_cfg=MaxxVitTransformerCfg(dim_head=8, window_size=(2, 2)))), ("maxxvit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip
