@@ -34,6 +34,7 @@ from mixlabels.backbones._efficientvit_msra import AdaptedEfficientViTMSRA
 from mixlabels.backbones._hiera import AdaptedHiera
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._eva import AdaptedEva
+from mixlabels.backbones._maxxvit import AdaptedMaxxVit
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._mvitv2 import AdaptedMViTv2
@@ -73,6 +74,7 @@ __all__ = [
     "AdaptedRelPosViT",
     "AdaptedBeit",
     "AdaptedEva",
+    "AdaptedMaxxVit",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

@@ -17,6 +17,7 @@ import torch
 from timm.layers.mlp import GatedMlp
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
+from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitTransformerCfg
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.gcvit import GlobalContextVit
 from timm.models.mlp_mixer import MlpMixer
@@ -37,6 +38,7 @@ from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA
+from mixlabels.backbones._maxxvit import MAXXVIT_FAMILY, AdaptedMaxxVit
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._hiera import HIERA_FAMILY, AdaptedHiera
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
@@ -154,6 +156,9 @@ _REGISTRY: list[Family] = [
     Family("tnt", TNT_FAMILY, AdaptedTNT.refusal, AdaptedTNT,
            _tiny(TNT, img_size=32, patch_size=8, embed_dim=32, inner_dim=8, depth=2, num_heads_inner=2,
                  num_heads_outer=2), ("tnt",)),
+    Family("maxxvit", MAXXVIT_FAMILY, AdaptedMaxxVit.refusal, AdaptedMaxxVit,
+           _tiny(MaxxVit, img_size=32, cfg=MaxxVitCfg(embed_dim=(8, 16, 32), depths=(1, 1, 1), block_type=("C", "M", "T"),
+                 stem_width=8, transformer_cfg=MaxxVitTransformerCfg(dim_head=8, window_size=(2, 2)))), ("maxxvit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

@@ -335,7 +335,8 @@ def explicit_attention(
     kept for the backward as the math path keeps it, and mixing ``(b, m, l)`` labels adds
     one small product. Returns ``out`` ``(b, h, n, d)`` and ``mixed`` ``(b, n, l)`` fp32, no grad.
     """
-    scores = (q * scale) @ k.transpose(-2, -1)  # b h n m
+    root = scale**0.5  # q and k each scaled by sqrt(scale), as the math path does: bit-equal outputs
+    scores = (q * root) @ (k * root).transpose(-2, -1)  # b h n m
     if attn_mask is not None:
         scores = scores + attn_mask
     a = scores.softmax(dim=-1)

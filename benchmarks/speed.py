@@ -146,6 +146,7 @@ FAMILY_MODELS = {
     "gmlp": "gmlp_ti16_224",
     "crossvit": "crossvit_tiny_240",
     "tnt": "tnt_s_patch16_224",
+    "maxxvit": "maxvit_pico_rw_256",
 }
 
 

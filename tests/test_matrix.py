@@ -40,6 +40,7 @@ POOLED_FAMILIES = [
     "swinv2", "swinv2_cr", "davit", "gcvit",
     "efficientvit_mit", "mvitv2", "efficientvit_msra", "hiera",
     "resmlp", "gmlp",
+    "maxxvit",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
