@@ -31,6 +31,7 @@ from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
+from mixlabels.backbones._twins import AdaptedTwins
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
@@ -51,6 +52,7 @@ __all__ = [
     "AdaptedMixer",
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
+    "AdaptedTwins",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

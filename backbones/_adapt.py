@@ -27,6 +27,7 @@ from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
+from mixlabels.backbones._twins import TWINS_FAMILY, AdaptedTwins
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
@@ -89,6 +90,9 @@ _REGISTRY: list[Family] = [
     Family("metaformer", METAFORMER_FAMILY, AdaptedMetaFormer.refusal, AdaptedMetaFormer,
            _tiny(MetaFormer, depths=(1, 1, 1), dims=(8, 16, 32), token_mixers=(Pooling, SepConv, MetaAttention),
                  norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
+    Family("twins", TWINS_FAMILY, AdaptedTwins.refusal, AdaptedTwins,
+           _tiny("twins_svt_small", depths=(2, 1), embed_dims=(16, 32), num_heads=(1, 2), mlp_ratios=(2, 2),
+                 wss=(4, 4), sr_ratios=(2, 1)), ("twins",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip
