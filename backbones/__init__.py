@@ -47,6 +47,7 @@ from mixlabels.backbones._tnt import AdaptedTNT
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import AdaptedSwinV2Cr
+from mixlabels.backbones._twins import AdaptedTwins
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
@@ -75,6 +76,7 @@ __all__ = [
     "AdaptedBeit",
     "AdaptedEva",
     "AdaptedMaxxVit",
+    "AdaptedTwins",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

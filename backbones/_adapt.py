@@ -51,6 +51,7 @@ from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import SWINV2_CR_FAMILY, AdaptedSwinV2Cr
+from mixlabels.backbones._twins import TWINS_FAMILY, AdaptedTwins
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
@@ -159,6 +160,9 @@ _REGISTRY: list[Family] = [
     Family("maxxvit", MAXXVIT_FAMILY, AdaptedMaxxVit.refusal, AdaptedMaxxVit,
            _tiny(MaxxVit, img_size=32, cfg=MaxxVitCfg(embed_dim=(8, 16, 32), depths=(1, 1, 1), block_type=("C", "M", "T"),
                  stem_width=8, transformer_cfg=MaxxVitTransformerCfg(dim_head=8, window_size=(2, 2)))), ("maxxvit",)),
+    Family("twins", TWINS_FAMILY, AdaptedTwins.refusal, AdaptedTwins,
+           _tiny("twins_svt_small", depths=(2, 1), embed_dims=(16, 32), num_heads=(1, 2), mlp_ratios=(2, 2),
+                 wss=(4, 4), sr_ratios=(2, 1)), ("twins",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

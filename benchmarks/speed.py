@@ -147,6 +147,7 @@ FAMILY_MODELS = {
     "crossvit": "crossvit_tiny_240",
     "tnt": "tnt_s_patch16_224",
     "maxxvit": "maxvit_pico_rw_256",
+    "twins": "twins_svt_small",
 }
 
 

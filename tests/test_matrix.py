@@ -41,6 +41,7 @@ POOLED_FAMILIES = [
     "efficientvit_mit", "mvitv2", "efficientvit_msra", "hiera",
     "resmlp", "gmlp",
     "maxxvit",
+    "twins",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
