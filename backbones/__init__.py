@@ -30,6 +30,7 @@ from mixlabels.backbones._matrix import SupportRow, support_markdown, support_ma
 from mixlabels.backbones._maxxvit import AdaptedMaxxVit
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
+from mixlabels.backbones._nest import AdaptedNest
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._task import AlignedClassificationTask
@@ -53,6 +54,7 @@ __all__ = [
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
     "AdaptedMaxxVit",
+    "AdaptedNest",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

@@ -19,6 +19,7 @@ from timm.models.metaformer import Attention as MetaAttention
 from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitTransformerCfg
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.mlp_mixer import MlpMixer
+from timm.models.nest import Nest
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
@@ -27,6 +28,7 @@ from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._maxxvit import MAXXVIT_FAMILY, AdaptedMaxxVit
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
+from mixlabels.backbones._nest import NEST_FAMILY, AdaptedNest
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
@@ -94,6 +96,9 @@ _REGISTRY: list[Family] = [
     Family("maxxvit", MAXXVIT_FAMILY, AdaptedMaxxVit.refusal, AdaptedMaxxVit,
            _tiny(MaxxVit, img_size=32, cfg=MaxxVitCfg(embed_dim=(8, 16, 32), depths=(1, 1, 1), block_type=("C", "M", "T"),
                  stem_width=8, transformer_cfg=MaxxVitTransformerCfg(dim_head=8, window_size=(2, 2)))), ("maxxvit",)),
+    Family("nest", NEST_FAMILY, AdaptedNest.refusal, AdaptedNest,
+           _tiny(Nest, img_size=32, patch_size=4, num_levels=3, embed_dims=(8, 16, 32), num_heads=(1, 2, 2), depths=(1, 1, 1),
+                 drop_path_rate=0.1), ("nest",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

@@ -132,6 +132,7 @@ FAMILY_MODELS = {
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
     "maxxvit": "maxvit_pico_rw_256",
+    "nest": "nest_tiny_jx",
 }
 
 
