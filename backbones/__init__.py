@@ -26,6 +26,7 @@ from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._count import TierCount, count_timm_names
+from mixlabels.backbones._focalnet import AdaptedFocalNet
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._maxxvit import AdaptedMaxxVit
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
@@ -55,6 +56,7 @@ __all__ = [
     "AdaptedMetaFormer",
     "AdaptedMaxxVit",
     "AdaptedNest",
+    "AdaptedFocalNet",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

@@ -16,6 +16,7 @@ import timm
 import torch
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
+from timm.models.focalnet import FocalNet
 from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitTransformerCfg
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.mlp_mixer import MlpMixer
@@ -25,6 +26,7 @@ from torch import nn
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
+from mixlabels.backbones._focalnet import FOCALNET_FAMILY, AdaptedFocalNet
 from mixlabels.backbones._maxxvit import MAXXVIT_FAMILY, AdaptedMaxxVit
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
@@ -99,6 +101,8 @@ _REGISTRY: list[Family] = [
     Family("nest", NEST_FAMILY, AdaptedNest.refusal, AdaptedNest,
            _tiny(Nest, img_size=32, patch_size=4, num_levels=3, embed_dims=(8, 16, 32), num_heads=(1, 2, 2), depths=(1, 1, 1),
                  drop_path_rate=0.1), ("nest",)),
+    Family("focalnet", FOCALNET_FAMILY, AdaptedFocalNet.refusal, AdaptedFocalNet,
+           _tiny(FocalNet, embed_dim=8, depths=(1, 1, 1)), ("focalnet",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

@@ -133,6 +133,7 @@ FAMILY_MODELS = {
     "metaformer": "poolformerv2_s12",
     "maxxvit": "maxvit_pico_rw_256",
     "nest": "nest_tiny_jx",
+    "focalnet": "focalnet_tiny_srf",
 }
 
 

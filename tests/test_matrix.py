@@ -36,7 +36,7 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
 POOLED_FAMILIES = [
     "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer",
-    "maxxvit", "nest",
+    "maxxvit", "nest", "focalnet",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
