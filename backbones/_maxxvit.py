@@ -9,7 +9,9 @@ is three units: conv, block attention, grid attention).
 
 - stem (3x3 stride 2, then 3x3 stride 1, both full convs): labels start on the pixels and
   ``aggregate`` sums them over each conv's windows (zero padding adds nothing), as
-  MetaFormer's and PVT v2's stems; a MixToken map starts on the stem's grid instead.
+  MetaFormer's and PVT v2's stems, so a first-stage token's labels are the source fractions of
+  the stem's receptive field (a stride-1 full conv *between* token stages, Nest's ConvPool, is a
+  token mixer instead and takes the normalised-``|K|`` rule); a MixToken map starts on the stem's grid.
 - conv unit (``MbConvBlock``: pre-norm, 1x1, depthwise kxk, SE, 1x1; ``ConvNeXtBlock``): the
   stride-1 depthwise conv is the spatial mix ``Norm(T(K)) Y`` (``conv_mix``, as ConvNeXt's);
   the 1x1 convs, norms, SE (a per-sample channel gate), MLP and layer scale are channel ops.
