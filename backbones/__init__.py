@@ -32,12 +32,14 @@ from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import AdaptedEfficientViTMSRA
 from mixlabels.backbones._hiera import AdaptedHiera
+from mixlabels.backbones._focalnet import AdaptedFocalNet
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._eva import AdaptedEva
 from mixlabels.backbones._maxxvit import AdaptedMaxxVit
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._mvitv2 import AdaptedMViTv2
+from mixlabels.backbones._nest import AdaptedNest
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._relpos import AdaptedRelPosViT
 from mixlabels.backbones._resmlp import AdaptedResMLP
@@ -77,6 +79,8 @@ __all__ = [
     "AdaptedEva",
     "AdaptedMaxxVit",
     "AdaptedTwins",
+    "AdaptedNest",
+    "AdaptedFocalNet",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

@@ -17,6 +17,7 @@ import torch
 from timm.layers.mlp import GatedMlp
 from timm.layers.norm import GroupNorm1
 from timm.models.metaformer import Attention as MetaAttention
+from timm.models.focalnet import FocalNet
 from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitTransformerCfg
 from timm.models.metaformer import LayerNorm2dNoBias, LayerNormNoBias, MetaFormer, Pooling, SepConv
 from timm.models.gcvit import GlobalContextVit
@@ -25,6 +26,7 @@ from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 from timm.models.crossvit import CrossVit
 from timm.models.tnt import TNT
 from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
+from timm.models.nest import Nest
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
@@ -38,11 +40,13 @@ from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA
+from mixlabels.backbones._focalnet import FOCALNET_FAMILY, AdaptedFocalNet
 from mixlabels.backbones._maxxvit import MAXXVIT_FAMILY, AdaptedMaxxVit
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._hiera import HIERA_FAMILY, AdaptedHiera
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._mvitv2 import MVITV2_FAMILY, AdaptedMViTv2
+from mixlabels.backbones._nest import NEST_FAMILY, AdaptedNest
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._relpos import RELPOS_FAMILY, AdaptedRelPosViT
 from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
@@ -163,6 +167,11 @@ _REGISTRY: list[Family] = [
     Family("twins", TWINS_FAMILY, AdaptedTwins.refusal, AdaptedTwins,
            _tiny("twins_svt_small", depths=(2, 1), embed_dims=(16, 32), num_heads=(1, 2), mlp_ratios=(2, 2),
                  wss=(4, 4), sr_ratios=(2, 1)), ("twins",)),
+    Family("nest", NEST_FAMILY, AdaptedNest.refusal, AdaptedNest,
+           _tiny(Nest, img_size=32, patch_size=4, num_levels=3, embed_dims=(8, 16, 32), num_heads=(1, 2, 2), depths=(1, 1, 1),
+                 drop_path_rate=0.1), ("nest",)),
+    Family("focalnet", FOCALNET_FAMILY, AdaptedFocalNet.refusal, AdaptedFocalNet,
+           _tiny(FocalNet, embed_dim=8, depths=(1, 1, 1)), ("focalnet",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

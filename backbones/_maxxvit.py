@@ -9,7 +9,9 @@ is three units: conv, block attention, grid attention).
 
 - stem (3x3 stride 2, then 3x3 stride 1, both full convs): labels start on the pixels and
   ``aggregate`` sums them over each conv's windows (zero padding adds nothing), as
-  MetaFormer's and PVT v2's stems; a MixToken map starts on the stem's grid instead.
+  MetaFormer's and PVT v2's stems, so a first-stage token's labels are the source fractions of
+  the stem's receptive field (a stride-1 full conv *between* token stages, Nest's ConvPool, is a
+  token mixer instead and takes the normalised-``|K|`` rule); a MixToken map starts on the stem's grid.
 - conv unit (``MbConvBlock``: pre-norm, 1x1, depthwise kxk, SE, 1x1; ``ConvNeXtBlock``): the
   stride-1 depthwise conv is the spatial mix ``Norm(T(K)) Y`` (``conv_mix``, as ConvNeXt's);
   the 1x1 convs, norms, SE (a per-sample channel gate), MLP and layer scale are channel ops.
@@ -245,7 +247,7 @@ def _branch_labels(ops: list[_Op], labels: Tensor, grid: tuple[int, int]) -> tup
 
 def _branch_matrix(ops: list[_Op], grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
     """``ops`` as one explicit row-stochastic ``(n', n)`` float64 matrix (the reference)."""
-    m = torch.eye(grid[0] * grid[1], dtype=torch.float64)
+    m: Tensor | None = None  # the identity, never built: a stem-sized (n, n) eye is gigabytes
     for kind, op in ops:
         if kind == "sum":
             w, grid = conv_matrix(grid, torch.ones(op[0]), op[1], op[2])
@@ -253,8 +255,27 @@ def _branch_matrix(ops: list[_Op], grid: tuple[int, int]) -> tuple[Tensor, tuple
             k = op.weight.detach().double().abs()
             k = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
             w, grid = conv_matrix(grid, k, padding=op.padding, dilation=op.dilation)
-        m = row_normalise(w) @ m
-    return m, grid
+        m = row_normalise(w) if m is None else row_normalise(w) @ m
+    return (torch.eye(grid[0] * grid[1], dtype=torch.float64) if m is None else m), grid
+
+
+# The reference path's largest dense float64 matrix: beyond this it refuses (a ValueError, which
+# benchmarks/speed.py reports as a refused variant) rather than exhaust the machine's memory.
+REFERENCE_BYTES = 2**31
+
+
+def _check_reference_size(m: Any, label_map: TokenLabelMap) -> None:
+    """Refuse image sizes whose stem matrices (pixels to the stem's grid, and that grid's own) exceed ``REFERENCE_BYTES``."""
+    h, w = label_map.image_size
+    sh, sw = _pair(m.stem.conv1.stride)
+    tokens = (h // sh) * (w // sw)
+    pixels = tokens if label_map.token_space else h * w
+    need = 8 * tokens * max(pixels, tokens)
+    if need > REFERENCE_BYTES:
+        raise ValueError(
+            f"the dense reference path would build {need / 2**30:.1f} GiB float64 matrices for {h}x{w} images "
+            f"(a {h // sh}x{w // sw} stem grid); use the fast path (reference=False), or the reference on smaller images"
+        )
 
 
 def _conv_branch(u: Any, x: Tensor) -> Tensor:
@@ -462,6 +483,7 @@ class AdaptedMaxxVit(AdaptedBase):
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         """Explicit matrices (windows, kernels, attention scattered over the grid) on dense labels."""
         m: Any = self.model
+        _check_reference_size(m, label_map)
         x, grid, start = _embed(m, images, label_map)
         units = _units(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(units))

@@ -148,6 +148,8 @@ FAMILY_MODELS = {
     "tnt": "tnt_s_patch16_224",
     "maxxvit": "maxvit_pico_rw_256",
     "twins": "twins_svt_small",
+    "nest": "nest_tiny_jx",
+    "focalnet": "focalnet_tiny_srf",
 }
 
 

@@ -94,3 +94,9 @@ def test_refusals() -> None:
     odd = torch.randn(2, 3, 40, 40, generator=g)  # stage 1: a 5x5 grid, which 2x2 windows do not tile
     with pytest.raises(ValueError, match="not divisible by the 2x2"):
         backbones.adapt(make("maxvit"), TLAlign())(odd, TokenLabelMap.unmixed(torch.tensor([0, 1]), C, (40, 40)))
+
+
+def test_reference_refuses_what_would_exhaust_memory() -> None:
+    big = TokenLabelMap.unmixed(torch.tensor([0]), C, (512, 512))  # 256x256 stem grid: 128 GiB matrices
+    with pytest.raises(ValueError, match="dense reference path would build 128.0 GiB"):
+        backbones.adapt(make("maxvit"), TLAlign(), reference=True)(torch.zeros(1, 3, 512, 512), big)

@@ -42,6 +42,7 @@ POOLED_FAMILIES = [
     "resmlp", "gmlp",
     "maxxvit",
     "twins",
+    "maxxvit", "nest", "focalnet",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
