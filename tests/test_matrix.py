@@ -40,7 +40,6 @@ POOLED_FAMILIES = [
     "swinv2", "swinv2_cr", "davit", "gcvit",
     "efficientvit_mit", "mvitv2", "efficientvit_msra", "hiera",
     "resmlp", "gmlp",
-    "maxxvit",
     "twins",
     "maxxvit", "nest", "focalnet",
 ]  # fmt: skip
