@@ -32,6 +32,7 @@ from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._twins import AdaptedTwins
+from mixlabels.backbones._xcit import AdaptedXCiT
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
@@ -53,6 +54,7 @@ __all__ = [
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
     "AdaptedTwins",
+    "AdaptedXCiT",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

@@ -28,6 +28,7 @@ from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._twins import TWINS_FAMILY, AdaptedTwins
+from mixlabels.backbones._xcit import XCIT_FAMILY, AdaptedXCiT
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
@@ -93,6 +94,8 @@ _REGISTRY: list[Family] = [
     Family("twins", TWINS_FAMILY, AdaptedTwins.refusal, AdaptedTwins,
            _tiny("twins_svt_small", depths=(2, 1), embed_dims=(16, 32), num_heads=(1, 2), mlp_ratios=(2, 2),
                  wss=(4, 4), sr_ratios=(2, 1)), ("twins",)),
+    Family("xcit", XCIT_FAMILY, AdaptedXCiT.refusal, AdaptedXCiT,
+           _tiny("xcit_nano_12_p8_224", img_size=32, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=1), ("xcit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip

@@ -132,6 +132,7 @@ FAMILY_MODELS = {
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
     "twins": "twins_svt_small",
+    "xcit": "xcit_nano_12_p16_224",
 }
 
 
