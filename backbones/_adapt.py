@@ -26,6 +26,7 @@ from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
+from mixlabels.backbones._refusals import named_refusal
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._twins import TWINS_FAMILY, AdaptedTwins
 from mixlabels.backbones._xcit import XCIT_FAMILY, AdaptedXCiT
@@ -185,6 +186,9 @@ def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: 
     if accepts_any_model(scheme):
         return fallback.build(model, scheme, reference)
     aligning = ", ".join(f.name for f in _REGISTRY[:-1])
+    known = named_refusal(model)  # a known family without an adapter yet: its own reason leads
+    if known is not None:
+        raise TypeError(f"{type(scheme).__name__} cannot adapt {type(model).__name__}: {known}")
     listing = "\n  - ".join(f"{f.name}: {f.description}" for f in _REGISTRY[:-1])
     raise TypeError(
         f"aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "
