@@ -50,6 +50,7 @@ from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import AdaptedSwinV2Cr
 from mixlabels.backbones._twins import AdaptedTwins
+from mixlabels.backbones._xcit import AdaptedXCiT
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
@@ -81,6 +82,7 @@ __all__ = [
     "AdaptedTwins",
     "AdaptedNest",
     "AdaptedFocalNet",
+    "AdaptedXCiT",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

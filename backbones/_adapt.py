@@ -52,10 +52,12 @@ from mixlabels.backbones._relpos import RELPOS_FAMILY, AdaptedRelPosViT
 from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
+from mixlabels.backbones._refusals import named_refusal
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import SWINV2_CR_FAMILY, AdaptedSwinV2Cr
 from mixlabels.backbones._twins import TWINS_FAMILY, AdaptedTwins
+from mixlabels.backbones._xcit import XCIT_FAMILY, AdaptedXCiT
 from mixlabels.backbones._vit import VIT_FAMILY, AdaptedViT, vit_refusal
 from mixlabels import Scheme
 
@@ -172,6 +174,8 @@ _REGISTRY: list[Family] = [
                  drop_path_rate=0.1), ("nest",)),
     Family("focalnet", FOCALNET_FAMILY, AdaptedFocalNet.refusal, AdaptedFocalNet,
            _tiny(FocalNet, embed_dim=8, depths=(1, 1, 1)), ("focalnet",)),
+    Family("xcit", XCIT_FAMILY, AdaptedXCiT.refusal, AdaptedXCiT,
+           _tiny("xcit_nano_12_p8_224", img_size=32, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=1), ("xcit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
 ]  # fmt: skip
@@ -261,6 +265,9 @@ def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: 
     if accepts_any_model(scheme):
         return fallback.build(model, scheme, reference)
     aligning = ", ".join(f.name for f in _REGISTRY[:-1])
+    known = named_refusal(model)  # a known family without an adapter yet: its own reason leads
+    if known is not None:
+        raise TypeError(f"{type(scheme).__name__} cannot adapt {type(model).__name__}: {known}")
     listing = "\n  - ".join(f"{f.name}: {f.description}" for f in _REGISTRY[:-1])
     raise TypeError(
         f"aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "

@@ -150,6 +150,7 @@ FAMILY_MODELS = {
     "twins": "twins_svt_small",
     "nest": "nest_tiny_jx",
     "focalnet": "focalnet_tiny_srf",
+    "xcit": "xcit_nano_12_p16_224",
 }
 
 
