@@ -30,6 +30,7 @@ from mixlabels.backbones._matrix import SupportRow, support_markdown, support_ma
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
 from mixlabels.backbones._mixer import AdaptedMixer
 from mixlabels.backbones._pvt import AdaptedPVTv2
+from mixlabels.backbones._resnet import AdaptedResNet
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit import AdaptedViT
@@ -51,6 +52,7 @@ __all__ = [
     "AdaptedMixer",
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
+    "AdaptedResNet",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

@@ -131,6 +131,7 @@ FAMILY_MODELS = {
     "mlp_mixer": "mixer_s32_224",
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
+    "resnet": "resnet18",
 }
 
 

@@ -35,11 +35,11 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
 }
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
 POOLED_FAMILIES = [
-    "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer",
+    "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer", "resnet",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
-# The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
-# needs a `patch_embed` the ResNet lacks.
+# The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
+# needs a `patch_embed` the NFNet lacks.
 ANY_REFUSED = {("any", s) for s in SCHEMES if s != "NoAlign"}
 
 
