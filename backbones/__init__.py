@@ -25,6 +25,7 @@ from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
+from mixlabels.backbones._efficientnet import AdaptedEfficientNet
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._metaformer import AdaptedMetaFormer
@@ -53,6 +54,7 @@ __all__ = [
     "AdaptedConvNeXt",
     "AdaptedMetaFormer",
     "AdaptedResNet",
+    "AdaptedEfficientNet",
     "AdaptedClassifier",
     "count_timm_names",
     "TierCount",

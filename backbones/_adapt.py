@@ -22,6 +22,7 @@ from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
 from mixlabels.backbones._cait import CAIT_FAMILY, AdaptedCaiT
+from mixlabels.backbones._efficientnet import EFFICIENTNET_FAMILY, AdaptedEfficientNet
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
 from mixlabels.backbones._mixer import MIXER_FAMILY, AdaptedMixer
@@ -92,6 +93,8 @@ _REGISTRY: list[Family] = [
                  norm_layers=(GroupNorm1, LayerNorm2dNoBias, LayerNormNoBias), head_dim=16), ("metaformer",)),
     Family("resnet", RESNET_FAMILY, AdaptedResNet.refusal, AdaptedResNet,
            _tiny("resnet18d", layers=(1, 1, 1, 1), channels=(8, 16, 24, 32), stem_width=8), ("resnet",)),
+    Family("efficientnet", EFFICIENTNET_FAMILY, AdaptedEfficientNet.refusal, AdaptedEfficientNet,
+           _tiny("test_efficientnet"), ("efficientnet",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip

@@ -109,6 +109,9 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
     """Why ``module`` has no rule here (``None``: it is a spatial op or a channel op)."""
     if isinstance(module, gates) or _is_channel_op(module):
         return None
+    if type(module).__name__ == "Conv2dSame":
+        return (f"{where} is Conv2dSame: TF 'same' padding, decided per input size, has no static windows; use the "
+                "model without the tf_ prefix or build it with pad_type=''")
     if type(module) is nn.Conv2d:
         if isinstance(module.padding, str) or module.padding_mode != "zeros":
             return f"{where} ({type(module).__name__}) uses padding {module.padding!r} ({module.padding_mode}); only static zero padding has a label rule"

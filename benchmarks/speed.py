@@ -132,6 +132,7 @@ FAMILY_MODELS = {
     "convnext": "convnext_atto",
     "metaformer": "poolformerv2_s12",
     "resnet": "resnet18",
+    "efficientnet": "efficientnet_b0",
 }
 
 

@@ -35,7 +35,7 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
 }
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error.
 POOLED_FAMILIES = [
-    "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer", "resnet",
+    "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer", "resnet", "efficientnet",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
