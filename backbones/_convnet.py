@@ -45,7 +45,6 @@ from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from torch import Tensor, nn
 
 from mixlabels import LabelTracker
-from mixlabels.backbones._common import conv_mix
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 
 __all__ = [
@@ -189,6 +188,16 @@ def kernel_labels(weight: Tensor) -> Tensor:
     return rearrange(inv @ k / inv.numel(), "(kh kw) -> kh kw", kh=int(weight.shape[-2]))
 
 
+def _conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """``backbones._common.conv_mix`` with every (sample, label) map as one channel of a depthwise conv on one
+    image: the same sums, on CPU several times faster than a batch of single-channel convolutions."""
+    y = rearrange(labels, "b (h w) l -> 1 (b l) h w", h=grid[0])
+    k = rearrange(kernel.to(y), "kh kw -> 1 1 kh kw")
+    mass = F.conv2d(torch.ones_like(y[:, :1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
+    mixed = F.conv2d(y, k.expand(y.shape[1], -1, -1, -1), padding=padding, dilation=dilation, groups=y.shape[1]) / mass
+    return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=labels.shape[0])
+
+
 def apply_path(path: Path, labels: Tensor, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
     """Labels ``(b, n, l)`` through ``path`` (fp32), rows normalised op by op; and the grid it ends on."""
     with torch.autocast(device_type=labels.device.type, enabled=False):
@@ -198,7 +207,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int]) -> tuple[Tenso
                 out = op.out_grid(grid)
                 y, grid = _window_sum(y, grid, op) / _window_count(grid, op, y.device), out
             else:
-                y = conv_mix(y, grid, kernel_labels(op.weight), _pair(op.padding), _pair(op.dilation))
+                y = _conv_mix(y, grid, kernel_labels(op.weight), _pair(op.padding), _pair(op.dilation))
         return y, grid
 
 
