@@ -28,6 +28,7 @@ from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
 from mixlabels.backbones._davit import AdaptedDaViT
 from mixlabels.backbones._gcvit import AdaptedGCViT
+from mixlabels.backbones._efficientnet import AdaptedEfficientNet
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import AdaptedEfficientViTMSRA
@@ -46,6 +47,7 @@ from mixlabels.backbones._resmlp import AdaptedResMLP
 from mixlabels.backbones._gmlp import AdaptedGMLP
 from mixlabels.backbones._crossvit import AdaptedCrossViT
 from mixlabels.backbones._tnt import AdaptedTNT
+from mixlabels.backbones._resnet import AdaptedResNet
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import AdaptedSwinV2Cr
@@ -83,6 +85,8 @@ __all__ = [
     "AdaptedNest",
     "AdaptedFocalNet",
     "AdaptedXCiT",
+    "AdaptedResNet",
+    "AdaptedEfficientNet",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

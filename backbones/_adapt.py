@@ -36,6 +36,7 @@ from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
 from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
 from mixlabels.backbones._gmlp import GMLP_FAMILY, AdaptedGMLP
 from mixlabels.backbones._crossvit import CROSSVIT_FAMILY, AdaptedCrossViT
+from mixlabels.backbones._efficientnet import EFFICIENTNET_FAMILY, AdaptedEfficientNet
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
@@ -53,6 +54,7 @@ from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._refusals import named_refusal
+from mixlabels.backbones._resnet import RESNET_FAMILY, AdaptedResNet
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
 from mixlabels.backbones._swinv2_cr import SWINV2_CR_FAMILY, AdaptedSwinV2Cr
@@ -176,8 +178,12 @@ _REGISTRY: list[Family] = [
            _tiny(FocalNet, embed_dim=8, depths=(1, 1, 1)), ("focalnet",)),
     Family("xcit", XCIT_FAMILY, AdaptedXCiT.refusal, AdaptedXCiT,
            _tiny("xcit_nano_12_p8_224", img_size=32, embed_dim=32, depth=2, num_heads=2, cls_attn_layers=1), ("xcit",)),
+    Family("resnet", RESNET_FAMILY, AdaptedResNet.refusal, AdaptedResNet,
+           _tiny("resnet18d", layers=(1, 1, 1, 1), channels=(8, 16, 24, 32), stem_width=8), ("resnet",)),
+    Family("efficientnet", EFFICIENTNET_FAMILY, AdaptedEfficientNet.refusal, AdaptedEfficientNet,
+           _tiny("test_efficientnet"), ("efficientnet",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
-    Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_resnet"), None),
+    Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip
 FAMILIES: tuple[Family, ...] = tuple(_REGISTRY)
 SUPPORTED: tuple[str, ...] = tuple(f.description for f in _REGISTRY)

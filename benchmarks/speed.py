@@ -151,6 +151,8 @@ FAMILY_MODELS = {
     "nest": "nest_tiny_jx",
     "focalnet": "focalnet_tiny_srf",
     "xcit": "xcit_nano_12_p16_224",
+    "resnet": "resnet18",
+    "efficientnet": "efficientnet_b0",
 }
 
 

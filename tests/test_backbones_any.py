@@ -58,8 +58,8 @@ def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "torchvision_resnet18": _seeded(lambda: torchvision.models.resnet18(weights=None, num_classes=C)),
-    "timm_resnet": _seeded(lambda: timm.create_model("test_resnet", pretrained=False, num_classes=C)),
-    "timm_efficientnet": _seeded(lambda: timm.create_model("test_efficientnet", pretrained=False, num_classes=C)),
+    "timm_nfnet": _seeded(lambda: timm.create_model("test_nfnet", pretrained=False, num_classes=C)),
+    "timm_byobnet": _seeded(lambda: timm.create_model("test_byobnet", pretrained=False, num_classes=C)),
     "timm_mobilenetv3": _seeded(lambda: timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=C)),
     "timm_regnet": _seeded(lambda: timm.create_model("regnetx_002", pretrained=False, num_classes=C)),
     "own_module": _seeded(SmallNet),
@@ -92,13 +92,13 @@ def test_cutmix_training_step_and_function_preserved(name: str) -> None:
 
 @pytest.mark.parametrize("scheme", [TLAlign(), TransMix(), TokenLabeling(beta=0.5), TokenLabeling(beta=0.5, aligned=True)])
 def test_aligning_schemes_refuse_other_models_naming_the_families_and_noalign(scheme: object) -> None:
-    model = MODELS["timm_resnet"]()
+    model = MODELS["timm_nfnet"]()
     with pytest.raises(TypeError) as err:
         backbones.adapt(model, scheme)  # type: ignore[arg-type]
     text = str(err.value)
     assert text.startswith("aligned targets follow labels through a model's token mixers")
     assert "NoAlign() (the image-level CutMix/MixUp target) works for any classifier" in text
-    assert f"{type(scheme).__name__} cannot adapt ResNet, which is none of them: ResNet is not a timm VisionTransformer" in text
+    assert f"{type(scheme).__name__} cannot adapt NormFreeNet, which is none of them: NormFreeNet is not a timm VisionTransformer" in text
     for family in backbones.FAMILIES[:-1]:
         assert f"{family.name}: {family.description}" in text
 
@@ -159,7 +159,7 @@ def test_tuple_output_uses_its_first_item_and_wrong_class_count_is_refused() -> 
     images, lm = cutmix_batch()
     out = backbones.adapt(AuxNet(), NoAlign())(images, lm)
     assert isinstance(out.output, tuple) and out.logits is out.output[0]
-    wrong = timm.create_model("test_resnet", pretrained=False, num_classes=C + 1)
+    wrong = timm.create_model("test_nfnet", pretrained=False, num_classes=C + 1)
     with pytest.raises(ValueError, match=r"returned \(4, 11\).*num_classes=10"):
         backbones.adapt(wrong, NoAlign())(images, lm)
     with pytest.raises(ValueError, match="do not match the label map"):
@@ -172,7 +172,7 @@ def test_counts_of_timm_names_per_tier() -> None:
     families = [f.name for f in backbones.FAMILIES[:-1]]
     union = set().union(*(counts[f"TLAlign: {f}"].names for f in families))
     assert counts["TLAlign"].names == tuple(sorted(union)) and 0 < counts["TLAlign"].count < counts["NoAlign"].count
-    assert "vit_base_patch16_224" in counts["TLAlign: vit"].names and "resnet50" not in counts["TLAlign"].names
+    assert "vit_base_patch16_224" in counts["TLAlign: vit"].names and "nfnet_l0" not in counts["TLAlign"].names
 
 
 def test_vits_with_a_conv_stem_embedding_refuse_tlalign_and_take_noalign() -> None:

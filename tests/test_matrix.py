@@ -42,10 +42,11 @@ POOLED_FAMILIES = [
     "resmlp", "gmlp",
     "twins",
     "maxxvit", "nest", "focalnet",
+    "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer", "resnet", "efficientnet",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
-# The "any" family (a timm ResNet here) takes NoAlign only; adapt refuses the rest, and MixToken
-# needs a `patch_embed` the ResNet lacks.
+# The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
+# needs a `patch_embed` the NFNet lacks.
 ANY_REFUSED = {("any", s) for s in SCHEMES if s != "NoAlign"}
 
 

@@ -1,0 +1,274 @@
+"""Label rules of convolutional networks (ResNet, EfficientNet, RegNet), shared by their adapters.
+
+A CNN has no tokens, but every position of a feature map is one (the paper's "beyond"):
+the rules of TL-Align Table 10 and Appendix D apply to the layers a CNN is made of.
+
+- a stride-1 ``kxk`` convolution (``k > 1``; full, grouped or depthwise) mixes labels
+  spatially, ``Y <- Norm(T(K)) Y`` with ``K = mean_{o,i}(|K_oi| / sum|K_oi|)``: every
+  (output, input) channel pair's kernel as a distribution over its taps (as an attention
+  head's row is one over keys), averaged over the pairs (as heads are averaged), ``T`` the
+  convolution's matrix on the grid with its padding and dilation, and every row
+  renormalised over the taps inside the grid (``backbones._common.conv_mix``: a depthwise
+  kernel is the case ``i = 1``);
+- a strided convolution or any pooling window (max, average, blur) aggregates,
+  ``Y <- Norm(sum_i Y_i)`` over the in-grid positions of each window (what a patch merge
+  or a strided patch embedding does); padding, zero or reflected, adds no position;
+- a ``1x1`` stride-1 convolution, a norm, an activation, a channel gate (squeeze-excite,
+  ECA) and dropout (DropBlock too: a multiplicative mask) act on each position's channels
+  and leave labels alone.
+
+A block is a ``Path`` of such ops. A residual block ``x <- f(x) + s(x)`` gives, with
+``Y = labels_for(layer)``: the shortcut ``s`` aggregates when it has a window (a
+downsampling shortcut), else keeps the labels; the branch's labels ``Y_f = P_f Y`` join
+them by the scheme's residual rule (``residual(layer, keep, mixed=Y_f)``: ``(P_s Y + Y_f) / 2``
+for TL-Align, the shortcut's labels where drop-path dropped the branch). A block with no
+shortcut forms every output position from its windows alone: its path ``aggregate``\\ s,
+aligned layer or not, as a stem does.
+
+Shapes: ``b`` batch, ``n`` positions (row-major over a grid ``h w``), ``l`` label channels.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from timm.layers.blur_pool import BlurPool2d
+from timm.layers.drop import DropBlock2d
+from timm.layers.eca import CecaModule, EcaModule
+from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
+from torch import Tensor, nn
+
+from mixlabels import LabelTracker
+from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+
+__all__ = [
+    "Window",
+    "Path",
+    "path_of",
+    "path_refusal",
+    "path_grid",
+    "CHANNEL_GATES",
+    "apply_path",
+    "kernel_labels",
+    "path_matrix",
+    "block_labels",
+    "block_labels_reference",
+]
+
+CHANNEL_GATES: tuple[type[nn.Module], ...] = (SEModule, EffectiveSEModule, EcaModule, CecaModule)
+"""Modules scaling each channel by a gate computed from the globally pooled features: channel ops."""
+
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+_NOT_ELEMENTWISE = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax)
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "timm.layers.activations", "timm.layers.activations_me")
+
+
+@dataclass(frozen=True)
+class Window:
+    """A strided conv's or a pool's windows: labels summed over each window's in-grid positions."""
+
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    ceil_mode: bool = False
+
+    def out_grid(self, grid: tuple[int, int]) -> tuple[int, int]:
+        """PyTorch's pooling output size (with ``ceil_mode``'s rule: no window starts in the padding)."""
+        out = []
+        for g, k, s, p in zip(grid, self.kernel, self.stride, self.padding):
+            o = (g + 2 * p - k + (s - 1 if self.ceil_mode else 0)) // s + 1
+            if self.ceil_mode and (o - 1) * s >= g + p:
+                o -= 1
+            out.append(o)
+        return out[0], out[1]
+
+
+Op = Window | nn.Conv2d
+"""One spatial op of a path: a ``Window``, or a stride-1 ``kxk`` conv (its kernel read at call time)."""
+Path = tuple[Op, ...]
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _is_channel_op(module: nn.Module) -> bool:
+    if isinstance(module, (nn.Identity, nn.Dropout, DropBlock2d, *_NORMS, *CHANNEL_GATES)):
+        return True
+    return type(module).__module__ in _ACTIVATION_MODULES and not isinstance(module, _NOT_ELEMENTWISE)
+
+
+def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...]) -> str | None:
+    """Why ``module`` has no rule here (``None``: it is a spatial op or a channel op)."""
+    if isinstance(module, gates) or _is_channel_op(module):
+        return None
+    if type(module).__name__ == "Conv2dSame":
+        return (f"{where} is Conv2dSame: TF 'same' padding, decided per input size, has no static windows; use the "
+                "model without the tf_ prefix or build it with pad_type=''")
+    if type(module) is nn.Conv2d:
+        if isinstance(module.padding, str) or module.padding_mode != "zeros":
+            return f"{where} ({type(module).__name__}) uses padding {module.padding!r} ({module.padding_mode}); only static zero padding has a label rule"
+        if module.stride != (1, 1) and module.dilation != (1, 1):
+            return f"{where} is a strided dilated convolution; only undilated strided convolutions aggregate here"
+        return None
+    if type(module) in (nn.MaxPool2d, nn.AvgPool2d):
+        pool: Any = module
+        if _pair(getattr(pool, "dilation", 1)) != (1, 1):
+            return f"{where} is a dilated pooling window"
+        return None
+    if type(module) is BlurPool2d:
+        blur: Any = module
+        if blur.pad_mode not in ("reflect", "constant", "replicate"):
+            return f"{where} pads by {blur.pad_mode!r}; only reflect, replicate or zero padding stays inside its window"
+        return None
+    return f"{where} is {type(module).__name__}, which has no label rule here (a conv, pool, norm, activation or channel gate)"
+
+
+def path_refusal(modules: Sequence[nn.Module], where: str, gates: tuple[type[nn.Module], ...] = ()) -> str | None:
+    """Why a sequence of a block's modules has no label rule (``None``: every module has one)."""
+    for i, module in enumerate(modules):
+        why = _op_refusal(module, f"{where} module {i}", gates)
+        if why is not None:
+            return why
+    return None
+
+
+def path_of(modules: Sequence[nn.Module]) -> Path:
+    """The spatial ops of ``modules`` in order (channel ops dropped); checked by ``path_refusal`` first."""
+    ops: list[Op] = []
+    for module in modules:
+        mod: Any = module
+        if type(module) is nn.Conv2d:
+            if module.stride != (1, 1):
+                ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), _pair(mod.padding)))
+            elif module.kernel_size != (1, 1):
+                ops.append(module)
+        elif type(module) in (nn.MaxPool2d, nn.AvgPool2d):
+            ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride or mod.kernel_size), _pair(mod.padding), bool(mod.ceil_mode)))
+        elif type(module) is BlurPool2d:
+            pad = int(mod.padding[0])
+            ops.append(Window(_pair(mod.filt_size), _pair(mod.stride), (pad, pad)))
+    return tuple(ops)
+
+
+def path_grid(path: Path, grid: tuple[int, int]) -> tuple[int, int]:
+    """The grid ``path`` maps ``grid`` to (only windows change it)."""
+    for op in path:
+        if isinstance(op, Window):
+            grid = op.out_grid(grid)
+    return grid
+
+
+def _window_sum(labels: Tensor, grid: tuple[int, int], w: Window) -> Tensor:
+    y = rearrange(labels, "b (h w) l -> b l h w", h=grid[0])
+    summed = F.avg_pool2d(y, w.kernel, w.stride, w.padding, ceil_mode=w.ceil_mode, divisor_override=1)  # a sum
+    return rearrange(summed, "b l h w -> b (h w) l")
+
+
+@functools.lru_cache(maxsize=256)
+def _window_count(grid: tuple[int, int], w: Window, device: torch.device) -> Tensor:
+    """``(1, n', 1)``: how many in-grid positions each window holds (shapes only: cached)."""
+    return _window_sum(torch.ones(1, grid[0] * grid[1], 1, device=device), grid, w)
+
+
+def kernel_labels(weight: Tensor) -> Tensor:
+    """``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` fp32 of a conv weight ``(o, i, kh, kw)``.
+
+    One matrix-vector product weighs every pair's taps by its reciprocal sum: no normalised copy of
+    the weight (which costs several times more on the large weights of full convolutions).
+    """
+    k = rearrange(weight.detach().float().abs(), "o i kh kw -> (o i) (kh kw)")
+    inv = 1.0 / k.sum(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)  # (o i)
+    return rearrange(inv @ k / inv.numel(), "(kh kw) -> kh kw", kh=int(weight.shape[-2]))
+
+
+def _conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """``backbones._common.conv_mix`` with every (sample, label) map as one channel of a depthwise conv on one
+    image: the same sums, on CPU several times faster than a batch of single-channel convolutions."""
+    y = rearrange(labels, "b (h w) l -> 1 (b l) h w", h=grid[0])
+    k = rearrange(kernel.to(y), "kh kw -> 1 1 kh kw")
+    mass = F.conv2d(torch.ones_like(y[:, :1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
+    mixed = F.conv2d(y, k.expand(y.shape[1], -1, -1, -1), padding=padding, dilation=dilation, groups=y.shape[1]) / mass
+    return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=labels.shape[0])
+
+
+def apply_path(path: Path, labels: Tensor, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
+    """Labels ``(b, n, l)`` through ``path`` (fp32), rows normalised op by op; and the grid it ends on."""
+    with torch.autocast(device_type=labels.device.type, enabled=False):
+        y = labels.float()
+        for op in path:
+            if isinstance(op, Window):
+                out = op.out_grid(grid)
+                y, grid = _window_sum(y, grid, op) / _window_count(grid, op, y.device), out
+            else:
+                y = _conv_mix(y, grid, kernel_labels(op.weight), _pair(op.padding), _pair(op.dilation))
+        return y, grid
+
+
+def _window_matrix(grid: tuple[int, int], w: Window) -> tuple[Tensor, tuple[int, int]]:
+    """The 0/1 ``(n', n)`` matrix of ``w``'s windows written out position by position (float64)."""
+    (h, wd), (oh, ow) = grid, w.out_grid(grid)
+    m = torch.zeros(oh * ow, h * wd, dtype=torch.float64)
+    for oy in range(oh):
+        for ox in range(ow):
+            y0, x0 = oy * w.stride[0] - w.padding[0], ox * w.stride[1] - w.padding[1]
+            for iy in range(max(y0, 0), min(y0 + w.kernel[0], h)):
+                for ix in range(max(x0, 0), min(x0 + w.kernel[1], wd)):
+                    m[oy * ow + ox, iy * wd + ix] = 1.0
+    return m, (oh, ow)
+
+
+def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
+    """The explicit ``(n', n)`` float64 matrix of ``path`` (product of row-normalised op matrices)."""
+    total = torch.eye(grid[0] * grid[1], dtype=torch.float64)
+    for op in path:
+        if isinstance(op, Window):
+            m, grid = _window_matrix(grid, op)
+        else:
+            k = op.weight.detach().double().abs()
+            k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+            m, _ = conv_matrix(grid, k, padding=_pair(op.padding), dilation=_pair(op.dilation))
+        total = row_normalise(m) @ total
+    return total, grid
+
+
+def block_labels(
+    tracker: LabelTracker, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None
+) -> tuple[int, int]:
+    """The events of one block (``shortcut=None``: no shortcut, the block aggregates); returns its grid."""
+    if shortcut is None:
+        if not branch:
+            return grid  # channel ops only
+        tracker.aggregate(lambda y: apply_path(branch, y, grid)[0])
+        return path_grid(branch, grid)
+    labels, mixed = tracker.labels_for(layer), None
+    if labels is not None and branch:
+        mixed, _ = apply_path(branch, labels, grid)
+    if shortcut:
+        tracker.aggregate(lambda y: apply_path(shortcut, y, grid)[0])
+    tracker.residual(layer, keep, mixed=mixed)
+    return path_grid(shortcut, grid)
+
+
+def block_labels_reference(
+    rules: DenseRules, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None
+) -> tuple[int, int]:
+    """``block_labels`` with explicit matrices on dense labels."""
+    matrix, out = path_matrix(branch, grid)
+    if shortcut is None:
+        if branch:
+            rules.aggregate(matrix)
+        return out
+    mixed = matrix @ rules.y if rules.rules.wants_labels(layer) else None
+    if shortcut:
+        merge, out = path_matrix(shortcut, grid)
+        rules.aggregate(merge)
+    if mixed is not None:
+        rules.y = rules.rules.residual(rules.y, mixed, keep)
+    return out
