@@ -42,7 +42,7 @@ POOLED_FAMILIES = [
     "resmlp", "gmlp",
     "twins",
     "maxxvit", "nest", "focalnet",
-    "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer", "resnet", "efficientnet",
+    "resnet", "efficientnet",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
