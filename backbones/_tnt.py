@@ -169,7 +169,7 @@ class AdaptedTNT(AdaptedBase):
                start: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:  # fmt: skip
         b = patch.shape[0]
         y = tracker.labels_for(layer)
-        a, v = _scores(blk.attn_in, blk.norm_in(pixel))  # (b n) h m m
+        a, v = _scores(blk.attn_in, blk.norm_in(pixel))  # (b n) h m m; labels read it before the in-place dropout
         mixed = None
         if y is not None:
             with torch.autocast(device_type=y.device.type, enabled=False):
@@ -230,9 +230,9 @@ class AdaptedTNT(AdaptedBase):
         eye = torch.eye(total, dtype=torch.float64)
         for layer, blk in enumerate(m.blocks):
             a, v = _scores(blk.attn_in, blk.norm_in(pixel))
+            inner = rearrange(a.detach().double().mean(dim=1), "(b n) i j -> b n i j", b=b)  # before the in-place dropout
             out, keep = _drop(blk.drop_path, _attn_out(blk.attn_in, a, v))
             matrix = eye.repeat(b, 1, 1)
-            inner = rearrange(a.detach().double().mean(dim=1), "(b n) i j -> b n i j", b=b)
             for i in range(n):
                 rows = slice(1 + n + i * per, 1 + n + (i + 1) * per)
                 kept = torch.ones(b, dtype=torch.bool) if keep is None else rearrange(keep, "(b n) -> b n", b=b)[:, i].cpu()
@@ -247,12 +247,13 @@ class AdaptedTNT(AdaptedBase):
             rules.mix(layer, gather, None)
             patch = torch.cat([patch[:, :1], patch[:, 1:] + _pixels_to_patch(blk, pixel, b)], dim=1)
             a, v = _scores(blk.attn_out, blk.norm_out(patch))
+            outer = a.detach().double().mean(dim=1)  # before the in-place dropout
             out, keep = _drop(blk.drop_path, _attn_out(blk.attn_out, a, v))
             matrix = eye.repeat(b, 1, 1)
-            matrix[:, : 1 + n, : 1 + n] = a.detach().double().mean(dim=1)
+            matrix[:, : 1 + n, : 1 + n] = outer
             rules.mix(layer, matrix, keep)
             if rules.wants_class_attention(layer):
-                row = a.detach().double().mean(dim=1)[:, 0, 1:]
+                row = outer[:, 0, 1:]
                 pixels = (row / row.sum(-1, keepdim=True)) @ patches
                 rules.attend_class(torch.cat([pixels.new_zeros(b, 1), pixels], dim=1))
             patch = patch + out

@@ -40,22 +40,20 @@ def make(config: str = "rescaled", drop_path_rate: float = 0.0, img_size: int = 
     return sharpen(model)  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", ["rescaled", "cropped_avg"])
 def test_function_preservation_train_mode(config: str) -> None:
-    size = 48 if config == "multi_conv" else IMG
-    schemes = ("none", "tl_align", "tokens_aligned", "transmix") if config == "rescaled" else ("tl_align",)
-    for scheme in schemes:
-        if size == IMG:
-            check_preservation(make(config, drop_path_rate=0.5), SCHEMES[scheme])
-    if size != IMG:  # 12 and 16 px patches tile 48 px images
-        model = make(config, drop_path_rate=0.5, img_size=size).train()
-        g = torch.Generator().manual_seed(0)
-        images = torch.randn(B, 3, size, size, generator=g)
-        lm = TokenLabelMap.unmixed(torch.arange(B), C, (size, size))
-        torch.manual_seed(3)
-        expected = model(images)
-        torch.manual_seed(3)
-        assert_close(backbones.adapt(model, TLAlign())(images, lm).output, expected, rtol=1e-5, atol=1e-6)
+    for scheme in ("none", "tl_align", "tokens_aligned", "transmix") if config == "rescaled" else ("tl_align",):
+        check_preservation(make(config, drop_path_rate=0.5), SCHEMES[scheme])
+
+
+def test_multi_conv_function_preservation() -> None:
+    model = make("multi_conv", drop_path_rate=0.5, img_size=48).train()  # 12 and 16 px patches tile 48 px
+    images = torch.randn(B, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+    lm = TokenLabelMap.unmixed(torch.arange(B), C, (48, 48))
+    torch.manual_seed(3)
+    expected = model(images)
+    torch.manual_seed(3)
+    assert_close(backbones.adapt(model, TLAlign())(images, lm).output, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("scheme", ALL)
