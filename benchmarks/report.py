@@ -115,7 +115,27 @@ def render_ablation(summary: dict[str, Any]) -> str:
     if missing:
         lines += [f"Not finished: {', '.join(p.name for p in missing)} (shown as -).", ""]
     lines.append(ablation.render_markdown(cfg, planned, records, summary.get("annotator"), summary.get("base")).rstrip("\n"))
+    lines += ["", reading(cfg, planned, records)]
     return "\n".join(lines)
+
+
+def reading(cfg: Any, planned: Sequence[Any], records: Sequence[dict[str, Any]]) -> str:
+    """What the deltas say, counted from them (never typed by hand): how many intervals lie above 0, below, across."""
+    from benchmarks._ablation_stats import table_deltas
+
+    deltas = table_deltas(cfg, planned, records)
+    above = [d.label for d in deltas if d.delta.significant and d.delta.mean > 0]
+    below = [d.label for d in deltas if d.delta.significant and d.delta.mean < 0]
+    across = [d for d in deltas if d.delta.significant is False]
+    if not deltas or all(d.delta.significant is None for d in deltas):
+        return "Reading: one seed per cell, so no delta has an interval; run more seeds (--seeds 0-4)."
+    text = (f"Reading: of {len(deltas)} delta{'' if len(deltas) == 1 else 's'}, {len(above)} {'has' if len(above) == 1 else 'have'} a 95% interval above 0"
+            + (f" ({', '.join(above)})" if above else "") + f", {len(below)} below 0"
+            + (f" ({', '.join(below)})" if below else "") + f" and {len(across)} span 0.")
+    if len(deltas) > 1 and (above or below):
+        text += (f" With {len(deltas)} intervals at 95% each, about {0.05 * len(deltas):.1f} would exclude 0 by chance "
+                 "alone when nothing differs: one excluding interval is a lead to test with more seeds, not a result.")
+    return text
 
 
 def summarize_ablation(out: Path, *, command: str | None = None, same_machine: bool = False) -> tuple[str, dict[str, Any]]:

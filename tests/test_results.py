@@ -69,6 +69,7 @@ def test_add_ablation_renders_the_runs_with_their_provenance(tmp_path: Path) -> 
     assert f"Command: `{PROVENANCE['command']}`" in text
     assert "Date: 2030-01-02 03:04 UTC; machine: 7 CPU cores (Test CPU 9000), no GPU; torch 9.9.9" in text
     assert "4 of 4 runs finished" in text
+    assert "Reading: of 1 delta, 0 have a 95% interval above 0, 0 below 0 and 1 span 0." in text
     # the other sections say that they are not measured and how to measure them
     assert "Not measured for this version. Run `python benchmarks/ablation.py --table 8`" in text
     assert f"| × | ✓ | × | × | {base} | {aligned} | {delta} |" in readme.read_text()  # the README's one table
@@ -199,3 +200,11 @@ def test_add_speed_of_a_families_run_is_its_own_section(tmp_path: Path) -> None:
     assert name == "speed-families-cpu" and "step_s_per_round" not in json.dumps(summary)
     text = report.render_families(summary)
     assert "| swin | `swin_tiny_patch4_window7_224` (500) | 1.025 [1.010, 1.040] | 1.0000 | 1.0005 |" in text
+
+
+def test_the_reading_counts_intervals_above_and_below_zero(tmp_path: Path) -> None:
+    top1 = {(False, 0): 20.0, (False, 1): 23.0, (True, 0): 21.0, (True, 1): 24.1}  # differences 1.0, 1.1
+    cfg = _fake_ablation(tmp_path / "out", top1)
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    text = report.reading(cfg, ablation.plan(cfg, 10, "cpu"), records)
+    assert text.startswith("Reading: of 1 delta, 1 has a 95% interval above 0 (") and "0 below 0 and 0 span 0." in text
