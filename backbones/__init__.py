@@ -32,6 +32,7 @@ from mixlabels.backbones._efficientnet import AdaptedEfficientNet
 from mixlabels.backbones._count import TierCount, count_timm_names
 from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import AdaptedEfficientViTMSRA
+from mixlabels.backbones._levit import AdaptedLeViT
 from mixlabels.backbones._hiera import AdaptedHiera
 from mixlabels.backbones._focalnet import AdaptedFocalNet
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
@@ -96,6 +97,7 @@ __all__ = [
     "AdaptedGMLP",
     "AdaptedCrossViT",
     "AdaptedTNT",
+    "AdaptedLeViT",
     "count_timm_names",
     "TierCount",
     "reference_forward",

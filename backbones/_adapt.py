@@ -41,6 +41,7 @@ from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
 from mixlabels.backbones._efficientvit_mit import EFFICIENTVIT_MIT_FAMILY, AdaptedEfficientViTMIT
 from mixlabels.backbones._efficientvit_msra import EFFICIENTVIT_MSRA_FAMILY, AdaptedEfficientViTMSRA
+from mixlabels.backbones._levit import LEVIT_FAMILY, AdaptedLeViT
 from mixlabels.backbones._focalnet import FOCALNET_FAMILY, AdaptedFocalNet
 from mixlabels.backbones._maxxvit import MAXXVIT_FAMILY, AdaptedMaxxVit
 from mixlabels.backbones._metaformer import METAFORMER_FAMILY, AdaptedMetaFormer
@@ -182,6 +183,9 @@ _REGISTRY: list[Family] = [
            _tiny("resnet18d", layers=(1, 1, 1, 1), channels=(8, 16, 24, 32), stem_width=8), ("resnet",)),
     Family("efficientnet", EFFICIENTNET_FAMILY, AdaptedEfficientNet.refusal, AdaptedEfficientNet,
            _tiny("test_efficientnet"), ("efficientnet",)),
+    Family("levit", LEVIT_FAMILY, AdaptedLeViT.refusal, AdaptedLeViT,
+           _tiny("levit_128s", img_size=32, embed_dim=(16, 32), key_dim=4, num_heads=(2, 2), depth=(1, 1), stem_type="s8"),
+           ("levit",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["VOLO_REFUSAL", "LEVIT_REFUSAL", "named_refusal"]
+__all__ = ["VOLO_REFUSAL", "named_refusal"]
 
 VOLO_REFUSAL = (
     "timm VOLO (timm.models.volo) is not adapted: its outlook attention (per-position k*k x k*k weights from a "
@@ -19,13 +19,6 @@ VOLO_REFUSAL = (
     "(any classifier), or an adapted family with a class token (vit, cait, xcit) for TL-Align, TransMix or "
     "TokenLabeling"
 )
-LEVIT_REFUSAL = (
-    "timm LeViT (timm.models.levit: Levit, LevitDistilled, the levit_conv_* variants) is not adapted: its "
-    "attention with learned attention biases, its AttentionDownsample (queries on the subsampled grid: an "
-    "aggregation by attention), the 4-conv stem and the distillation head have no adapter and no reference "
-    "test yet; use NoAlign() (any classifier), or an adapted pooled family (swin, pvt_v2, twins) for TL-Align "
-    "or TokenLabeling"
-)
 
 
 def named_refusal(model: nn.Module) -> str | None:
@@ -33,6 +26,4 @@ def named_refusal(model: nn.Module) -> str | None:
     module = type(model).__module__
     if module == "timm.models.volo":
         return VOLO_REFUSAL
-    if module == "timm.models.levit":
-        return LEVIT_REFUSAL
     return None

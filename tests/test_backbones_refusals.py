@@ -1,4 +1,4 @@
-"""Known families without an adapter (VOLO, LeViT): refused by name with their reason; NoAlign takes them."""
+"""Known families without an adapter (VOLO): refused by name with their reason; NoAlign takes them."""
 
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ import torch
 from timm.models.volo import VOLO
 
 from mixlabels import NoAlign, TLAlign, TokenLabeling, backbones
-from mixlabels.backbones._refusals import LEVIT_REFUSAL, VOLO_REFUSAL
+from mixlabels.backbones._refusals import VOLO_REFUSAL
 
 
 @pytest.mark.parametrize(
     ("name", "kwargs", "reason"),
     [
         ("volo", {"img_size": 32, "layers": (1, 1, 1, 1), "embed_dims": (16, 32, 32, 32), "num_heads": (1, 2, 2, 2)}, VOLO_REFUSAL),
-        ("levit_128s", {"img_size": 32}, LEVIT_REFUSAL),
-        ("levit_conv_128s", {"img_size": 32}, LEVIT_REFUSAL),
     ],
 )
 def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object], reason: str) -> None:
@@ -34,7 +32,7 @@ def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object],
 
 
 def test_every_timm_name_of_the_families_is_refused_by_name() -> None:
-    for module, reason in (("volo", VOLO_REFUSAL), ("levit", LEVIT_REFUSAL)):
+    for module, reason in (("volo", VOLO_REFUSAL),):
         names = timm.list_models(module=module)
         assert names
         for name in names:

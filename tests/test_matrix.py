@@ -43,6 +43,7 @@ POOLED_FAMILIES = [
     "twins",
     "maxxvit", "nest", "focalnet",
     "resnet", "efficientnet",
+    "levit",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
