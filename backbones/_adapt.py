@@ -54,6 +54,7 @@ from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._refusals import named_refusal
+from mixlabels.backbones._mobilenetv3 import MOBILENETV3_FAMILY, AdaptedMobileNetV3, tiny_mobilenetv3
 from mixlabels.backbones._resnet import RESNET_FAMILY, AdaptedResNet
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
@@ -182,6 +183,8 @@ _REGISTRY: list[Family] = [
            _tiny("resnet18d", layers=(1, 1, 1, 1), channels=(8, 16, 24, 32), stem_width=8), ("resnet",)),
     Family("efficientnet", EFFICIENTNET_FAMILY, AdaptedEfficientNet.refusal, AdaptedEfficientNet,
            _tiny("test_efficientnet"), ("efficientnet",)),
+    Family("mobilenetv3", MOBILENETV3_FAMILY, AdaptedMobileNetV3.refusal, AdaptedMobileNetV3, tiny_mobilenetv3,
+           ("mobilenetv3", "hardcorenas")),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip

@@ -153,6 +153,7 @@ FAMILY_MODELS = {
     "xcit": "xcit_nano_12_p16_224",
     "resnet": "resnet18",
     "efficientnet": "efficientnet_b0",
+    "mobilenetv3": "mobilenetv3_small_100",
 }
 
 
