@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import timm
+from timm.models.regnet import RegNet, RegNetCfg
 import torch
 from timm.layers.mlp import GatedMlp
 from timm.layers.norm import GroupNorm1
@@ -55,6 +56,7 @@ from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._refusals import named_refusal
 from mixlabels.backbones._mobilenetv3 import MOBILENETV3_FAMILY, AdaptedMobileNetV3, tiny_mobilenetv3
+from mixlabels.backbones._regnet import REGNET_FAMILY, AdaptedRegNet
 from mixlabels.backbones._resnet import RESNET_FAMILY, AdaptedResNet
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
@@ -185,6 +187,8 @@ _REGISTRY: list[Family] = [
            _tiny("test_efficientnet"), ("efficientnet",)),
     Family("mobilenetv3", MOBILENETV3_FAMILY, AdaptedMobileNetV3.refusal, AdaptedMobileNetV3, tiny_mobilenetv3,
            ("mobilenetv3", "hardcorenas")),
+    Family("regnet", REGNET_FAMILY, AdaptedRegNet.refusal, AdaptedRegNet,
+           _tiny(RegNet, cfg=RegNetCfg(depth=5, w0=8, wa=8.0, wm=1.5, group_size=4, stem_width=8)), ("regnet",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip

@@ -154,6 +154,7 @@ FAMILY_MODELS = {
     "resnet": "resnet18",
     "efficientnet": "efficientnet_b0",
     "mobilenetv3": "mobilenetv3_small_100",
+    "regnet": "regnety_002",
 }
 
 

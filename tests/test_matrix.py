@@ -42,7 +42,7 @@ POOLED_FAMILIES = [
     "resmlp", "gmlp",
     "twins",
     "maxxvit", "nest", "focalnet",
-    "resnet", "efficientnet", "mobilenetv3",
+    "resnet", "efficientnet", "mobilenetv3", "regnet",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
