@@ -48,6 +48,8 @@ from mixlabels.backbones._resmlp import AdaptedResMLP
 from mixlabels.backbones._gmlp import AdaptedGMLP
 from mixlabels.backbones._crossvit import AdaptedCrossViT
 from mixlabels.backbones._tnt import AdaptedTNT
+from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3
+from mixlabels.backbones._regnet import AdaptedRegNet
 from mixlabels.backbones._resnet import AdaptedResNet
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
@@ -88,6 +90,8 @@ __all__ = [
     "AdaptedXCiT",
     "AdaptedResNet",
     "AdaptedEfficientNet",
+    "AdaptedMobileNetV3",
+    "AdaptedRegNet",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

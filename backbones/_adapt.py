@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import timm
+from timm.models.regnet import RegNet, RegNetCfg
 import torch
 from timm.layers.mlp import GatedMlp
 from timm.layers.norm import GroupNorm1
@@ -55,6 +56,8 @@ from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._refusals import named_refusal
+from mixlabels.backbones._mobilenetv3 import MOBILENETV3_FAMILY, AdaptedMobileNetV3, tiny_mobilenetv3
+from mixlabels.backbones._regnet import REGNET_FAMILY, AdaptedRegNet
 from mixlabels.backbones._resnet import RESNET_FAMILY, AdaptedResNet
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
@@ -186,6 +189,10 @@ _REGISTRY: list[Family] = [
     Family("levit", LEVIT_FAMILY, AdaptedLeViT.refusal, AdaptedLeViT,
            _tiny("levit_128s", img_size=32, embed_dim=(16, 32), key_dim=4, num_heads=(2, 2), depth=(1, 1), stem_type="s8"),
            ("levit",)),
+    Family("mobilenetv3", MOBILENETV3_FAMILY, AdaptedMobileNetV3.refusal, AdaptedMobileNetV3, tiny_mobilenetv3,
+           ("mobilenetv3", "hardcorenas")),
+    Family("regnet", REGNET_FAMILY, AdaptedRegNet.refusal, AdaptedRegNet,
+           _tiny(RegNet, cfg=RegNetCfg(depth=5, w0=8, wa=8.0, wm=1.5, group_size=4, stem_width=8)), ("regnet",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip

@@ -33,7 +33,7 @@ from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space
 from mixlabels.backbones._convnet import Path, Window, apply_path, block_labels, block_labels_reference, path_grid, path_matrix, path_of, path_refusal
 from mixlabels.backbones._dense import DenseRules
 
-__all__ = ["AdaptedEfficientNet", "EFFICIENTNET_FAMILY", "efficientnet_refusal"]
+__all__ = ["AdaptedEfficientNet", "EFFICIENTNET_FAMILY", "efficientnet_refusal", "blocks_refusal"]
 
 EFFICIENTNET_FAMILY = (
     "timm EfficientNet class (EfficientNet/V2, MobileNetV2, MNASNet, FBNet, ... with static padding): "
@@ -61,18 +61,11 @@ def _blocks(m: Any) -> list[Any]:
     return [blk for stage in m.blocks for blk in stage]
 
 
-def efficientnet_refusal(model: nn.Module) -> str | None:
-    """Why ``model`` is not a timm EfficientNet this adapter carries labels through (``None``: it is)."""
-    if type(model) is not EfficientNet:
-        return f"{type(model).__name__} is not a timm EfficientNet"
-    m: Any = model
-    if m.global_pool.pool_type != "avg":
-        return f"global_pool={m.global_pool.pool_type!r} has no label readout; use 'avg'"
-    why = path_refusal([m.conv_stem, m.bn1], "the stem") or path_refusal([m.conv_head, m.bn2], "the head")
+def blocks_refusal(m: Any) -> str | None:
+    """Why the stem or a block of an EfficientNet-built model (EfficientNet, MobileNetV3) has no label rule."""
+    why = path_refusal([m.conv_stem, m.bn1], "the stem")
     if why is not None:
         return why
-    if path_of([m.conv_head]):
-        return "the head's conv_head is not a 1x1 stride-1 convolution"
     for i, blk in enumerate(_blocks(m)):
         where = f"block {i}"
         if type(blk) not in _BLOCKS:
@@ -83,6 +76,19 @@ def efficientnet_refusal(model: nn.Module) -> str | None:
         if why is not None:
             return why
     return None
+
+
+def efficientnet_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` is not a timm EfficientNet this adapter carries labels through (``None``: it is)."""
+    if type(model) is not EfficientNet:
+        return f"{type(model).__name__} is not a timm EfficientNet"
+    m: Any = model
+    if m.global_pool.pool_type != "avg":
+        return f"global_pool={m.global_pool.pool_type!r} has no label readout; use 'avg'"
+    why = blocks_refusal(m) or path_refusal([m.conv_head, m.bn2], "the head")
+    if why is None and path_of([m.conv_head]):
+        return "the head's conv_head is not a 1x1 stride-1 convolution"
+    return why
 
 
 def _stem(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, Path, tuple[int, int], tuple[int, int]]:
@@ -134,6 +140,14 @@ class AdaptedEfficientNet(AdaptedBase):
     family = EFFICIENTNET_FAMILY
     refusal = staticmethod(efficientnet_refusal)
 
+    def _pre_pool(self, x: Tensor) -> Tensor:
+        """The map the global pool reads (EfficientNet: after its 1x1 ``conv_head`` and norm)."""
+        return _head(self.model, x)
+
+    def _position_logits(self, x: Tensor) -> Tensor:
+        """The classifier on every position of the pooled map (``x`` from ``_pre_pool``)."""
+        return _token_logits(self.model, x)
+
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         x, stem, grid, start = _stem(m, images, label_map)
@@ -144,10 +158,10 @@ class AdaptedEfficientNet(AdaptedBase):
         for layer, blk in enumerate(blocks):
             x, keep = _block(blk, x)
             grid = block_labels(tracker, layer, grid, *_paths(blk), keep)
-        x = _head(m, x)
+        x = self._pre_pool(x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
-        token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
+        token_logits = self._position_logits(x) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
@@ -162,7 +176,7 @@ class AdaptedEfficientNet(AdaptedBase):
         for layer, blk in enumerate(blocks):
             x, keep = _block(blk, x)
             grid = block_labels_reference(rules, layer, grid, *_paths(blk), keep)
-        x = _head(m, x)
+        x = self._pre_pool(x)
         output = m.forward_head(x)
-        token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
+        token_logits = self._position_logits(x) if self.scheme.needs_token_logits else None
         return rules.result(output, output, "mean", token_logits)

@@ -154,6 +154,8 @@ FAMILY_MODELS = {
     "resnet": "resnet18",
     "efficientnet": "efficientnet_b0",
     "levit": "levit_128s",
+    "mobilenetv3": "mobilenetv3_small_100",
+    "regnet": "regnety_002",
 }
 
 
