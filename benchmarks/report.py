@@ -239,6 +239,23 @@ def render_steps(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
+    """One summary from several ``speed.py`` summaries: ``--families`` runs combine (a later run's rows replace an
+    earlier one's, each row keeping the provenance of the run that measured it); anything else must be alone."""
+    names = {name for name, _ in parts}
+    if len(parts) == 1:
+        return parts[0]
+    if len(names) != 1 or not next(iter(names)).startswith("speed-families"):
+        raise ValueError(f"--add-speed combines several speed.py --families runs of one device only, got {sorted(names)}")
+    name, first = parts[0]
+    families: dict[str, Any] = {}
+    for _, summary in parts:
+        if summary["config"]["variants"] != first["config"]["variants"]:
+            raise ValueError("--add-speed: the runs measured different --variants; combine runs of the same variants")
+        families.update({f: {**row, "provenance": summary["provenance"]} for f, row in summary["families"].items()})
+    return name, {**first, "families": families}
+
+
 def render_families(summary: dict[str, Any]) -> str:
     """``speed.py --families``: per family, TL-Align's step time and allocator peaks as ratios to CutMix + NoAlign."""
     from benchmarks.speed import BASELINE, LABELS
@@ -262,7 +279,13 @@ def render_families(summary: dict[str, Any]) -> str:
                          f"{_f(s['time_ratio'], 3)} [{_f(s['time_ratio_min'], 3)}, {_f(s['time_ratio_max'], 3)}] | "
                          f"{_f(s.get('alloc_ratio'), 4)} | {_f(s.get('alloc_step_ratio'), 4)}")
         base = row["steps"][BASELINE]
-        lines.append(f"| {family} | `{row['model']}` ({_f(base['step_ms_median'], 0)}) | " + " | ".join(cells) + " |")
+        again = row.get("provenance") not in (None, summary["provenance"])
+        lines.append(f"| {family}{' [*]' if again else ''} | `{row['model']}` ({_f(base['step_ms_median'], 0)}) | "
+                     + " | ".join(cells) + " |")
+    later = list({json.dumps(r["provenance"], sort_keys=True): r["provenance"] for r in summary["families"].values()
+                  if r.get("provenance") not in (None, summary["provenance"])}.values())
+    for p in later:
+        lines += ["", "[*] measured in a later run: " + provenance_line(p).replace("  \n", " ")]
     return "\n".join(lines)
 
 
@@ -515,7 +538,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 when RESULTS.md differs from what the summaries give")
     p.add_argument("--add-ablation", type=Path, metavar="DIR", help="an ablation output directory (--out)")
-    p.add_argument("--add-speed", type=Path, metavar="FILE", help="a speed.py JSON (runs/speed/speed-<device>-*.json)")
+    p.add_argument("--add-speed", type=Path, nargs="+", metavar="FILE",
+                   help="a speed.py JSON (runs/speed/speed-<device>-*.json); several --families JSONs make one table, "
+                   "a later file's rows replacing an earlier one's")
     p.add_argument("--add-analysis", type=Path, metavar="FILE", help="an analysis.py JSON (<out>/analysis.json)")
     p.add_argument("--add-rmse", nargs="+", metavar="LABEL=FILE",
                    help="analysis.py JSONs of trained checkpoints, each with a row label: the RMSE comparison")
@@ -531,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.add_ablation is not None:
             added.append(summarize_ablation(args.add_ablation, command=args.command, same_machine=args.same_machine))
         if args.add_speed is not None:
-            added.append(summarize_speed(args.add_speed))
+            added.append(merge_speed([summarize_speed(path) for path in args.add_speed]))
         if args.add_analysis is not None:
             added.append(summarize_analysis(args.add_analysis))
         if args.add_rmse is not None:

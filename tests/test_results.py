@@ -208,3 +208,28 @@ def test_the_reading_counts_intervals_above_and_below_zero(tmp_path: Path) -> No
     records = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
     text = report.reading(cfg, ablation.plan(cfg, 10, "cpu"), records)
     assert text.startswith("Reading: of 1 delta, 1 has a 95% interval above 0 (") and "0 below 0 and 0 span 0." in text
+
+
+def test_several_families_runs_make_one_table_later_rows_replacing_earlier(tmp_path: Path) -> None:
+    row = {"img_s": 4.0, "step_ms_median": 500.0, "step_ms_min": 490.0, "step_ms_max": 510.0, "peak_mb": 900.0,
+           "step_mb": 100.0, "alloc_peak_mb": 300.0, "alloc_step_mb": 120.0}
+    config = {"device": "cpu", "variants": ["cutmix", "tlalign"], "batch_size": 8, "repeats": 3, "steps": 2}
+
+    def run(name: str, ratios: dict[str, float], date: str) -> Path:
+        families = {f: {"model": f"{f}_model", "refused": {}, "steps": {"cutmix": row, "tlalign": {
+            **row, "time_ratio": r, "time_ratio_min": r, "time_ratio_max": r, "alloc_ratio": 1.0,
+            "alloc_step_ratio": 1.0}}} for f, r in ratios.items()}
+        (tmp_path / name).write_text(json.dumps({"config": config, "families": families,
+                                                 "provenance": {**PROVENANCE, "date": date}}))
+        return tmp_path / name
+
+    first = run("a.json", {"vit": 1.02, "beit": 1.5}, "2030-01-02 03:04 UTC")
+    again = run("b.json", {"beit": 1.01}, "2030-01-02 05:06 UTC")
+    name, summary = report.merge_speed([report.summarize_speed(first), report.summarize_speed(again)])
+    text = report.render_families(summary)
+    assert name == "speed-families-cpu" and list(summary["families"]) == ["vit", "beit"]
+    assert "| vit | `vit_model` (500) | 1.020 [1.020, 1.020] |" in text
+    assert "| beit [*] | `beit_model` (500) | 1.010 [1.010, 1.010] |" in text and "1.500" not in text
+    assert "[*] measured in a later run: Command:" in text and "2030-01-02 05:06 UTC" in text
+    with pytest.raises(ValueError, match="combines several speed.py --families runs"):
+        report.merge_speed([report.summarize_speed(first), ("speed-cpu", {})])
