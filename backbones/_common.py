@@ -20,7 +20,7 @@ convolutional or MLP token mix here:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import torch
@@ -32,15 +32,20 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._timm_face import TimmFace, check_distributed
+from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_windows, chain_matrices, window_sums
 
 __all__ = [
     "AdaptedBase",
     "branch",
     "conv_label_kernel",
+    "kernel_labels",
     "conv_mix",
     "sum_pool_merge",
     "conv_aggregate",
     "start_on_stem",
+    "start_on_windows",
+    "start_on_convs",
+    "conv_windows",
     "pool_labels",
     "mix_token_space",
     "check_static_conv",
@@ -126,36 +131,63 @@ def check_static_conv(conv: nn.Module, what: str, depthwise: bool = False) -> st
     return None
 
 
+_KERNEL_CHUNK = 65536
+"""(out, in) pairs read per pass by ``kernel_labels``: a ~2 MB scratch (3x3 kernels) that stays in cache."""
+
+
+def kernel_labels(weight: Tensor) -> Tensor:
+    """``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` fp32 of a conv weight ``(o, i, kh, kw)``.
+
+    One matrix-vector product per chunk of pairs weighs every pair's taps by its reciprocal sum,
+    and ``|K|`` goes to one small reused buffer: a full-size ``|K|`` (9 MB for a 512x512 3x3 conv)
+    is a fresh allocation every step, whose page faults cost more than the arithmetic.
+    """
+    kh, kw = int(weight.shape[-2]), int(weight.shape[-1])
+    k = weight.detach().reshape(-1, kh * kw)  # (o i) (kh kw)
+    pairs = int(k.shape[0])
+    scratch = torch.empty(min(pairs, _KERNEL_CHUNK), kh * kw, dtype=torch.float32, device=k.device)
+    total = torch.zeros(kh * kw, dtype=torch.float32, device=k.device)
+    ones = torch.ones(kh * kw, dtype=torch.float32, device=k.device)
+    for start in range(0, pairs, _KERNEL_CHUNK):
+        chunk = k[start:start + _KERNEL_CHUNK]
+        a = scratch[: chunk.shape[0]]
+        a.copy_(chunk).abs_()  # fp32 whatever the weight's dtype
+        # row sums as a matrix-vector product: a reduction over 9 taps per row is far slower on CPU
+        inv = torch.mv(a, ones).clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_()  # (pairs in chunk)
+        total += inv @ a
+    return rearrange(total / pairs, "(kh kw) -> kh kw", kh=kh)
+
+
 def conv_label_kernel(weight: Tensor) -> Tensor:
-    """``mean_c(|K_c| / sum|K_c|)``: a depthwise kernel ``(c, 1, kh, kw)`` as one distribution ``(kh, kw)`` fp32."""
-    k = weight.detach().float().abs()
-    k = k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return k.mean(dim=(0, 1))
+    """``mean_c(|K_c| / sum|K_c|)``: a depthwise kernel ``(c, 1, kh, kw)`` as one distribution ``(kh, kw)`` fp32
+    (``kernel_labels`` with one input channel per group)."""
+    return kernel_labels(weight)
 
 
 def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
     """``Norm(T(kernel)) @ labels``: a stride-1 convolution applied to labels, renormalised over in-grid taps.
 
+    Every (sample, label) map is one channel of a depthwise convolution on one image: the same
+    sums as a batch of single-channel convolutions, several times faster on CPU.
+
     Args:
-        labels: ``(b, h*w, l)`` fp32, row-major over ``grid``.
+        labels: ``(b, h*w, l)``, row-major over ``grid``.
         kernel: ``(kh, kw)`` non-negative (``conv_label_kernel``).
 
     Returns:
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
     with torch.autocast(device_type=labels.device.type, enabled=False):
-        y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
+        y = rearrange(labels.float(), "b (h w) l -> 1 (b l) h w", h=grid[0])
         k = rearrange(kernel.to(y), "kh kw -> 1 1 kh kw")
-        mass = F.conv2d(torch.ones_like(y[:1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
-        mixed = F.conv2d(y, k, padding=padding, dilation=dilation) / mass
-        return rearrange(mixed, "(b l) 1 h w -> b (h w) l", l=labels.shape[-1])
+        mass = F.conv2d(torch.ones_like(y[:, :1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
+        mixed = F.conv2d(y, k.expand(y.shape[1], -1, -1, -1), padding=padding, dilation=dilation, groups=y.shape[1]) / mass
+        return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=labels.shape[0])
 
 
 def pool_labels(labels: Tensor, grid: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
     """Sum of the labels in every window (zero padding adds nothing): ``(b, n, l) -> (b, n', l)`` and the new grid."""
-    y = rearrange(labels, "b (h w) l -> b l h w", h=grid[0])
-    summed = F.avg_pool2d(y, kernel, stride, padding, divisor_override=1)  # a sum: the divisor is 1
-    return rearrange(summed, "b l h w -> b (h w) l"), (int(summed.shape[-2]), int(summed.shape[-1]))
+    return window_sums(labels, grid, kernel, stride, padding)
 
 
 def sum_pool_merge(grid: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int] = (0, 0)) -> tuple[Callable[[Tensor], Tensor], tuple[int, int]]:
@@ -176,15 +208,70 @@ def conv_aggregate(tracker: LabelTracker, grid: tuple[int, int], conv: Any) -> t
     return out
 
 
+def start_on_windows(
+    scheme: Scheme,
+    label_map: TokenLabelMap,
+    start: tuple[int, int],
+    depth: int,
+    windows: Sequence[tuple[AxisWindow, AxisWindow]],
+    num_prefix: int = 0,
+    class_token: bool = False,
+) -> tuple[LabelTracker, tuple[int, int]]:
+    """A tracker whose patch labels start as the pixels (grid ``start``) summed over a stem's chain of
+    ``windows`` (each renormalised), and the grid that chain ends on.
+
+    The same labels as starting on the pixels and aggregating window by window, without a per-pixel
+    label map: the layout's ``pixel_windows`` let the mask weigh its boxes or cells under the windows
+    directly (``TokenLabelMap.window_weights``). Token targets (annotator maps) start on the pixels.
+    """
+    if not windows:
+        return scheme.start(label_map, TokenLayout(grid=start, num_prefix=num_prefix, depth=depth, class_token=class_token)), start
+    rows, cols = chain_matrices(start, tuple(windows), True, label_map.device)
+    grid = (int(rows.shape[0]), int(cols.shape[0]))
+    if label_map.token_targets is None:
+        layout = TokenLayout(grid=grid, num_prefix=num_prefix, depth=depth, class_token=class_token, pixel_windows=(rows, cols))
+        return scheme.start(label_map, layout), grid
+    tracker = scheme.start(label_map, TokenLayout(grid=start, num_prefix=num_prefix, depth=depth, class_token=class_token))
+    p = num_prefix
+    tracker.aggregate(lambda y: torch.cat([y[:, :p], apply_separable(y[:, p:], start, rows, cols)], dim=1))
+    return tracker, grid
+
+
+def conv_windows(conv: Any) -> tuple[AxisWindow, AxisWindow]:
+    """A strided conv's windows (kernel, stride, static padding)."""
+    return axis_windows(_pair(conv.kernel_size), _pair(conv.stride), _pair(conv.padding))
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def start_on_convs(
+    scheme: Scheme,
+    label_map: TokenLabelMap,
+    start: tuple[int, int],
+    grid: tuple[int, int],
+    depth: int,
+    convs: Sequence[Any],
+    num_prefix: int = 0,
+    class_token: bool = False,
+) -> LabelTracker:
+    """A tracker on ``grid``: for a token-space map (``start == grid``) the labels start there; else
+    they are the pixels (``start``) summed over every window of the strided ``convs`` in turn."""
+    if start == grid:
+        return scheme.start(label_map, TokenLayout(grid=grid, num_prefix=num_prefix, depth=depth, class_token=class_token))
+    tracker, end = start_on_windows(scheme, label_map, start, depth, [conv_windows(c) for c in convs], num_prefix, class_token)
+    if end != grid:
+        raise ValueError(f"the stem's windows make a {end} grid where the model made {grid}; this stem is not supported")
+    return tracker
+
+
 def start_on_stem(
     scheme: Scheme, label_map: TokenLabelMap, start: tuple[int, int], grid: tuple[int, int], depth: int, stem: Any
 ) -> LabelTracker:
     """A pooled pyramid model's tracker: labels start on ``start`` (the pixels, or the token grid for a
     token-space map) and, where that is the pixels, are summed over every window of the ``stem`` conv."""
-    tracker = scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=depth, class_token=False))
-    if start != grid:  # pixel labels summed over every stem window
-        conv_aggregate(tracker, start, stem)
-    return tracker
+    return start_on_convs(scheme, label_map, start, grid, depth, [stem])
 
 
 def mix_token_space(x: Tensor, label_map: TokenLabelMap, channels_last: bool) -> Tensor:

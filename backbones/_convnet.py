@@ -30,22 +30,21 @@ Shapes: ``b`` batch, ``n`` positions (row-major over a grid ``h w``), ``l`` labe
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from timm.layers.blur_pool import BlurPool2d
 from timm.layers.drop import DropBlock2d
 from timm.layers.eca import CecaModule, EcaModule
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from torch import Tensor, nn
 
-from mixlabels import LabelTracker
+from mixlabels import LabelTracker, Scheme, TokenLabelMap, TokenLayout
+from mixlabels.backbones._common import conv_mix, kernel_labels, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices
 
 __all__ = [
     "Window",
@@ -58,6 +57,7 @@ __all__ = [
     "kernel_labels",
     "path_matrix",
     "block_labels",
+    "start_on_path",
     "block_labels_reference",
 ]
 
@@ -80,13 +80,11 @@ class Window:
 
     def out_grid(self, grid: tuple[int, int]) -> tuple[int, int]:
         """PyTorch's pooling output size (with ``ceil_mode``'s rule: no window starts in the padding)."""
-        out = []
-        for g, k, s, p in zip(grid, self.kernel, self.stride, self.padding):
-            o = (g + 2 * p - k + (s - 1 if self.ceil_mode else 0)) // s + 1
-            if self.ceil_mode and (o - 1) * s >= g + p:
-                o -= 1
-            out.append(o)
-        return out[0], out[1]
+        h, w = self.axes()
+        return axis_out(grid[0], h), axis_out(grid[1], w)
+
+    def axes(self) -> tuple[AxisWindow, AxisWindow]:
+        return axis_windows(self.kernel, self.stride, self.padding, self.ceil_mode)
 
 
 Op = Window | nn.Conv2d
@@ -165,49 +163,28 @@ def path_grid(path: Path, grid: tuple[int, int]) -> tuple[int, int]:
     return grid
 
 
-def _window_sum(labels: Tensor, grid: tuple[int, int], w: Window) -> Tensor:
-    y = rearrange(labels, "b (h w) l -> b l h w", h=grid[0])
-    summed = F.avg_pool2d(y, w.kernel, w.stride, w.padding, ceil_mode=w.ceil_mode, divisor_override=1)  # a sum
-    return rearrange(summed, "b l h w -> b (h w) l")
-
-
-@functools.lru_cache(maxsize=256)
-def _window_count(grid: tuple[int, int], w: Window, device: torch.device) -> Tensor:
-    """``(1, n', 1)``: how many in-grid positions each window holds (shapes only: cached)."""
-    return _window_sum(torch.ones(1, grid[0] * grid[1], 1, device=device), grid, w)
-
-
-def kernel_labels(weight: Tensor) -> Tensor:
-    """``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` fp32 of a conv weight ``(o, i, kh, kw)``.
-
-    One matrix-vector product weighs every pair's taps by its reciprocal sum: no normalised copy of
-    the weight (which costs several times more on the large weights of full convolutions).
-    """
-    k = rearrange(weight.detach().float().abs(), "o i kh kw -> (o i) (kh kw)")
-    inv = 1.0 / k.sum(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)  # (o i)
-    return rearrange(inv @ k / inv.numel(), "(kh kw) -> kh kw", kh=int(weight.shape[-2]))
-
-
-def _conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
-    """``backbones._common.conv_mix`` with every (sample, label) map as one channel of a depthwise conv on one
-    image: the same sums, on CPU several times faster than a batch of single-channel convolutions."""
-    y = rearrange(labels, "b (h w) l -> 1 (b l) h w", h=grid[0])
-    k = rearrange(kernel.to(y), "kh kw -> 1 1 kh kw")
-    mass = F.conv2d(torch.ones_like(y[:, :1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
-    mixed = F.conv2d(y, k.expand(y.shape[1], -1, -1, -1), padding=padding, dilation=dilation, groups=y.shape[1]) / mass
-    return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=labels.shape[0])
-
-
 def apply_path(path: Path, labels: Tensor, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
-    """Labels ``(b, n, l)`` through ``path`` (fp32), rows normalised op by op; and the grid it ends on."""
+    """Labels ``(b, n, l)`` through ``path`` (fp32), rows normalised op by op; and the grid it ends on.
+
+    A run of consecutive windows is one pair of per-axis matrices (``backbones._windows``): a
+    pixel-grid stem's conv and pool windows cost two small matrix products together.
+    """
     with torch.autocast(device_type=labels.device.type, enabled=False):
         y = labels.float()
-        for op in path:
+        i = 0
+        while i < len(path):
+            op = path[i]
             if isinstance(op, Window):
-                out = op.out_grid(grid)
-                y, grid = _window_sum(y, grid, op) / _window_count(grid, op, y.device), out
+                end = i
+                while end < len(path) and isinstance(path[end], Window):
+                    end += 1
+                run, i = [w for w in path[i:end] if isinstance(w, Window)], end
+                rows, cols = chain_matrices(grid, tuple(w.axes() for w in run), True, y.device)
+                y = apply_separable(y, grid, rows, cols)
+                grid = (int(rows.shape[0]), int(cols.shape[0]))
             else:
-                y = _conv_mix(y, grid, kernel_labels(op.weight), _pair(op.padding), _pair(op.dilation))
+                y = conv_mix(y, grid, kernel_labels(op.weight), _pair(op.padding), _pair(op.dilation))
+                i += 1
         return y, grid
 
 
@@ -236,6 +213,25 @@ def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, i
             m, _ = conv_matrix(grid, k, padding=_pair(op.padding), dilation=_pair(op.dilation))
         total = row_normalise(m) @ total
     return total, grid
+
+
+def start_on_path(
+    scheme: Scheme, label_map: TokenLabelMap, start: tuple[int, int], grid: tuple[int, int], depth: int, stem: Path
+) -> LabelTracker:
+    """A pooled CNN's tracker: on ``grid`` for a token-space map (``start == grid``); else the pixel labels
+    (grid ``start``) through the stem's path: its leading windows weigh the mask directly
+    (``start_on_windows``), the rest of the path is one ``aggregate``."""
+    if start == grid:
+        return scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=depth, class_token=False))
+    lead = 0
+    while lead < len(stem) and isinstance(stem[lead], Window):
+        lead += 1
+    windows = [w.axes() for w in stem[:lead] if isinstance(w, Window)]
+    tracker, mid = start_on_windows(scheme, label_map, start, depth, windows)
+    rest = stem[lead:]
+    if rest:
+        tracker.aggregate(lambda y: apply_path(rest, y, mid)[0])
+    return tracker
 
 
 def block_labels(

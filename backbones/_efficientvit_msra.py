@@ -49,7 +49,7 @@ from timm.models.efficientvit_msra import (
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space
+from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_convs
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
@@ -222,11 +222,7 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         plan = _layers(m)
         depth = sum(1 for kind, _ in plan if kind == "layer")
-        tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=depth, class_token=False))
-        if start != grid:  # pixel labels through the four strided convs
-            g = start
-            for conv in _stem_convs(m):
-                g = conv_aggregate(tracker, g, conv)
+        tracker = start_on_convs(self.scheme, label_map, start, grid, depth, _stem_convs(m))  # the four strided convs
         layer = 0
         for kind, part in plan:
             if kind == "merge":

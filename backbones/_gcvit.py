@@ -53,6 +53,8 @@ from mixlabels.backbones._common import (
     conv_mix,
     explicit_mix,
     mix_token_space,
+    conv_windows,
+    start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._swin import shifted_windows, window_ids
@@ -192,12 +194,13 @@ class AdaptedGCViT(AdaptedBase):
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         grid, start, depth = self._start(images, label_map)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=depth, class_token=False))
         x = m.stem.conv1(images)
         if label_map.token_space:  # labels start on the stem's output: its convs have nothing to move
+            tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=depth, class_token=False))
             x = mix_token_space(m.stem.down(x), label_map, channels_last=False)
-        else:
-            x = self._downsample(m.stem.down, x, 0, tracker, conv_aggregate(tracker, start, m.stem.conv1))
+        else:  # the pixels under conv1's windows, then the stem's Downsample2d
+            tracker, half = start_on_windows(self.scheme, label_map, start, depth, [conv_windows(m.stem.conv1)])
+            x = self._downsample(m.stem.down, x, 0, tracker, half)
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_token_space, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_token_space, start_on_convs
 from mixlabels.backbones._dense import DenseRules, conv_matrix
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -140,10 +140,7 @@ class AdaptedHiera(AdaptedBase):
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=len(m.blocks), class_token=False))
-        if start != grid:
-            proj = m.patch_embed.proj
-            tracker.aggregate(sum_pool_merge(start, proj.kernel_size, proj.stride, proj.padding)[0])
+        tracker = start_on_convs(self.scheme, label_map, start, grid, len(m.blocks), [m.patch_embed.proj])
         tracker.aggregate(m.unroll)  # a permutation: labels follow the tokens
         for layer, blk in enumerate(m.blocks):
             x = self._block(blk, x, layer, tracker)

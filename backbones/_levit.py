@@ -49,7 +49,7 @@ from timm.models.levit import (
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, explicit_mix, mix_token_space
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, mix_token_space, start_on_convs
 from mixlabels.backbones._dense import DenseRules, conv_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
@@ -181,11 +181,7 @@ class AdaptedLeViT(AdaptedBase):
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=_depth(m), class_token=False))
-        if start != grid:  # pixel labels through the stem's strided convs
-            g = start
-            for conv in _stem_convs(m):
-                g = conv_aggregate(tracker, g, conv)
+        tracker = start_on_convs(self.scheme, label_map, start, grid, _depth(m), _stem_convs(m))  # the stem's strided convs
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):

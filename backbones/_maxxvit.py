@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, DenseTracker, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, start_on_convs, sum_pool_merge
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 
 __all__ = ["AdaptedMaxxVit", "MAXXVIT_FAMILY"]
@@ -429,11 +429,7 @@ class AdaptedMaxxVit(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         units = _units(m)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=len(units), class_token=False))
-        if start != grid:  # pixel labels summed over every window of the two stem convs
-            for conv in (m.stem.conv1, m.stem.conv2):
-                merge, start = sum_pool_merge(start, *_window(conv))
-                tracker.aggregate(merge)
+        tracker = start_on_convs(self.scheme, label_map, start, grid, len(units), (m.stem.conv1, m.stem.conv2))
         for layer, u in enumerate(units):
             x, grid = self._unit(u, x, grid, layer, tracker)
         x = m.norm(x)

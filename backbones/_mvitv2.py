@@ -40,7 +40,7 @@ from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleV
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, start_on_convs, sum_pool_merge
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -187,12 +187,8 @@ class AdaptedMViTv2(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         p = m.num_prefix_tokens
         depth = sum(len(stage.blocks) for stage in m.stages)
-        layout = TokenLayout(grid=start, num_prefix=p, depth=depth, class_token=m.global_pool == "token")
-        tracker = self.scheme.start(label_map, layout)
-        if start != grid:  # pixel labels summed over every patch-embedding window; the class token passes
-            proj = m.patch_embed.proj
-            merge, _ = sum_pool_merge(start, proj.kernel_size, proj.stride, proj.padding)
-            tracker.aggregate(lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1))
+        # pixel labels summed over every patch-embedding window; the class token passes
+        tracker = start_on_convs(self.scheme, label_map, start, grid, depth, [m.patch_embed.proj], p, m.global_pool == "token")
         _refuse_class_attention(any(tracker.wants_class_attention(i) for i in range(depth)))
         layer = 0
         for stage in m.stages:

@@ -32,7 +32,18 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space
-from mixlabels.backbones._convnet import Path, Window, apply_path, block_labels, block_labels_reference, path_grid, path_matrix, path_of, path_refusal
+from mixlabels.backbones._convnet import (
+    Path,
+    Window,
+    apply_path,
+    block_labels,
+    block_labels_reference,
+    path_grid,
+    path_matrix,
+    path_of,
+    path_refusal,
+    start_on_path,
+)
 from mixlabels.backbones._dense import DenseRules
 
 __all__ = ["AdaptedRegNet", "REGNET_FAMILY", "regnet_refusal"]
@@ -149,9 +160,7 @@ class AdaptedRegNet(AdaptedBase):
         m: Any = self.model
         x, stem, grid, start = _stem(m, images, label_map)
         blocks = _blocks(m)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=start, num_prefix=0, depth=len(blocks), class_token=False))
-        if start != grid:  # pixel labels through the stem's windows
-            tracker.aggregate(lambda y: apply_path(stem, y, start)[0])
+        tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
         for layer, blk in enumerate(blocks):
             x, keep = _block(blk, x)
             grid = block_labels(tracker, layer, grid, *_paths(blk), keep)

@@ -72,12 +72,32 @@ class TokenLayout:
         depth: number of spatial-mixing layers the adapter will announce (``layer``
             runs over ``range(depth)``); schemes resolve layer choices against it.
         class_token: token 0 is a class token that the head reads.
+        pixel_windows: ``(rows (h, H), cols (w, W))``: the patch tokens start as these separable
+            weighted windows of the pixels (an overlapping conv stem's, row-normalised), not as
+            the cells of ``grid``; ``None``, the default: each token is its cell. Not with token
+            targets (``TokenLabelMap.with_token_targets``): those start on the pixels.
     """
 
     grid: tuple[int, int]
     num_prefix: int
     depth: int
     class_token: bool
+    pixel_windows: tuple[Tensor, Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pixel_windows is not None:
+            rows, cols = self.pixel_windows
+            if (int(rows.shape[0]), int(cols.shape[0])) != tuple(self.grid):
+                raise ValueError(
+                    f"pixel_windows make a {int(rows.shape[0])}x{int(cols.shape[0])} grid, but the layout's grid is "
+                    f"{self.grid[0]}x{self.grid[1]}; pass the stem's output grid"
+                )
+
+    def area_weights(self, label_map: TokenLabelMap) -> Tensor:
+        """The patch tokens' area weights ``(b, h*w, k)``: the cells of ``grid``, or ``pixel_windows``."""
+        if self.pixel_windows is not None:
+            return label_map.window_weights(*self.pixel_windows)
+        return label_map.token_weights(self.grid)
 
     @property
     def num_tokens(self) -> int:
@@ -203,6 +223,6 @@ def initial_weights(label_map: TokenLabelMap, layout: TokenLayout) -> Tensor:
     Returns:
         ``(b, num_prefix + h*w, k)`` fp32.
     """
-    patches = label_map.token_weights(layout.grid)  # b n k
+    patches = layout.area_weights(label_map)  # b n k
     prefix = label_map.image_weights.unsqueeze(1).expand(-1, layout.num_prefix, -1)  # b p k
     return torch.cat([prefix, patches], dim=1)

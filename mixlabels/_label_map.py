@@ -496,6 +496,26 @@ class TokenLabelMap:
         """Per-pixel weights ``(b, k, H, W)`` (the mask at image resolution)."""
         return self.mask.pixel_weights(self.image_size)
 
+    def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
+        """The pixel weights under separable windows: ``(b, h*w, k)`` fp32.
+
+        Token ``(i, j)`` gets ``sum_{y,x} rows[i, y] cols[j, x] w(y, x)``: an overlapping conv stem's
+        windows (each axis's 0/1 window matrix, row-normalised, chained) give its tokens' labels
+        without a per-pixel label map.
+
+        Args:
+            rows: ``(h, H)`` non-negative weights over the image's rows, each row summing to 1.
+            cols: ``(w, W)`` the same over its columns.
+        """
+        hh, ww = self.image_size
+        for name, m, size in (("rows", rows, hh), ("cols", cols, ww)):
+            if m.dim() != 2 or int(m.shape[1]) != size:
+                _fail(f"window_weights: {name} must be (tokens, {size}) over the image's {size} pixels, got {tuple(m.shape)}")
+        mh, mw = int(self.mask.shape[2]), int(self.mask.shape[3])
+        if hh % mh or ww % mw:
+            _fail(f"window_weights needs mask cells ({mh}x{mw}) that tile the image ({hh}x{ww})")
+        return self.mask.window_weights(rows.to(self.device), cols.to(self.device))
+
     # ------------------------------------------------------------------ targets
     def source_targets(self) -> Tensor:
         """Class distribution of every source, ``(b, k, c)`` fp32, smoothing applied."""

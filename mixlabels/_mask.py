@@ -52,6 +52,11 @@ class Mask(Protocol):
         """Per-pixel weights ``(b, k, H, W)`` fp32."""
         ...
 
+    def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
+        """``(rows (x) cols)`` applied to the pixel weights: ``(b, h*w, k)`` fp32, for per-axis pixel
+        windows ``rows`` ``(h, H)`` and ``cols`` ``(w, W)`` whose image is ``(H, W)``."""
+        ...
+
     def source_mean(self) -> Tensor:
         """Area mean of source 0's weight, ``(b,)`` fp32: lambda of a pixel mix."""
         ...
@@ -59,6 +64,12 @@ class Mask(Protocol):
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Mask: ...
 
     def pin_memory(self) -> Mask: ...
+
+
+def _cell_windows(windows: Tensor, cells: int) -> Tensor:
+    """Per-axis pixel windows ``(h, H)`` as windows over the mask's ``cells`` along that axis: ``(h, cells)``
+    (a cell's pixels share its weights, so its window weights add up)."""
+    return reduce(windows.float(), "h (m r) -> h m", "sum", m=cells)
 
 
 def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -105,6 +116,12 @@ class CellMask:
         if (mh, mw) == (hh, ww):
             return self.cells
         return repeat(self.cells, "b k mh mw -> b k (mh rh) (mw rw)", rh=hh // mh, rw=ww // mw)
+
+    def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
+        r = _cell_windows(rows, int(self.cells.shape[2]))  # h mh
+        c = _cell_windows(cols, int(self.cells.shape[3]))  # w mw
+        out = torch.einsum("hm,bkmn,wn->bhwk", r, self.cells.float(), c)
+        return rearrange(out, "b h w k -> b (h w) k")
 
     def source_mean(self) -> Tensor:
         return reduce(self.cells[:, 0], "b mh mw -> b", "mean")
@@ -195,6 +212,18 @@ class BoxMask:
         partner = rearrange(area, "b h w -> b (h w)").to(torch.float32) / total
         own = (total - rearrange(area, "b h w -> b (h w)")).to(torch.float32) / total
         return torch.stack([own, partner], dim=-1)
+
+    def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
+        """Rank one per box: the partner's weight under the windows is ``(R in_rows)(C in_cols)^T``, its own
+        the windows' total minus that; ``O(b * (h + w) * cells)``, no cell or pixel mask."""
+        gh, gw = self.grid
+        r, c = _cell_windows(rows, gh), _cell_windows(cols, gw)  # h gh, w gw
+        ar_h, ar_w = torch.arange(gh, device=self.boxes.device), torch.arange(gw, device=self.boxes.device)
+        in_rows = ((ar_h >= self.boxes[:, 0:1]) & (ar_h < self.boxes[:, 1:2])).float()  # b gh
+        in_cols = ((ar_w >= self.boxes[:, 2:3]) & (ar_w < self.boxes[:, 3:4])).float()  # b gw
+        partner = torch.einsum("bh,bw->bhw", in_rows @ r.T, in_cols @ c.T)  # b h w
+        own = torch.outer(r.sum(dim=1), c.sum(dim=1)) - partner
+        return rearrange(torch.stack([own, partner], dim=-1), "b h w k -> b (h w) k")
 
     def source_mean(self) -> Tensor:
         """``dense()[:, 0].mean((1, 2))`` (lambda), ``(b,)`` fp32, from the box areas alone.

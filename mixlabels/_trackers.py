@@ -47,6 +47,11 @@ class CompactTracker:
         self._static: Tensor | None = None  # b n l, unaligned labels for token targets
         self._class_weights: Tensor | None = None  # b k, the class-attention lambda
         self._readout: tuple[Readout, int] = ("token" if layout.class_token else "mean", layout.num_prefix)
+        if self._dense and layout.pixel_windows is not None:
+            raise ValueError(
+                "token targets (with_token_targets) cannot start on a layout's pixel_windows; start the labels on "
+                "the pixels (TokenLayout without pixel_windows) and aggregate them through the stem"
+            )
         if rules.tracks_aligned or rules.tracks_input:
             if self._dense:
                 tokens = label_map.mixed_token_targets(layout.grid)  # b n c
@@ -66,7 +71,7 @@ class CompactTracker:
         return self._rules.wants_class_attention(layer)
 
     def class_attention(self, layer: int, weights: Tensor) -> None:
-        area = self._lm.token_weights(self._layout.grid)  # b n k
+        area = self._layout.area_weights(self._lm)  # b n k
         with _fp32(weights.device):
             self._class_weights = self._rules.class_weights(weights.detach().float(), area, self._layout.num_prefix)
 
@@ -145,9 +150,11 @@ class DenseTracker:
         self.dtype = dtype
         p, grid = layout.num_prefix, layout.grid
         self.image_target = label_map.image_targets()  # b c
-        self.area = label_map.targets(label_map.token_weights(grid)).to(dtype)  # b n c, the patches' area labels
+        self.area = label_map.targets(layout.area_weights(label_map)).to(dtype)  # b n c, the patches' area labels
         patches = self.area
         if rules.uses_token_targets and label_map.token_targets is not None:
+            if layout.pixel_windows is not None:
+                raise ValueError("token targets cannot start on a layout's pixel_windows; start the labels on the pixels")
             patches = label_map.mixed_token_targets(grid).to(dtype)
         prefix = self.image_target.to(dtype).unsqueeze(1).expand(-1, p, -1)
         self.y = torch.cat([prefix, patches], dim=1)  # b n c

@@ -1,0 +1,163 @@
+"""Separable window sums and stems that start on their windows, against explicit references.
+
+- ``window_sums`` / ``chain_matrices`` against PyTorch's pooling (a sum with ``divisor_override=1``)
+  and against the position-by-position window matrices of ``backbones._convnet``;
+- ``Mask.window_weights`` (box and cell masks) against the pixel weights multiplied out;
+- ``start_on_windows``: the labels a stem's pixel windows give equal starting on the pixels
+  and aggregating window by window, for box masks, cell masks and with token targets;
+- an adapted CNN and a pyramid transformer on CutMix boxes: fast path == reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from mixlabels import AlignedTargets, NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TokenLayout
+from mixlabels._mask import BoxMask, CellMask
+from mixlabels.backbones import adapt
+from mixlabels.backbones._common import start_on_windows
+from mixlabels.backbones._convnet import Window, apply_path, path_matrix
+from mixlabels.backbones._windows import axis_windows, chain_matrices, window_sums
+from tests.test_backbones_common import sharpen
+
+windows_2d = st.tuples(st.integers(1, 7), st.integers(1, 4), st.integers(0, 3), st.booleans())
+
+
+def _valid(size: int, k: int, p: int) -> bool:
+    return 2 * p <= k and size + 2 * p >= k  # PyTorch's pooling limits
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(3, 23), w=st.integers(3, 23), wh=windows_2d, ww=windows_2d, seed=st.integers(0, 2**16))
+def test_window_sums_equal_pooling(h: int, w: int, wh: tuple[int, int, int, bool], ww: tuple[int, int, int, bool], seed: int) -> None:
+    (kh, sh, ph, ceil), (kw, sw, pw, _) = wh, ww
+    assume(_valid(h, kh, ph) and _valid(w, kw, pw))
+    y = torch.rand(2, h * w, 3, generator=torch.Generator().manual_seed(seed))
+    ours, grid = window_sums(y, (h, w), (kh, kw), (sh, sw), (ph, pw), ceil_mode=ceil)
+    pooled = F.avg_pool2d(rearrange(y, "b (h w) l -> b l h w", h=h), (kh, kw), (sh, sw), (ph, pw), ceil_mode=ceil, divisor_override=1)
+    assert grid == tuple(pooled.shape[-2:])
+    assert_close(ours, rearrange(pooled, "b l h w -> b (h w) l"))
+
+
+@pytest.mark.parametrize(
+    "grid, path",
+    [
+        ((224, 224), (Window((7, 7), (2, 2), (3, 3)), Window((3, 3), (2, 2), (1, 1)))),  # ResNet's stem
+        ((33, 31), (Window((3, 3), (2, 2), (1, 1)), Window((3, 3), (2, 2), (1, 1), True), Window((2, 2), (2, 2), (0, 0)))),
+        ((16, 16), (Window((4, 4), (4, 4), (0, 0)),)),
+    ],
+)
+def test_window_chains_equal_explicit_matrices(grid: tuple[int, int], path: tuple[Window, ...]) -> None:
+    y = torch.rand(2, grid[0] * grid[1], 2, generator=torch.Generator().manual_seed(0))
+    y = y / y.sum(-1, keepdim=True)
+    ours, out = apply_path(path, y, grid)
+    matrix, ref_out = path_matrix(path, grid) if grid[0] * grid[1] <= 4096 else (None, out)
+    assert out == ref_out
+    if matrix is not None:
+        assert_close(ours.double(), matrix @ y.double(), rtol=1e-6, atol=1e-7)
+    assert_close(ours.sum(-1), torch.ones(2, out[0] * out[1]))  # rows stay distributions
+
+
+def _explicit_window_weights(pixels: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``(b, k, H, W)`` pixel weights multiplied out by the per-axis windows, in float64."""
+    out = torch.einsum("ih,bkhw,jw->bijk", rows.double(), pixels.double(), cols.double())
+    return rearrange(out, "b i j k -> b (i j) k")
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), cell=st.sampled_from([1, 2, 4]))
+def test_box_and_cell_window_weights_equal_the_pixels(seed: int, cell: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    gh, gw = 32 // cell, 24 // cell
+    y0 = torch.randint(-2, gh, (5,), generator=g)
+    x0 = torch.randint(-2, gw, (5,), generator=g)
+    boxes = torch.stack([y0, y0 + torch.randint(0, gh, (5,), generator=g), x0, x0 + torch.randint(0, gw, (5,), generator=g)], 1)
+    box = BoxMask(boxes, (gh, gw))
+    cells = CellMask(torch.rand(5, 3, gh, gw, generator=g).softmax(dim=1))
+    wh, ww = axis_windows((7, 5), (2, 3), (3, 1)), axis_windows((3, 3), (2, 2), (1, 1))
+    rows, cols = chain_matrices((32, 24), ((wh[0], ww[0]), (wh[1], ww[1])), True, torch.device("cpu"))
+    for mask in (box, cells):
+        expected = _explicit_window_weights(mask.pixel_weights((32, 24)), rows, cols)
+        assert_close(mask.window_weights(rows, cols).double(), expected, rtol=1e-6, atol=1e-6)
+    # the box mask's answer is the cell mask's of its boxes
+    assert_close(box.window_weights(rows, cols), CellMask(box.dense()).window_weights(rows, cols), rtol=1e-6, atol=1e-6)
+
+
+def test_window_weights_refuse_wrong_shapes() -> None:
+    lm = TokenLabelMap.unmixed(torch.tensor([0, 1]), 3, (8, 8))
+    rows, cols = chain_matrices((8, 8), (axis_windows((3, 3), (2, 2), (1, 1)),), True, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"window_weights: cols must be \(tokens, 8\) over the image's 8 pixels, got \(4, 6\)"):
+        lm.window_weights(rows, torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="pixel_windows make a 4x4 grid, but the layout's grid is 2x2; pass the stem's output grid"):
+        TokenLayout(grid=(2, 2), num_prefix=0, depth=1, class_token=False, pixel_windows=(rows, cols))
+
+
+def _pixel_start(scheme: Scheme, lm: TokenLabelMap, windows: list[Window], depth: int) -> AlignedTargets:
+    """The route before ``pixel_windows``: start on the pixels, aggregate window by window."""
+    size = lm.image_size
+    tracker = scheme.start(lm, TokenLayout(grid=size, num_prefix=0, depth=depth, class_token=False))
+    grid = size
+    for w in windows:
+        g = grid
+        tracker.aggregate(lambda y, g=g, w=w: window_sums(y, g, w.kernel, w.stride, w.padding)[0])  # type: ignore[misc]
+        grid = w.out_grid(grid)
+    tracker.pool("mean", 0)
+    return tracker.finish()
+
+
+@pytest.mark.parametrize("kind", ["box", "cells", "token_targets"])
+def test_start_on_windows_equals_starting_on_the_pixels(kind: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    labels = torch.randint(0, 5, (4,), generator=g)
+    partner = torch.tensor([1, 2, 3, 0])
+    if kind == "cells":
+        lm = TokenLabelMap.from_mask(torch.rand(4, 32, 32, generator=g).round(), partner, labels, num_classes=5, label_smoothing=0.1)
+    else:
+        boxes = torch.tensor([[3, 20, 5, 30], [0, 32, 0, 9], [10, 11, 4, 5], [0, 0, 0, 0]])
+        lm = TokenLabelMap.from_boxes(boxes, (32, 32), partner, labels, num_classes=5, label_smoothing=0.1)
+    if kind == "token_targets":
+        lm = lm.with_token_targets(torch.rand(4, 32, 32, 5, generator=g).softmax(-1))  # pixel maps: the pixel start needs them
+    windows = [Window((7, 7), (2, 2), (3, 3)), Window((3, 3), (2, 2), (1, 1))]
+    scheme: Scheme = TokenLabeling(aligned=True) if kind == "token_targets" else TLAlign()
+    tracker, grid = start_on_windows(scheme, lm, (32, 32), 1, [w.axes() for w in windows])
+    assert grid == (8, 8)
+    tracker.pool("mean", 0)
+    ours, expected = tracker.finish(), _pixel_start(scheme, lm, windows, 1)
+    assert_close(ours.target, expected.target, rtol=1e-6, atol=1e-6)
+    assert (ours.target - lm.image_targets()).abs().max() > 1e-3  # the stem's borders move the pooled target
+    if kind == "token_targets":
+        assert ours.token_target is not None and expected.token_target is not None
+        assert_close(ours.token_target, expected.token_target, rtol=1e-6, atol=1e-6)
+
+
+def test_token_targets_refuse_pixel_windows() -> None:
+    lm = TokenLabelMap.unmixed(torch.tensor([0, 1]), 3, (8, 8)).with_token_targets(torch.rand(2, 4, 4, 3).softmax(-1))
+    rows, cols = chain_matrices((8, 8), (axis_windows((3, 3), (2, 2), (1, 1)),), True, torch.device("cpu"))
+    layout = TokenLayout(grid=(4, 4), num_prefix=0, depth=1, class_token=False, pixel_windows=(rows, cols))
+    with pytest.raises(ValueError, match="token targets .* cannot start on a layout's pixel_windows"):
+        TokenLabeling().start(lm, layout)
+    NoAlign().start(lm, layout)  # a scheme that tracks nothing never asks
+
+
+@pytest.mark.parametrize("name", ["resnet", "pvt_v2", "efficientnet"])
+def test_box_mask_fast_path_equals_reference(name: str) -> None:
+    """CutMix's box masks take the ``pixel_windows`` route in the fast path; the reference starts on the pixels."""
+    from mixlabels.backbones import FAMILIES
+
+    model = sharpen(next(f for f in FAMILIES if f.name == name).example()).train()
+    g = torch.Generator().manual_seed(2)
+    boxes = torch.tensor([[3, 20, 5, 30], [0, 32, 0, 9], [10, 17, 4, 25], [7, 30, 11, 13]])
+    lm = TokenLabelMap.from_boxes(boxes, (32, 32), torch.tensor([1, 2, 3, 0]), torch.randint(0, 10, (4,), generator=g), num_classes=10)
+    images = lm.mix_pixels(torch.randn(4, 3, 32, 32, generator=g))
+    torch.manual_seed(0)
+    fast = adapt(model, TLAlign())(images, lm)
+    torch.manual_seed(0)
+    ref = adapt(model, TLAlign(), reference=True)(images, lm)
+    assert_close(fast.target, ref.target, rtol=1e-5, atol=1e-5)
+    assert (fast.target - lm.image_targets()).abs().max() > 1e-3
