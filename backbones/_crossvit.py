@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._windows import apply_separable
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, row_normalise
 
@@ -221,10 +222,9 @@ class AdaptedCrossViT(AdaptedBase):
     @staticmethod
     def _start_merge(y: Tensor, starts: list[tuple[Tensor, Tensor]], size: tuple[int, int]) -> Tensor:
         """``[img, img, pixels] -> [cls_0, patches_0, cls_1, patches_1]`` (labels summed; rows renormalised after)."""
-        pixels = rearrange(y[:, 2:], "b (h w) l -> b h w l", h=size[0])
         parts = []
         for i, (mh, mw) in enumerate(starts):
-            parts += [y[:, i : i + 1], rearrange(torch.einsum("ph,qw,bhwl->bpql", mh, mw, pixels), "b p q l -> b (p q) l")]
+            parts += [y[:, i : i + 1], apply_separable(y[:, 2:], size, mh, mw)]  # two matmuls, no (b, p, w, l) temporary
         return torch.cat([y[:, :2]] + parts, dim=1)  # the prefix rows stay (read only by the final readout merge)
 
     def _readout_merge(self, y: Tensor, segs: list[tuple[int, int]]) -> Tensor:
