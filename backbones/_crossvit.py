@@ -296,7 +296,7 @@ class AdaptedCrossViT(AdaptedBase):
         each patch's labels came from (``row @ (M_h (x) M_w)``): ``(b, h*w)``."""
         mh, mw = start
         row = rearrange(row / row.sum(dim=-1, keepdim=True), "b (p q) -> b p q", p=mh.shape[0])
-        return rearrange(torch.einsum("bpq,ph,qw->bhw", row, mh, mw), "b h w -> b (h w)")
+        return rearrange(mh.T @ (row @ mw), "b h w -> b (h w)")  # two matmuls
 
     @staticmethod
     def _class_row(rows: list[Tensor]) -> Tensor:
