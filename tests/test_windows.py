@@ -161,3 +161,21 @@ def test_box_mask_fast_path_equals_reference(name: str) -> None:
     ref = adapt(model, TLAlign(), reference=True)(images, lm)
     assert_close(fast.target, ref.target, rtol=1e-5, atol=1e-5)
     assert (fast.target - lm.image_targets()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("grid, k, pad, dil", [((7, 7), 3, 1, 1), ((4, 4), 3, 1, 1), ((8, 8), 5, 4, 2), ((5, 9), 7, 3, 1), ((14, 14), 3, 1, 1)])
+def test_conv_mix_small_grids_equal_the_conv_and_the_explicit_matrix(
+    grid: tuple[int, int], k: int, pad: int, dil: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small grids take the cached tap matrices, large ones the depthwise conv: both equal ``conv_matrix``."""
+    from mixlabels.backbones import _common
+    from mixlabels.backbones._dense import conv_matrix, row_normalise
+
+    g = torch.Generator().manual_seed(k)
+    labels, kernel = torch.rand(3, grid[0] * grid[1], 2, generator=g), torch.rand(k, k, generator=g)
+    dense = _common.conv_mix(labels, grid, kernel, (pad, pad), (dil, dil))
+    matrix, _ = conv_matrix(grid, kernel.double(), padding=(pad, pad), dilation=(dil, dil))
+    assert_close(dense.double(), row_normalise(matrix) @ labels.double(), rtol=1e-6, atol=1e-7)
+    small = grid[0] * grid[1] <= _common._DENSE_CONV_TOKENS
+    monkeypatch.setattr(_common, "_DENSE_CONV_TOKENS", 0 if small else 10**6)  # the other route
+    assert_close(_common.conv_mix(labels, grid, kernel, (pad, pad), (dil, dil)), dense)
