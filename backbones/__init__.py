@@ -48,7 +48,7 @@ from mixlabels.backbones._resmlp import AdaptedResMLP
 from mixlabels.backbones._gmlp import AdaptedGMLP
 from mixlabels.backbones._crossvit import AdaptedCrossViT
 from mixlabels.backbones._tnt import AdaptedTNT
-from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3
+from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3, AdaptedMobileNetV4
 from mixlabels.backbones._regnet import AdaptedRegNet
 from mixlabels.backbones._resnet import AdaptedResNet
 from mixlabels.backbones._swin import AdaptedSwin
@@ -91,6 +91,7 @@ __all__ = [
     "AdaptedResNet",
     "AdaptedEfficientNet",
     "AdaptedMobileNetV3",
+    "AdaptedMobileNetV4",
     "AdaptedRegNet",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",

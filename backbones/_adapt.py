@@ -56,7 +56,14 @@ from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
 from mixlabels.backbones._refusals import named_refusal
-from mixlabels.backbones._mobilenetv3 import MOBILENETV3_FAMILY, AdaptedMobileNetV3, tiny_mobilenetv3
+from mixlabels.backbones._mobilenetv3 import (
+    MOBILENETV3_FAMILY,
+    MOBILENETV4_FAMILY,
+    AdaptedMobileNetV3,
+    AdaptedMobileNetV4,
+    tiny_mobilenetv3,
+    tiny_mobilenetv4,
+)
 from mixlabels.backbones._regnet import REGNET_FAMILY, AdaptedRegNet
 from mixlabels.backbones._resnet import RESNET_FAMILY, AdaptedResNet
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
@@ -191,6 +198,8 @@ _REGISTRY: list[Family] = [
            ("levit",)),
     Family("mobilenetv3", MOBILENETV3_FAMILY, AdaptedMobileNetV3.refusal, AdaptedMobileNetV3, tiny_mobilenetv3,
            ("mobilenetv3", "hardcorenas")),
+    Family("mobilenetv4", MOBILENETV4_FAMILY, AdaptedMobileNetV4.refusal, AdaptedMobileNetV4, tiny_mobilenetv4,
+           ("mobilenetv3",)),
     Family("regnet", REGNET_FAMILY, AdaptedRegNet.refusal, AdaptedRegNet,
            _tiny(RegNet, cfg=RegNetCfg(depth=5, w0=8, wa=8.0, wm=1.5, group_size=4, stem_width=8)), ("regnet",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.

@@ -23,7 +23,17 @@ from typing import Any
 
 import torch.nn.functional as F
 from einops import rearrange
-from timm.models._efficientnet_blocks import ConvBnAct, DepthwiseSeparableConv, EdgeResidual, InvertedResidual, SqueezeExcite
+from timm.layers.conv_bn_act import ConvNormAct
+from timm.layers.layer_scale import LayerScale2d
+from timm.models._efficientnet_blocks import (
+    ConvBnAct,
+    DepthwiseSeparableConv,
+    EdgeResidual,
+    InvertedResidual,
+    MobileAttention,
+    SqueezeExcite,
+    UniversalInvertedResidual,
+)
 from timm.models.efficientnet import EfficientNet
 from torch import Tensor, nn
 
@@ -54,7 +64,16 @@ EFFICIENTNET_FAMILY = (
     "the residual rule, a block without skip aggregates; stem from the pixels; global average pooling; stochastic depth"
 )
 
-_BLOCKS = (InvertedResidual, DepthwiseSeparableConv, EdgeResidual, ConvBnAct)
+_BLOCKS = (InvertedResidual, DepthwiseSeparableConv, EdgeResidual, ConvBnAct, UniversalInvertedResidual)
+
+
+def _conv_norm_act(module: nn.Module) -> list[nn.Module]:
+    """timm's ``ConvNormAct`` (conv, norm with its activation, then the anti-aliasing pool) as its modules in
+    the order of its ``forward``; ``Identity`` (an absent optional conv) as itself."""
+    if isinstance(module, ConvNormAct):
+        aa = getattr(module, "aa", None)
+        return [module.conv, module.bn, *([aa] if aa is not None else [])]
+    return [module]
 
 
 def _branch_modules(blk: Any) -> list[nn.Module]:
@@ -65,6 +84,9 @@ def _branch_modules(blk: Any) -> list[nn.Module]:
         return [blk.conv_dw, blk.bn1, blk.aa, blk.se, blk.conv_pw, blk.bn2]
     if type(blk) is EdgeResidual:
         return [blk.conv_exp, blk.bn1, blk.aa, blk.se, blk.conv_pwl, blk.bn2]
+    if type(blk) is UniversalInvertedResidual:  # MobileNetV4's UIB: optional depthwise convs around the 1x1s
+        return [*_conv_norm_act(blk.dw_start), *_conv_norm_act(blk.pw_exp), *_conv_norm_act(blk.dw_mid), blk.se,
+                *_conv_norm_act(blk.pw_proj), *_conv_norm_act(blk.dw_end), blk.layer_scale]  # fmt: skip
     return [blk.conv, blk.bn1, blk.aa]
 
 
@@ -79,11 +101,16 @@ def blocks_refusal(m: Any) -> str | None:
         return why
     for i, blk in enumerate(_blocks(m)):
         where = f"block {i}"
+        if type(blk) is MobileAttention:
+            return (f"{where} is MobileNetV4's MobileAttention (the hybrid models' multi-query attention over a key/value "
+                    "grid downsampled by strided depthwise convs), which has no adapter yet; use a mobilenetv4_conv_* "
+                    "model, or NoAlign() for the hybrids")  # fmt: skip
         if type(blk) not in _BLOCKS:
-            return f"{where} is {type(blk).__name__}; only InvertedResidual, DepthwiseSeparableConv, EdgeResidual and ConvBnAct are supported"
+            return (f"{where} is {type(blk).__name__}; only InvertedResidual, DepthwiseSeparableConv, EdgeResidual, "
+                    "ConvBnAct and UniversalInvertedResidual are supported")  # fmt: skip
         if getattr(blk, "conv_s2d", None) is not None:
             return f"{where} uses a space-to-depth conv (s2d), which has no label rule here; build it with s2d=0"
-        why = path_refusal(_branch_modules(blk), f"{where}'s branch", (SqueezeExcite,))
+        why = path_refusal(_branch_modules(blk), f"{where}'s branch", (SqueezeExcite, LayerScale2d))
         if why is not None:
             return why
     return None

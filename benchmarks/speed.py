@@ -155,6 +155,7 @@ FAMILY_MODELS = {
     "efficientnet": "efficientnet_b0",
     "levit": "levit_128s",
     "mobilenetv3": "mobilenetv3_small_100",
+    "mobilenetv4": "mobilenetv4_conv_small",
     "regnet": "regnety_002",
 }
 

@@ -60,7 +60,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "torchvision_resnet18": _seeded(lambda: torchvision.models.resnet18(weights=None, num_classes=C)),
     "timm_nfnet": _seeded(lambda: timm.create_model("test_nfnet", pretrained=False, num_classes=C)),
     "timm_byobnet": _seeded(lambda: timm.create_model("test_byobnet", pretrained=False, num_classes=C)),
-    "timm_mobilenetv4": _seeded(lambda: timm.create_model("mobilenetv4_conv_small_035", pretrained=False, num_classes=C)),
+    "timm_repghostnet": _seeded(lambda: timm.create_model("repghostnet_050", pretrained=False, num_classes=C)),
     "timm_ghostnet": _seeded(lambda: timm.create_model("ghostnet_050", pretrained=False, num_classes=C)),
     "own_module": _seeded(SmallNet),
 }

@@ -56,13 +56,12 @@ def test_timm_names_adapt_and_refusals() -> None:
         mnv4_plain = timm.create_model("mobilenetv4_conv_small", pretrained=False)
         maxpool = timm.create_model("mobilenetv3_small_100", pretrained=False, global_pool="max")
         effnet = timm.create_model("efficientnet_b0", pretrained=False)
-    mnv4_plain.norm_head = nn.Identity()  # timm's MobileNetV4 always has head_norm: its blocks refused next
+    mnv4_plain.norm_head = nn.Identity()  # timm's MobileNetV4 always has head_norm; without it, a MobileNetV3 head
     with pytest.raises(TypeError, match="the stem module 0 is Conv2dSame: TF 'same' padding.*without the tf_ prefix"):
         backbones.AdaptedMobileNetV3(tf, TLAlign())
-    with pytest.raises(TypeError, match=r"norm_head \(head_norm=True, MobileNetV4's head\) is not supported; build it with head_norm=False"):
+    with pytest.raises(TypeError, match=r"norm_head \(head_norm=True\) is MobileNetV4's head: the mobilenetv4 family takes it"):
         backbones.AdaptedMobileNetV3(mnv4, TLAlign())
-    with pytest.raises(TypeError, match="block 4 is UniversalInvertedResidual; only InvertedResidual, DepthwiseSeparableConv"):
-        backbones.AdaptedMobileNetV3(mnv4_plain, TLAlign())
+    assert family.refusal(mnv4_plain) is None  # its UniversalInvertedResidual blocks have the rules
     with pytest.raises(TypeError, match="global_pool='max' has no label readout; use 'avg'"):
         backbones.AdaptedMobileNetV3(maxpool, TLAlign())
     with pytest.raises(TypeError, match="EfficientNet is not a timm MobileNetV3"):
