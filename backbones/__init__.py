@@ -48,6 +48,7 @@ from mixlabels.backbones._resmlp import AdaptedResMLP
 from mixlabels.backbones._gmlp import AdaptedGMLP
 from mixlabels.backbones._crossvit import AdaptedCrossViT
 from mixlabels.backbones._tnt import AdaptedTNT
+from mixlabels.backbones._efficientformer import AdaptedEfficientFormer
 from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3, AdaptedMobileNetV4
 from mixlabels.backbones._regnet import AdaptedRegNet
 from mixlabels.backbones._resnet import AdaptedResNet
@@ -92,6 +93,7 @@ __all__ = [
     "AdaptedEfficientNet",
     "AdaptedMobileNetV3",
     "AdaptedMobileNetV4",
+    "AdaptedEfficientFormer",
     "AdaptedRegNet",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",

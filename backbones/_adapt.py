@@ -37,6 +37,7 @@ from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
 from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
 from mixlabels.backbones._gmlp import GMLP_FAMILY, AdaptedGMLP
 from mixlabels.backbones._crossvit import CROSSVIT_FAMILY, AdaptedCrossViT
+from mixlabels.backbones._efficientformer import EFFICIENTFORMER_FAMILY, AdaptedEfficientFormer, tiny_efficientformer
 from mixlabels.backbones._efficientnet import EFFICIENTNET_FAMILY, AdaptedEfficientNet
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
@@ -198,6 +199,8 @@ _REGISTRY: list[Family] = [
            ("levit",)),
     Family("mobilenetv3", MOBILENETV3_FAMILY, AdaptedMobileNetV3.refusal, AdaptedMobileNetV3, tiny_mobilenetv3,
            ("mobilenetv3", "hardcorenas")),
+    Family("efficientformer", EFFICIENTFORMER_FAMILY, AdaptedEfficientFormer.refusal, AdaptedEfficientFormer,
+           tiny_efficientformer, ("efficientformer",)),
     Family("mobilenetv4", MOBILENETV4_FAMILY, AdaptedMobileNetV4.refusal, AdaptedMobileNetV4, tiny_mobilenetv4,
            ("mobilenetv3",)),
     Family("regnet", REGNET_FAMILY, AdaptedRegNet.refusal, AdaptedRegNet,

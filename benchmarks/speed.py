@@ -156,6 +156,7 @@ FAMILY_MODELS = {
     "levit": "levit_128s",
     "mobilenetv3": "mobilenetv3_small_100",
     "mobilenetv4": "mobilenetv4_conv_small",
+    "efficientformer": "efficientformer_l1",
     "regnet": "regnety_002",
 }
 

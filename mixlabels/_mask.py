@@ -222,7 +222,7 @@ class BoxMask:
         in_rows = ((ar_h >= self.boxes[:, 0:1]) & (ar_h < self.boxes[:, 1:2])).float()  # b gh
         in_cols = ((ar_w >= self.boxes[:, 2:3]) & (ar_w < self.boxes[:, 3:4])).float()  # b gw
         partner = torch.einsum("bh,bw->bhw", in_rows @ r.T, in_cols @ c.T)  # b h w
-        own = torch.outer(r.sum(dim=1), c.sum(dim=1)) - partner
+        own = (torch.outer(r.sum(dim=1), c.sum(dim=1)) - partner).clamp_min(0.0)  # rounding must not go below 0
         return rearrange(torch.stack([own, partner], dim=-1), "b h w k -> b (h w) k")
 
     def source_mean(self) -> Tensor:

@@ -85,6 +85,7 @@ def test_box_and_cell_window_weights_equal_the_pixels(seed: int, cell: int) -> N
     for mask in (box, cells):
         expected = _explicit_window_weights(mask.pixel_weights((32, 24)), rows, cols)
         assert_close(mask.window_weights(rows, cols).double(), expected, rtol=1e-6, atol=1e-6)
+    assert (box.window_weights(rows, cols) >= 0).all()  # own = total - partner, clamped: rounding stays >= 0
     # the box mask's answer is the cell mask's of its boxes
     assert_close(box.window_weights(rows, cols), CellMask(box.dense()).window_weights(rows, cols), rtol=1e-6, atol=1e-6)
 
