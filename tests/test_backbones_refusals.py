@@ -1,38 +1,51 @@
-"""Known families without an adapter (VOLO): refused by name with their reason; NoAlign takes them."""
+"""Known families without an adapter (VOLO, FastViT, MobileViT, EfficientFormerV2): refused by name with their
+reason; NoAlign takes them."""
 
 from __future__ import annotations
 
 import pytest
 import timm
 import torch
+from timm.models.fastvit import FastVit
 from timm.models.volo import VOLO
 
 from mixlabels import NoAlign, TLAlign, TokenLabeling, backbones
-from mixlabels.backbones._refusals import VOLO_REFUSAL
+from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL, FASTVIT_REFUSAL, MOBILEVIT_REFUSAL, VOLO_REFUSAL
 
 
 @pytest.mark.parametrize(
     ("name", "kwargs", "reason"),
     [
         ("volo", {"img_size": 32, "layers": (1, 1, 1, 1), "embed_dims": (16, 32, 32, 32), "num_heads": (1, 2, 2, 2)}, VOLO_REFUSAL),
+        ("fastvit", {"layers": (1, 1), "embed_dims": (16, 32), "mlp_ratios": (2, 2), "token_mixers": ("repmixer", "attention"),
+                     "pos_embs": (None, None)}, FASTVIT_REFUSAL),  # fmt: skip
+        ("mobilevit_xxs", {}, MOBILEVIT_REFUSAL),
+        ("efficientformerv2_s0", {}, EFFICIENTFORMERV2_REFUSAL),
     ],
 )
 def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object], reason: str) -> None:
     torch.manual_seed(0)
-    # timm's volo_* names pin layers and dims: the class itself for a tiny VOLO
-    model = VOLO(num_classes=10, **kwargs) if name == "volo" else timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    # timm's volo_* and fastvit_* names pin layers and dims: the classes themselves for tiny models
+    if name == "volo":
+        model = VOLO(num_classes=10, **kwargs)
+    elif name == "fastvit":
+        model = FastVit(num_classes=10, **kwargs)
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
     for scheme in (TLAlign(), TokenLabeling()):
         with pytest.raises(TypeError) as info:
             backbones.adapt(model, scheme)
         assert str(info.value) == f"{type(scheme).__name__} cannot adapt {type(model).__name__}: {reason}"
     adapted = backbones.adapt(model.eval(), NoAlign())
-    images = torch.randn(2, 3, 32, 32)
+    size = 224 if name == "efficientformerv2_s0" else 32  # its attention biases are fixed for 224 px
+    images = torch.randn(2, 3, size, size)
     with torch.no_grad():
         torch.testing.assert_close(adapted(images), model(images))
 
 
 def test_every_timm_name_of_the_families_is_refused_by_name() -> None:
-    for module, reason in (("volo", VOLO_REFUSAL),):
+    for module, reason in (("volo", VOLO_REFUSAL), ("fastvit", FASTVIT_REFUSAL), ("mobilevit", MOBILEVIT_REFUSAL),
+                           ("efficientformer_v2", EFFICIENTFORMERV2_REFUSAL)):  # fmt: skip
         names = timm.list_models(module=module)
         assert names
         for name in names:
