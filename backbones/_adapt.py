@@ -28,6 +28,7 @@ from timm.models.crossvit import CrossVit
 from timm.models.tnt import TNT
 from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock, SpatialGatingBlock
 from timm.models.nest import Nest
+from timm.models.volo import VOLO
 from torch import nn
 
 from mixlabels.backbones._any import ANY_FAMILY, AdaptedClassifier, accepts_any_model, any_refusal
@@ -37,6 +38,7 @@ from mixlabels.backbones._davit import DAVIT_FAMILY, AdaptedDaViT
 from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
 from mixlabels.backbones._gmlp import GMLP_FAMILY, AdaptedGMLP
 from mixlabels.backbones._crossvit import CROSSVIT_FAMILY, AdaptedCrossViT
+from mixlabels.backbones._volo import VOLO_FAMILY, AdaptedVOLO
 from mixlabels.backbones._efficientformer import EFFICIENTFORMER_FAMILY, AdaptedEfficientFormer, tiny_efficientformer
 from mixlabels.backbones._efficientnet import EFFICIENTNET_FAMILY, AdaptedEfficientNet
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
@@ -199,6 +201,10 @@ _REGISTRY: list[Family] = [
            ("levit",)),
     Family("mobilenetv3", MOBILENETV3_FAMILY, AdaptedMobileNetV3.refusal, AdaptedMobileNetV3, tiny_mobilenetv3,
            ("mobilenetv3", "hardcorenas")),
+    Family("volo", VOLO_FAMILY, AdaptedVOLO.refusal, AdaptedVOLO,
+           _tiny(VOLO, img_size=32, patch_size=4, stem_hidden_dim=16, layers=(1, 1), embed_dims=(16, 32), num_heads=(1, 2),
+                 downsamples=(True, False), outlook_attention=(True, False), mlp_ratio=(2.0, 2.0), post_layers=("ca",)),
+           ("volo",)),
     Family("efficientformer", EFFICIENTFORMER_FAMILY, AdaptedEfficientFormer.refusal, AdaptedEfficientFormer,
            tiny_efficientformer, ("efficientformer",)),
     Family("mobilenetv4", MOBILENETV4_FAMILY, AdaptedMobileNetV4.refusal, AdaptedMobileNetV4, tiny_mobilenetv4,

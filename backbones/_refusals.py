@@ -8,23 +8,12 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["VOLO_REFUSAL", "FASTVIT_REFUSAL", "MOBILEVIT_REFUSAL", "EFFICIENTFORMERV2_REFUSAL", "named_refusal"]
+__all__ = ["FASTVIT_REFUSAL", "MOBILEVIT_REFUSAL", "EFFICIENTFORMERV2_REFUSAL", "named_refusal"]
 
 _USE_INSTEAD = (
     "use NoAlign() (any classifier), or an adapted family for TL-Align, TransMix or TokenLabeling "
     "(`python -m mixlabels.backbones.matrix` lists them)"
 )
-
-VOLO_REFUSAL = (
-    "timm VOLO (timm.models.volo) is not adapted: its outlook attention (per-position k*k x k*k weights from a "
-    "linear layer, applied by unfold/fold with stride 2: the label rule would be the fold of the head-mean local "
-    "attentions, renormalised over in-grid taps), its 3-conv stem, the Transformer and class-attention stages, "
-    "and the token-labeling aux_head (whose max over tokens is added to the logits: a readout with no label "
-    "rule written here; return_dense likewise) have no adapter and no reference test yet; use NoAlign() "
-    "(any classifier), or an adapted family with a class token (vit, cait, xcit) for TL-Align, TransMix or "
-    "TokenLabeling"
-)
-
 
 FASTVIT_REFUSAL = (
     "timm FastViT (timm.models.fastvit) is not adapted: in training its MobileOne blocks and reparameterisable "
@@ -60,8 +49,6 @@ def _has_mobilevit_block(model: nn.Module) -> bool:
 def named_refusal(model: nn.Module) -> str | None:
     """The refusal of a known but unadapted family (``None`` for any other model)."""
     module = type(model).__module__
-    if module == "timm.models.volo":
-        return VOLO_REFUSAL
     if module == "timm.models.fastvit":
         return FASTVIT_REFUSAL
     if module == "timm.models.efficientformer_v2":

@@ -157,6 +157,7 @@ FAMILY_MODELS = {
     "mobilenetv3": "mobilenetv3_small_100",
     "mobilenetv4": "mobilenetv4_conv_small",
     "efficientformer": "efficientformer_l1",
+    "volo": "volo_d1_224",
     "regnet": "regnety_002",
 }
 

@@ -169,8 +169,12 @@ class LabelTracker(Protocol):
         """Whether the adapter must report the class token's head-mean attention row at ``layer``."""
         ...
 
-    def class_attention(self, layer: int, weights: Tensor) -> None:
-        """The head-mean attention row of the class token ``(b, n)`` over all tokens."""
+    def class_attention(self, layer: int, weights: Tensor, grid: tuple[int, int] | None = None) -> None:
+        """The head-mean attention row of the class token ``(b, n)`` over all tokens.
+
+        ``grid``: the patch grid the row's patch tokens lie on, where the model has changed its grid
+        since the start (a pyramid with a class token); ``None``: the layout's.
+        """
         ...
 
     def residual(self, layer: int, keep: Tensor | None, *, mixed: Tensor | None) -> None:

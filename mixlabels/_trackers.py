@@ -70,8 +70,8 @@ class CompactTracker:
     def wants_class_attention(self, layer: int) -> bool:
         return self._rules.wants_class_attention(layer)
 
-    def class_attention(self, layer: int, weights: Tensor) -> None:
-        area = self._layout.area_weights(self._lm)  # b n k
+    def class_attention(self, layer: int, weights: Tensor, grid: tuple[int, int] | None = None) -> None:
+        area = self._layout.area_weights(self._lm) if grid is None else self._lm.token_weights(grid)  # b n k
         with _fp32(weights.device):
             self._class_weights = self._rules.class_weights(weights.detach().float(), area, self._layout.num_prefix)
 
@@ -148,6 +148,7 @@ class DenseTracker:
         self.rules = rules
         self.layout = layout
         self.dtype = dtype
+        self._label_map = label_map
         p, grid = layout.num_prefix, layout.grid
         self.image_target = label_map.image_targets()  # b c
         self.area = label_map.targets(layout.area_weights(label_map)).to(dtype)  # b n c, the patches' area labels
@@ -180,9 +181,12 @@ class DenseTracker:
         """Whether the rules read the class token's attention row at ``layer`` (``attend_class``)."""
         return self.rules.wants_class_attention(layer)
 
-    def attend_class(self, row: Tensor) -> None:
-        """The head-mean attention row ``(b, n)`` of the class token in the rules' class-attention layer."""
+    def attend_class(self, row: Tensor, grid: tuple[int, int] | None = None) -> None:
+        """The head-mean attention row ``(b, n)`` of the class token in the rules' class-attention layer
+        (over patch tokens on ``grid``, when that is not the layout's grid)."""
         self.class_row = row.detach().to(self.dtype)
+        if grid is not None:
+            self.area = self._label_map.targets(self._label_map.token_weights(grid)).to(self.dtype)
 
     def result(
         self, output: Tensor | tuple[Tensor, ...], logits: Tensor, readout: Readout, token_logits: Tensor | None, first: int | None = None

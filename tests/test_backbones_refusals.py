@@ -1,5 +1,5 @@
-"""Known families without an adapter (VOLO, FastViT, MobileViT, EfficientFormerV2): refused by name with their
-reason; NoAlign takes them."""
+"""Known families without an adapter (FastViT, MobileViT, EfficientFormerV2): refused by name with their reason;
+NoAlign takes them."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ import pytest
 import timm
 import torch
 from timm.models.fastvit import FastVit
-from timm.models.volo import VOLO
 
 from mixlabels import NoAlign, TLAlign, TokenLabeling, backbones
-from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL, FASTVIT_REFUSAL, MOBILEVIT_REFUSAL, VOLO_REFUSAL
+from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL, FASTVIT_REFUSAL, MOBILEVIT_REFUSAL
 
 
 @pytest.mark.parametrize(
     ("name", "kwargs", "reason"),
     [
-        ("volo", {"img_size": 32, "layers": (1, 1, 1, 1), "embed_dims": (16, 32, 32, 32), "num_heads": (1, 2, 2, 2)}, VOLO_REFUSAL),
         ("fastvit", {"layers": (1, 1), "embed_dims": (16, 32), "mlp_ratios": (2, 2), "token_mixers": ("repmixer", "attention"),
                      "pos_embs": (None, None)}, FASTVIT_REFUSAL),  # fmt: skip
         ("mobilevit_xxs", {}, MOBILEVIT_REFUSAL),
@@ -25,10 +23,8 @@ from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL, FASTVIT_REF
 )
 def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object], reason: str) -> None:
     torch.manual_seed(0)
-    # timm's volo_* and fastvit_* names pin layers and dims: the classes themselves for tiny models
-    if name == "volo":
-        model = VOLO(num_classes=10, **kwargs)
-    elif name == "fastvit":
+    # timm's fastvit_* names pin layers and dims: the class itself for a tiny model
+    if name == "fastvit":
         model = FastVit(num_classes=10, **kwargs)
     else:
         model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
@@ -44,7 +40,7 @@ def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object],
 
 
 def test_every_timm_name_of_the_families_is_refused_by_name() -> None:
-    for module, reason in (("volo", VOLO_REFUSAL), ("fastvit", FASTVIT_REFUSAL), ("mobilevit", MOBILEVIT_REFUSAL),
+    for module, reason in (("fastvit", FASTVIT_REFUSAL), ("mobilevit", MOBILEVIT_REFUSAL),
                            ("efficientformer_v2", EFFICIENTFORMERV2_REFUSAL)):  # fmt: skip
         names = timm.list_models(module=module)
         assert names
