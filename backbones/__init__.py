@@ -50,6 +50,7 @@ from mixlabels.backbones._crossvit import AdaptedCrossViT
 from mixlabels.backbones._tnt import AdaptedTNT
 from mixlabels.backbones._efficientformer import AdaptedEfficientFormer
 from mixlabels.backbones._volo import AdaptedVOLO
+from mixlabels.backbones._fastvit import AdaptedFastViT
 from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3, AdaptedMobileNetV4
 from mixlabels.backbones._regnet import AdaptedRegNet
 from mixlabels.backbones._resnet import AdaptedResNet
@@ -96,6 +97,7 @@ __all__ = [
     "AdaptedMobileNetV4",
     "AdaptedEfficientFormer",
     "AdaptedVOLO",
+    "AdaptedFastViT",
     "AdaptedRegNet",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",

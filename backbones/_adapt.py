@@ -39,6 +39,7 @@ from mixlabels.backbones._gcvit import GCVIT_FAMILY, AdaptedGCViT
 from mixlabels.backbones._gmlp import GMLP_FAMILY, AdaptedGMLP
 from mixlabels.backbones._crossvit import CROSSVIT_FAMILY, AdaptedCrossViT
 from mixlabels.backbones._volo import VOLO_FAMILY, AdaptedVOLO
+from mixlabels.backbones._fastvit import FASTVIT_FAMILY, AdaptedFastViT, tiny_fastvit
 from mixlabels.backbones._efficientformer import EFFICIENTFORMER_FAMILY, AdaptedEfficientFormer, tiny_efficientformer
 from mixlabels.backbones._efficientnet import EFFICIENTNET_FAMILY, AdaptedEfficientNet
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
@@ -205,6 +206,7 @@ _REGISTRY: list[Family] = [
            _tiny(VOLO, img_size=32, patch_size=4, stem_hidden_dim=16, layers=(1, 1), embed_dims=(16, 32), num_heads=(1, 2),
                  downsamples=(True, False), outlook_attention=(True, False), mlp_ratio=(2.0, 2.0), post_layers=("ca",)),
            ("volo",)),
+    Family("fastvit", FASTVIT_FAMILY, AdaptedFastViT.refusal, AdaptedFastViT, tiny_fastvit, ("fastvit",)),
     Family("efficientformer", EFFICIENTFORMER_FAMILY, AdaptedEfficientFormer.refusal, AdaptedEfficientFormer,
            tiny_efficientformer, ("efficientformer",)),
     Family("mobilenetv4", MOBILENETV4_FAMILY, AdaptedMobileNetV4.refusal, AdaptedMobileNetV4, tiny_mobilenetv4,

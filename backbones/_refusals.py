@@ -8,20 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["FASTVIT_REFUSAL", "MOBILEVIT_REFUSAL", "EFFICIENTFORMERV2_REFUSAL", "named_refusal"]
+__all__ = ["MOBILEVIT_REFUSAL", "EFFICIENTFORMERV2_REFUSAL", "named_refusal"]
 
 _USE_INSTEAD = (
     "use NoAlign() (any classifier), or an adapted family for TL-Align, TransMix or TokenLabeling "
     "(`python -m mixlabels.backbones.matrix` lists them)"
-)
-
-FASTVIT_REFUSAL = (
-    "timm FastViT (timm.models.fastvit) is not adapted: in training its MobileOne blocks and reparameterisable "
-    "large-kernel convs are sums of parallel conv branches (kxk, 1x1, identity), each with its own batch norm, so "
-    "the label rule (the normalised |kernel| of the merged conv) depends on how the norms fold into the kernels; "
-    "RepMixer's x + s * (mixer(x) - norm(x)) and RepCPE's conditional position encoding are depthwise-conv "
-    "residuals, and the later stages attend over the whole grid; none of this has an adapter and a reference test "
-    "yet; " + _USE_INSTEAD
 )
 
 MOBILEVIT_REFUSAL = (
@@ -49,8 +40,6 @@ def _has_mobilevit_block(model: nn.Module) -> bool:
 def named_refusal(model: nn.Module) -> str | None:
     """The refusal of a known but unadapted family (``None`` for any other model)."""
     module = type(model).__module__
-    if module == "timm.models.fastvit":
-        return FASTVIT_REFUSAL
     if module == "timm.models.efficientformer_v2":
         return EFFICIENTFORMERV2_REFUSAL
     if module == "timm.models.byobnet" and _has_mobilevit_block(model):

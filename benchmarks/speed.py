@@ -158,6 +158,7 @@ FAMILY_MODELS = {
     "mobilenetv4": "mobilenetv4_conv_small",
     "efficientformer": "efficientformer_l1",
     "volo": "volo_d1_224",
+    "fastvit": "fastvit_t8",
     "regnet": "regnety_002",
 }
 

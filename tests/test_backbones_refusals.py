@@ -1,4 +1,4 @@
-"""Known families without an adapter (FastViT, MobileViT, EfficientFormerV2): refused by name with their reason;
+"""Known families without an adapter (MobileViT, EfficientFormerV2): refused by name with their reason;
 NoAlign takes them."""
 
 from __future__ import annotations
@@ -6,28 +6,21 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from timm.models.fastvit import FastVit
 
 from mixlabels import NoAlign, TLAlign, TokenLabeling, backbones
-from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL, FASTVIT_REFUSAL, MOBILEVIT_REFUSAL
+from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL, MOBILEVIT_REFUSAL
 
 
 @pytest.mark.parametrize(
     ("name", "kwargs", "reason"),
     [
-        ("fastvit", {"layers": (1, 1), "embed_dims": (16, 32), "mlp_ratios": (2, 2), "token_mixers": ("repmixer", "attention"),
-                     "pos_embs": (None, None)}, FASTVIT_REFUSAL),  # fmt: skip
         ("mobilevit_xxs", {}, MOBILEVIT_REFUSAL),
         ("efficientformerv2_s0", {}, EFFICIENTFORMERV2_REFUSAL),
     ],
 )
 def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object], reason: str) -> None:
     torch.manual_seed(0)
-    # timm's fastvit_* names pin layers and dims: the class itself for a tiny model
-    if name == "fastvit":
-        model = FastVit(num_classes=10, **kwargs)
-    else:
-        model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
     for scheme in (TLAlign(), TokenLabeling()):
         with pytest.raises(TypeError) as info:
             backbones.adapt(model, scheme)
@@ -40,7 +33,7 @@ def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object],
 
 
 def test_every_timm_name_of_the_families_is_refused_by_name() -> None:
-    for module, reason in (("fastvit", FASTVIT_REFUSAL), ("mobilevit", MOBILEVIT_REFUSAL),
+    for module, reason in (("mobilevit", MOBILEVIT_REFUSAL),
                            ("efficientformer_v2", EFFICIENTFORMERV2_REFUSAL)):  # fmt: skip
         names = timm.list_models(module=module)
         assert names
