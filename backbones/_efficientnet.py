@@ -53,6 +53,7 @@ from mixlabels.backbones._convnet import (
     start_on_path,
 )
 from mixlabels.backbones._dense import DenseRules
+from mixlabels.backbones._mobile_attention import mobile_attention_labels, mobile_attention_reference, mobile_attention_refusal
 
 __all__ = ["AdaptedEfficientNet", "EFFICIENTNET_FAMILY", "efficientnet_refusal", "blocks_refusal"]
 
@@ -102,9 +103,10 @@ def blocks_refusal(m: Any) -> str | None:
     for i, blk in enumerate(_blocks(m)):
         where = f"block {i}"
         if type(blk) is MobileAttention:
-            return (f"{where} is MobileNetV4's MobileAttention (the hybrid models' multi-query attention over a key/value "
-                    "grid downsampled by strided depthwise convs), which has no adapter yet; use a mobilenetv4_conv_* "
-                    "model, or NoAlign() for the hybrids")  # fmt: skip
+            why = mobile_attention_refusal(blk, where)
+            if why is not None:
+                return why
+            continue
         if type(blk) not in _BLOCKS:
             return (f"{where} is {type(blk).__name__}; only InvertedResidual, DepthwiseSeparableConv, EdgeResidual, "
                     "ConvBnAct and UniversalInvertedResidual are supported")  # fmt: skip
@@ -192,6 +194,9 @@ class AdaptedEfficientNet(AdaptedBase):
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
         for layer, blk in enumerate(blocks):
+            if type(blk) is MobileAttention:  # MobileNetV4's hybrids: multi-query attention, grid unchanged
+                x = mobile_attention_labels(blk, x, layer, tracker, grid)
+                continue
             x, keep = _block(blk, x)
             grid = block_labels(tracker, layer, grid, *_paths(blk), keep)
         x = self._pre_pool(x)
@@ -210,6 +215,9 @@ class AdaptedEfficientNet(AdaptedBase):
         if start != grid:
             rules.aggregate(path_matrix(stem, start)[0])
         for layer, blk in enumerate(blocks):
+            if type(blk) is MobileAttention:
+                x = mobile_attention_reference(blk, x, layer, rules, grid)
+                continue
             x, keep = _block(blk, x)
             grid = block_labels_reference(rules, layer, grid, *_paths(blk), keep)
         x = self._pre_pool(x)

@@ -52,12 +52,13 @@ MOBILENETV3_FAMILY = (
 
 
 MOBILENETV4_FAMILY = (
-    "timm MobileNetV4 conv models (mobilenetv4_conv_*: the MobileNetV3 class with head_norm): UniversalInvertedResidual "
+    "timm MobileNetV4 (mobilenetv4_conv_* and _hybrid_*: the MobileNetV3 class with head_norm): UniversalInvertedResidual "
     "blocks (optional depthwise convs before, between and after the 1x1s: each mixes labels by its normalised "
     "|kernel|, or aggregates when strided; 1x1s, norms, layer scale as channel ops), EdgeResidual and ConvBnAct; "
-    "avg and blur anti-aliasing pools aggregate; global average pooling, then conv_head and norm_head on the pooled "
-    "vector (channel ops; per-position logits normalised by the pooled batch's statistics); stochastic depth. "
-    "The hybrids' MobileAttention is refused by name"
+    "the hybrids' MobileAttention (multi-query attention: key/value labels summed over the strided depthwise conv's "
+    "windows, moved by the head-mean attention rows); avg and blur anti-aliasing pools aggregate; global average "
+    "pooling, then conv_head and norm_head on the pooled vector (channel ops; per-position logits normalised by the "
+    "pooled batch's statistics); stochastic depth"
 )
 
 
@@ -158,12 +159,14 @@ class AdaptedMobileNetV4(AdaptedMobileNetV3):
 
 
 def tiny_mobilenetv4(num_classes: int = 10, **kwargs: Any) -> MobileNetV3:
-    """A seeded MobileNetV4-style model for 32x32 images (grids 16, 8, 8, 4, 4): head_norm, layer scale and every
-    UniversalInvertedResidual variant timm's models use (ExtraDW, IB, ConvNeXt-like, FFN, a strided ``dw_start``),
-    after an EdgeResidual. ``kwargs`` go to ``MobileNetV3`` (``drop_path_rate``, ``aa_layer``, ...)."""
+    """A seeded MobileNetV4-style model for 32x32 images (grids 16, 8, 4, 4, 2): head_norm, layer scale, every
+    UniversalInvertedResidual variant timm's models use (ExtraDW, IB, ConvNeXt-like, FFN, a strided ``dw_start``)
+    after an EdgeResidual, and the hybrids' MobileAttention on the 4x4 grid (keys/values on a 2x2 grid, then on the
+    full grid). ``kwargs`` go to ``MobileNetV3`` (``drop_path_rate``, ``aa_layer``, ...)."""
     torch.manual_seed(0)
     arch = [["er_r1_k3_s2_e2_c8"], ["uir_r1_a3_k5_s2_e2_c16", "uir_r1_a3_k3_s1_e2_c16"],
-            ["uir_r1_a0_k3_s1_e2_c16", "uir_r1_a3_k0_s1_e2_c16", "uir_r1_a0_k0_s1_e2_c16"],
+            ["uir_r1_a0_k3_s1_e2_c16", "uir_r1_a3_k0_s1_e2_c16", "uir_r1_a0_k0_s1_e2_c16",
+             "mqa_r1_k3_h2_s1_v2_d8_c16", "mqa_r1_k3_h2_s1_d8_c16", "uir_r1_a3_k0_s1_e2_c16"],  # timm: no stage ends on MQA
             ["uir_r1_a5_k0_s2_e2_c24", "uir_r1_a3_k3_s1_e2_c24"], ["cn_r1_k1_s1_c32"]]  # fmt: skip
     decode: Any = _efficientnet_builder.decode_arch_def  # untyped in timm
     return MobileNetV3(decode(arch), num_classes=num_classes, stem_size=8, fix_stem=True, num_features=32, head_norm=True,
