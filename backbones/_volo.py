@@ -188,6 +188,35 @@ def _readout(m: Any) -> tuple[Readout, int]:
     return ("token", 0) if m.global_pool == "token" else ("mean", 0)  # timm's 'avg' averages the class token too
 
 
+def _total_stride(m: Any) -> int:
+    """Pixels per side of a last-stage patch: the patch embedding's strides times every downsampling conv's."""
+    stride = 1
+    for op in path_of(_stem_modules(m)):
+        if isinstance(op, Window):
+            stride *= op.stride[0]
+    for part in m.network:
+        if isinstance(part, Downsample):
+            stride *= _pair(part.proj.stride)[0]
+    return stride
+
+
+def _check_tiles(m: Any, label_map: TokenLabelMap, grid: tuple[int, int]) -> None:
+    """The class attention's patches must tile the image for their area weights (TransMix) to be exact: where a
+    downsampling conv drops a trailing row or column (a grid of odd size), they do not."""
+    hh, ww = label_map.image_size
+    stride = _total_stride(m)
+    if (grid[0] * stride, grid[1] * stride) != (hh, ww):
+        raise ValueError(
+            f"the class attention reads a {grid[0]}x{grid[1]} patch grid of {stride}-pixel patches, which does not tile "
+            f"the {hh}x{ww} image (a downsampling conv dropped a row or column), so its patches have no exact area "
+            f"weights for this scheme's target (TransMix); use an image size divisible by {stride}, or TLAlign()"
+        )
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
 def _leading_windows(path: Path) -> int:
     lead = 0
     while lead < len(path) and isinstance(path[lead], Window):
@@ -231,6 +260,8 @@ class AdaptedVOLO(AdaptedBase):
         x = rearrange(x, "b h w c -> b (h w) c")
         cls = m.cls_token.expand(x.shape[0], -1, -1)
         x = torch.cat([cls, x], dim=1)
+        if any(tracker.wants_class_attention(i) for i in range(layer, layer + len(m.post_network))):
+            _check_tiles(m, label_map, grid)
         for blk in m.post_network:
             x = self._class_block(blk, x, layer, tracker, grid)
             layer += 1
@@ -340,6 +371,8 @@ class AdaptedVOLO(AdaptedBase):
         x = rearrange(x, "b h w c -> b (h w) c")
         x = torch.cat([m.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         n = x.shape[1]
+        if any(rules.wants_class_attention(i) for i in range(layer, layer + len(m.post_network))):
+            _check_tiles(m, label_map, grid)
         for blk in m.post_network:
             attn = blk.attn
             u = blk.norm1(x)

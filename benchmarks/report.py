@@ -444,7 +444,7 @@ SECTIONS: tuple[Section, ...] = (
             "`alloc` columns: the peak of live bytes in torch's CPU allocator (exact, the same in every run); "
             "peak RSS moves by a few percent between processes.", _steps_or_missing),
     Section("speed-families-cpu", "Training-step cost of alignment per backbone family (CPU)",
-            "python benchmarks/speed.py --families --batch-size 8 --steps 2 --warmup 1 --repeats 3 "
+            "python benchmarks/speed.py --families --batch-size 8 --steps 2 --warmup 1 --repeats 5 "
             "--variants cutmix tlalign --threads 2",
             "Every aligning family's own small model (`FAMILY_MODELS` in `benchmarks/speed.py`), variants interleaved "
             "in one process, memory measured in a fresh process per variant.", render_families),

@@ -109,3 +109,18 @@ def test_every_timm_name_adapts_and_refusals() -> None:
     assert backbones.adapt(no_cls, SCHEMES["none"]) is not None  # NoAlign takes any classifier
     images, lm = cutmix_batch()
     assert F.softmax(backbones.adapt(make(), TLAlign())(images, lm).logits, -1).shape == (4, 10)
+
+
+def test_transmix_refuses_a_last_grid_that_does_not_tile_the_image() -> None:
+    """40 px with patch 4: 10x10 patches, then a 2x2 stride-2 conv: 5x5 patches of 8 px tile it (TransMix runs); with
+    patch 8 the 5x5 grid becomes 2x2 patches of 16 px over a 40 px image: no exact areas, refused by name."""
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(2, 3, 40, 40, generator=g), torch.tensor([1, 2])
+    from mixlabels import TransMix
+    from mixlabels.strategies import CutMix
+
+    mixed, lm = CutMix(10, generator=g)(images, labels)
+    backbones.adapt(make(img_size=40), TransMix())(mixed, lm)
+    with pytest.raises(ValueError, match=r"2x2 patch grid of 16-pixel patches, which does not tile the 40x40 image"):
+        backbones.adapt(make(img_size=40, patch_size=8), TransMix())(mixed, lm)
+    backbones.adapt(make(img_size=40, patch_size=8), TLAlign())(mixed, lm)  # the labels' own windows: no areas needed
