@@ -9,6 +9,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.testing import assert_close
 
 from mixlabels import backbones
+from mixlabels._trackers import DenseTracker
 from mixlabels.backbones import attention_with_labels
 from mixlabels import (
     AlignedOutput,
@@ -109,6 +110,23 @@ def test_transmix_hand_checked() -> None:
     assert_close(out.weights, (lam_attn + lm.image_weights) / 2)
     with pytest.raises(ValueError, match="no class token"):
         TransMix().start(lm, TokenLayout(GRID, 0, 3, class_token=False))
+
+
+def test_transmix_class_row_over_a_grid_that_changed() -> None:
+    """A model that merged tokens since the start passes the row's grid: the areas are that grid's cells. Here the
+    labels start on a 4x4 grid and the class token attends over a 1x2 grid (left and right halves)."""
+    lm = left_half_map(b=1)  # the left quarter of the image from the sample itself
+    tracker = TransMix().start(lm, TokenLayout(grid=(4, 4), num_prefix=1, depth=3, class_token=True))
+    tracker.class_attention(2, torch.tensor([[0.2, 0.8, 0.0]]), (1, 2))  # all patch attention on the left half
+    tracker.pool("token", 0)
+    out = tracker.finish()
+    left_half = torch.tensor([[0.5, 0.5]])  # the left half: half of it the sample's own quarter
+    assert out.weights is not None
+    assert_close(out.weights, (left_half + lm.image_weights) / 2)
+    dense = DenseTracker.start(TransMix(), lm, TokenLayout(grid=(4, 4), num_prefix=1, depth=3, class_token=True))
+    dense.attend_class(torch.tensor([[0.2, 0.8, 0.0]]), (1, 2))
+    result = dense.result(torch.zeros(1, 4), torch.zeros(1, 4), "token", None)
+    assert_close(result.target, out.target)
 
 
 def test_dropped_branch_keeps_labels_and_layers_select() -> None:
