@@ -53,6 +53,7 @@ from mixlabels.backbones._volo import AdaptedVOLO
 from mixlabels.backbones._fastvit import AdaptedFastViT
 from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3, AdaptedMobileNetV4
 from mixlabels.backbones._regnet import AdaptedRegNet
+from mixlabels.backbones._mobilevit import AdaptedByobNet
 from mixlabels.backbones._resnet import AdaptedResNet
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
@@ -99,6 +100,7 @@ __all__ = [
     "AdaptedVOLO",
     "AdaptedFastViT",
     "AdaptedRegNet",
+    "AdaptedByobNet",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

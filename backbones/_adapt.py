@@ -69,6 +69,7 @@ from mixlabels.backbones._mobilenetv3 import (
     tiny_mobilenetv4,
 )
 from mixlabels.backbones._regnet import REGNET_FAMILY, AdaptedRegNet
+from mixlabels.backbones._mobilevit import BYOBNET_FAMILY, AdaptedByobNet, tiny_mobilevit
 from mixlabels.backbones._resnet import RESNET_FAMILY, AdaptedResNet
 from mixlabels.backbones._swin import SWIN_FAMILY, AdaptedSwin
 from mixlabels.backbones._swinv2 import SWINV2_FAMILY, AdaptedSwinV2
@@ -213,6 +214,7 @@ _REGISTRY: list[Family] = [
            ("mobilenetv3",)),
     Family("regnet", REGNET_FAMILY, AdaptedRegNet.refusal, AdaptedRegNet,
            _tiny(RegNet, cfg=RegNetCfg(depth=5, w0=8, wa=8.0, wm=1.5, group_size=4, stem_width=8)), ("regnet",)),
+    Family("byobnet", BYOBNET_FAMILY, AdaptedByobNet.refusal, AdaptedByobNet, tiny_mobilevit, ("byobnet", "mobilevit")),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip

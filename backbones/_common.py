@@ -41,6 +41,7 @@ __all__ = [
     "conv_label_kernel",
     "kernel_labels",
     "conv_mix",
+    "conv_mix_pair",
     "sum_pool_merge",
     "conv_aggregate",
     "start_on_stem",
@@ -211,6 +212,39 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
         mass = F.conv2d(torch.ones_like(y[:, :1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
         mixed = F.conv2d(y, k.expand(y.shape[1], -1, -1, -1), padding=padding, dilation=dilation, groups=y.shape[1]) / mass
         return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=labels.shape[0])
+
+
+def conv_mix_pair(
+    first: Tensor, second: Tensor, grid: tuple[int, int], k_first: Tensor, k_second: Tensor,
+    padding: tuple[int, int], dilation: tuple[int, int],
+) -> Tensor:
+    """``Norm(T(k_first) first + T(k_second) second)``: one stride-1 conv over two label states side by side (a conv
+    over concatenated channels, MobileViT's fusion), every row renormalised over both halves' in-grid taps.
+
+    Args:
+        first, second: ``(b, h*w, l)`` labels of the two channel groups, row-major over ``grid``.
+        k_first, k_second: ``(kh, kw)`` non-negative, each group's share of the conv's label kernel
+            (together a distribution over the taps).
+
+    Returns:
+        ``(b, h*w, l)`` fp32, rows summing to 1 where the inputs' do.
+    """
+    with torch.autocast(device_type=first.device.type, enabled=False):
+        n = grid[0] * grid[1]
+        if n <= _DENSE_CONV_TOKENS:
+            kernel = (int(k_first.shape[0]), int(k_first.shape[1]))
+            taps = _tap_matrices(grid, kernel, tuple(padding), tuple(dilation), first.device)
+            t1 = (k_first.to(taps).reshape(1, -1) @ taps).reshape(n, n)
+            t2 = (k_second.to(taps).reshape(1, -1) @ taps).reshape(n, n)
+            mass = (t1.sum(dim=-1) + t2.sum(dim=-1)).unsqueeze(-1)  # the in-grid tap weight of every row
+            return (t1 @ first.float() + t2 @ second.float()) / mass
+        y = rearrange(torch.stack([first.float(), second.float()], dim=-1), "b (h w) l two -> 1 (b l two) h w", h=grid[0])
+        k = rearrange(torch.stack([k_first, k_second]).to(y), "two kh kw -> two 1 kh kw")
+        groups = y.shape[1] // 2
+        mass = F.conv2d(torch.ones_like(y[:, :2]), k, padding=padding, dilation=dilation, groups=2).sum(1, keepdim=True)  # 1 1 h w
+        mixed = F.conv2d(y, rearrange(k, "two 1 kh kw -> 1 two kh kw").expand(groups, -1, -1, -1), padding=padding,
+                         dilation=dilation, groups=groups) / mass  # 1 (b l) h w: each group sums its two halves
+        return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=first.shape[0])
 
 
 def pool_labels(labels: Tensor, grid: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:

@@ -30,19 +30,21 @@ Shapes: ``b`` batch, ``n`` positions (row-major over a grid ``h w``), ``l`` labe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from timm.layers.blur_pool import BlurPool2d
+from timm.layers.conv_bn_act import ConvNormAct
 from timm.layers.drop import DropBlock2d
 from timm.layers.eca import CecaModule, EcaModule
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from torch import Tensor, nn
 
 from mixlabels import LabelTracker, Scheme, TokenLabelMap, TokenLayout
-from mixlabels.backbones._common import conv_mix, kernel_labels, start_on_windows
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import conv_mix, kernel_labels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices
 
@@ -59,6 +61,9 @@ __all__ = [
     "block_labels",
     "start_on_path",
     "block_labels_reference",
+    "conv_norm_act_ops",
+    "run_stem",
+    "run_module_stem",
 ]
 
 CHANNEL_GATES: tuple[type[nn.Module], ...] = (SEModule, EffectiveSEModule, EcaModule, CecaModule)
@@ -268,3 +273,45 @@ def block_labels_reference(
     if mixed is not None:
         rules.y = rules.rules.residual(rules.y, mixed, keep)
     return out
+
+
+def conv_norm_act_ops(module: nn.Module | None) -> list[nn.Module]:
+    """A module as the ops its forward runs in order: a ``Sequential``'s children in turn, a ``ConvNormAct`` as its
+    conv, norm-act and anti-aliasing; anything else as itself (``path_refusal`` then says whether it has a rule)."""
+    if module is None:
+        return []
+    if isinstance(module, nn.Sequential):
+        return [op for child in module for op in conv_norm_act_ops(child)]
+    if type(module) is ConvNormAct:
+        cna: Any = module
+        return [cna.conv, cna.bn] + ([cna.aa] if getattr(cna, "aa", None) is not None else [])
+    return [module]
+
+
+def run_stem(
+    stem: Callable[[Tensor], Tensor], path: Path, images: Tensor, label_map: TokenLabelMap
+) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
+    """A pooled CNN's stem on ``images``: its output ``(b, c, h, w)`` (MixToken-mixed for a token-space map), its
+    grid, and the grid the labels start on (the pixels; the stem's grid for a token-space map). ``path`` is the
+    stem's spatial ops: its windows must make the grid the stem made, else the stem is refused."""
+    stride = (1, 1)
+    for op in path:
+        if isinstance(op, Window):
+            stride = (stride[0] * op.stride[0], stride[1] * op.stride[1])
+    pixels = check_batch(images, label_map, stride if label_map.token_space else (1, 1))
+    x = stem(images)
+    grid, start = (int(x.shape[2]), int(x.shape[3])), (int(images.shape[2]), int(images.shape[3]))
+    if path_grid(path, start) != grid:
+        raise ValueError(f"the stem made a {grid} grid where its windows give {path_grid(path, start)}; this stem is not supported")
+    if label_map.token_space:
+        if pixels != grid:
+            raise ValueError(f"MixToken needs the stem's {grid} grid to tile the image ({pixels}); use an image size divisible by {stride[0]}")
+        return mix_token_space(x, label_map, channels_last=False), grid, grid
+    return x, grid, start
+
+
+def run_module_stem(stem: nn.Module, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, Path, tuple[int, int], tuple[int, int]]:
+    """``run_stem`` of a stem module whose ops ``conv_norm_act_ops`` lists: output, path, grid, start grid."""
+    path = path_of(conv_norm_act_ops(stem))
+    x, grid, start = run_stem(stem, path, images, label_map)
+    return x, path, grid, start

@@ -22,23 +22,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn.functional as F
 from einops import rearrange
-from timm.layers.conv_bn_act import ConvNormAct
 from timm.layers.drop import DropPath
 from timm.models.regnet import Bottleneck, PreBottleneck, RegNet
 from torch import Tensor, nn
 
-from mixlabels import AlignedOutput, TokenLabelMap, TokenLayout
-from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space
+from mixlabels import AlignedOutput, TokenLabelMap
+from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._convnet import (
     Path,
-    Window,
-    apply_path,
     block_labels,
+    conv_norm_act_ops,
+    run_module_stem,
     block_labels_reference,
-    path_grid,
     path_matrix,
     path_of,
     path_refusal,
@@ -57,16 +53,7 @@ REGNET_FAMILY = (
 )
 
 
-def _flat(module: nn.Module | None) -> list[nn.Module]:
-    """A module as the ops its forward runs in order (``ConvNormAct``: conv, norm-act, anti-aliasing)."""
-    if module is None:
-        return []
-    if isinstance(module, nn.Sequential):
-        return [op for child in module for op in _flat(child)]
-    if type(module) is ConvNormAct:
-        cna: Any = module
-        return [cna.conv, cna.bn] + ([cna.aa] if getattr(cna, "aa", None) is not None else [])
-    return [module]
+_flat = conv_norm_act_ops  # a module as the ops its forward runs in order
 
 
 def _branch_modules(blk: Any) -> list[nn.Module]:
@@ -105,25 +92,6 @@ def regnet_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def _stem(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, Path, tuple[int, int], tuple[int, int]]:
-    """Stem output ``(b, c, h, w)``, the stem's path, its output grid and the grid the labels start on."""
-    stem = path_of(_flat(m.stem))
-    stride = (1, 1)
-    for op in stem:
-        if isinstance(op, Window):
-            stride = (stride[0] * op.stride[0], stride[1] * op.stride[1])
-    pixels = check_batch(images, label_map, stride if label_map.token_space else (1, 1))
-    x = m.stem(images)
-    grid, start = (int(x.shape[2]), int(x.shape[3])), (int(images.shape[2]), int(images.shape[3]))
-    if path_grid(stem, start) != grid:
-        raise ValueError(f"the stem made a {grid} grid where its windows give {path_grid(stem, start)}; this stem is not supported")
-    if label_map.token_space:
-        if pixels != grid:
-            raise ValueError(f"MixToken needs the stem's {grid} grid to tile the image ({pixels}); use an image size divisible by {stride[0]}")
-        return mix_token_space(x, label_map, channels_last=False), stem, grid, grid
-    return x, stem, grid, start
-
-
 def _block(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
     """timm's block forward with the branch's drop-path draw exposed: the output and who kept the branch."""
     pre = type(blk) is PreBottleneck
@@ -158,7 +126,7 @@ class AdaptedRegNet(AdaptedBase):
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
-        x, stem, grid, start = _stem(m, images, label_map)
+        x, stem, grid, start = run_module_stem(m.stem, images, label_map)
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
         for layer, blk in enumerate(blocks):
@@ -174,7 +142,7 @@ class AdaptedRegNet(AdaptedBase):
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         """Explicit matrices of every path on dense labels."""
         m: Any = self.model
-        x, stem, grid, start = _stem(m, images, label_map)
+        x, stem, grid, start = run_module_stem(m.stem, images, label_map)
         blocks = _blocks(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(blocks))
         if start != grid:

@@ -34,16 +34,13 @@ from timm.layers.drop import DropPath
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from torch import Tensor, nn
 
-from mixlabels import AlignedOutput, TokenLabelMap, TokenLayout
-from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space
+from mixlabels import AlignedOutput, TokenLabelMap
+from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._convnet import (
     Path,
-    Window,
-    apply_path,
     block_labels,
+    run_stem,
     block_labels_reference,
-    path_grid,
     path_matrix,
     path_of,
     path_refusal,
@@ -116,20 +113,7 @@ def resnet_refusal(model: nn.Module) -> str | None:
 def _stem(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, Path, tuple[int, int], tuple[int, int]]:
     """Stem output ``(b, c, h, w)``, the stem's path, its output grid and the grid the labels start on."""
     stem = path_of(_stem_modules(m))
-    stride = (1, 1)
-    for op in stem:
-        if isinstance(op, Window):
-            stride = (stride[0] * op.stride[0], stride[1] * op.stride[1])
-    pixels = check_batch(images, label_map, stride if label_map.token_space else (1, 1))
-    x = m.maxpool(m.act1(m.bn1(m.conv1(images))))
-    grid = (int(x.shape[2]), int(x.shape[3]))
-    start = (int(images.shape[2]), int(images.shape[3]))
-    if path_grid(stem, start) != grid:
-        raise ValueError(f"the stem made a {grid} grid where its windows give {path_grid(stem, start)}; this stem is not supported")
-    if label_map.token_space:
-        if pixels != grid:
-            raise ValueError(f"MixToken needs the stem's {grid} grid to tile the image ({pixels}); use an image size divisible by {stride[0]}")
-        return mix_token_space(x, label_map, channels_last=False), stem, grid, grid
+    x, grid, start = run_stem(lambda i: m.maxpool(m.act1(m.bn1(m.conv1(i)))), stem, images, label_map)
     return x, stem, grid, start
 
 

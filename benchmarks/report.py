@@ -241,7 +241,9 @@ def render_steps(summary: dict[str, Any]) -> str:
 
 def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
     """One summary from several ``speed.py`` summaries: ``--families`` runs combine (a later run's rows replace an
-    earlier one's, each row keeping the provenance of the run that measured it); anything else must be alone."""
+    earlier one's, each row keeping the provenance of the run that measured it); anything else must be alone.
+    The committed ``benchmarks/results/speed-families-<device>.json`` is itself such a summary: passed first, a new
+    run adds or replaces its families."""
     names = {name for name, _ in parts}
     if len(parts) == 1:
         return parts[0]
@@ -252,7 +254,8 @@ def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[
     for _, summary in parts:
         if summary["config"]["variants"] != first["config"]["variants"]:
             raise ValueError("--add-speed: the runs measured different --variants; combine runs of the same variants")
-        families.update({f: {**row, "provenance": summary["provenance"]} for f, row in summary["families"].items()})
+        # a row keeps the provenance it already carries (the committed summary passed again, to add a family)
+        families.update({f: {"provenance": summary["provenance"], **row} for f, row in summary["families"].items()})
     return name, {**first, "families": families}
 
 

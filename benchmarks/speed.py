@@ -160,6 +160,7 @@ FAMILY_MODELS = {
     "volo": "volo_d1_224",
     "fastvit": "fastvit_t8",
     "regnet": "regnety_002",
+    "byobnet": "mobilevit_xxs",
 }
 
 

@@ -20,7 +20,8 @@ spatial-mixing layers the adapter announced in ``TokenLayout.depth``, from 0):
   attention (or normalised kernel) applied to the labels ``labels_for(layer)`` returned,
   or ``None`` when ``g`` mixes channels only (or ``labels_for(layer)`` was ``None``): its
   labels equal its input's. ``keep`` ``(b,)`` bool says which samples kept the branch
-  under stochastic depth (``None``: all). The branch's labels travel in the call itself,
+  under stochastic depth (``None``: all); ``(b, n)`` bool says it per token, where a
+  drop-path draws over groups of a sample's tokens (MobileViT's per-offset sequences). The branch's labels travel in the call itself,
   so no event depends on the order of an earlier one.
 - ``aggregate(merge)``: tokens were merged (patch merging, strided conv);
   ``merge`` maps labels ``(b, n, l) -> (b, n', l)`` by summing the merged tokens,
@@ -178,7 +179,7 @@ class LabelTracker(Protocol):
         ...
 
     def residual(self, layer: int, keep: Tensor | None, *, mixed: Tensor | None) -> None:
-        """A residual branch was added; ``keep`` ``(b,)`` bool marks samples that kept it.
+        """A residual branch was added; ``keep`` ``(b,)`` (or per token ``(b, n)``) bool marks samples that kept it.
 
         ``mixed`` ``(b, n, l)``: the branch's labels, its spatial mix applied to ``labels_for(layer)``;
         ``None`` for a branch that mixes channels only (or a layer ``labels_for`` answered ``None``).

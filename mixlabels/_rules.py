@@ -98,10 +98,12 @@ class Rules:
 
     # ------------------------------------------------------------------ events
     def residual(self, y: Tensor, mixed: Tensor, keep: Tensor | None) -> Tensor:
-        """Labels after a residual whose branch spatially mixed ``y`` into ``mixed``; ``keep`` ``(b,)`` bool."""
+        """Labels after a residual whose branch spatially mixed ``y`` into ``mixed``; ``keep`` ``(b,)`` bool
+        per sample, or ``(b, n)`` per token (a drop-path drawn over a batch of token groups, as MobileViT's
+        per-offset sequences)."""
         new = (y + mixed) / 2 if self.normalize else mixed
-        if keep is not None and self.follow_drop:  # a sample whose branch was dropped keeps its labels
-            new = torch.where(keep.view(-1, 1, 1), new, y)
+        if keep is not None and self.follow_drop:  # a sample (token) whose branch was dropped keeps its labels
+            new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
         return new
 
     def merge(self, merged: Tensor) -> Tensor:

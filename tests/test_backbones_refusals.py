@@ -1,4 +1,4 @@
-"""Known families without an adapter (MobileViT, EfficientFormerV2): refused by name with their reason;
+"""Known families without an adapter (EfficientFormerV2): refused by name with their reason;
 NoAlign takes them."""
 
 from __future__ import annotations
@@ -8,13 +8,12 @@ import timm
 import torch
 
 from mixlabels import NoAlign, TLAlign, TokenLabeling, backbones
-from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL, MOBILEVIT_REFUSAL
+from mixlabels.backbones._refusals import EFFICIENTFORMERV2_REFUSAL
 
 
 @pytest.mark.parametrize(
     ("name", "kwargs", "reason"),
     [
-        ("mobilevit_xxs", {}, MOBILEVIT_REFUSAL),
         ("efficientformerv2_s0", {}, EFFICIENTFORMERV2_REFUSAL),
     ],
 )
@@ -33,8 +32,7 @@ def test_refused_by_name_and_noalign_works(name: str, kwargs: dict[str, object],
 
 
 def test_every_timm_name_of_the_families_is_refused_by_name() -> None:
-    for module, reason in (("mobilevit", MOBILEVIT_REFUSAL),
-                           ("efficientformer_v2", EFFICIENTFORMERV2_REFUSAL)):  # fmt: skip
+    for module, reason in (("efficientformer_v2", EFFICIENTFORMERV2_REFUSAL),):
         names = timm.list_models(module=module)
         assert names
         for name in names:

@@ -1,0 +1,167 @@
+"""The ByobNet adapter (MobileViT v1/v2, basic/bottleneck ByobNets): preservation, fast = reference, the steps
+that are timm's own, the two-state fusion rule, every timm name, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from test_backbones_common import (
+    POOLED,
+    SCHEMES,
+    check_parity,
+    check_preservation,
+    check_unmixed_is_one_hot,
+    cutmix_batch,
+    set_fused,
+    sharpen,
+)
+from timm.models.byobnet import ByoBlockCfg, ByobNet, ByoModelCfg
+from torch import nn
+from torch.testing import assert_close
+
+from mixlabels import TLAlign, TokenLabelMap, TransMix, backbones
+from mixlabels.backbones._common import conv_mix, conv_mix_pair
+from mixlabels.backbones._dense import conv_matrix, row_normalise
+from mixlabels.backbones._mobilevit import _linear_attention, _vit_attention, byobnet_refusal, tiny_mobilevit
+
+
+def make(version: int, drop: float = 0.0) -> nn.Module:
+    """The registry's tiny MobileViT (v1: sharpened attention; v2: context scores sharpened by scaling the query row)."""
+    model = tiny_mobilevit(version, drop_path_rate=drop, drop_rate=0.1)
+    if version == 1:
+        return sharpen(model)
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__ == "LinearSelfAttention":
+                mod.qkv_proj.weight[0] *= 8.0  # the query channel: near-uniform context scores at init otherwise
+    return model
+
+
+def tiny_genet(drop: float = 0.0) -> nn.Module:
+    """A conv-only ByobNet: tiered stem with max pool, a basic block, two SE bottlenecks (avg-pool shortcut)."""
+    torch.manual_seed(0)
+    cfg = ByoModelCfg(
+        blocks=(ByoBlockCfg(type="basic", d=1, c=8, s=1, br=1.0), ByoBlockCfg(type="bottle", d=2, c=16, s=2, br=0.5)),
+        stem_chs=8, stem_type="tiered", stem_pool="maxpool", downsample="avg", attn_layer="se", num_features=24,
+    )  # fmt: skip
+    return ByobNet(cfg, num_classes=10, drop_path_rate=drop)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_function_preservation_train_mode(version: int) -> None:
+    for scheme in ("none", "tl_align", "tokens_aligned"):
+        check_preservation(make(version, drop=0.5), SCHEMES[scheme])
+
+
+def test_function_preservation_genet_and_eval() -> None:
+    check_preservation(tiny_genet(drop=0.5), SCHEMES["tl_align"])
+    images, lm = cutmix_batch()
+    for model in (make(1).eval(), make(2).eval(), tiny_genet().eval()):
+        assert_close(backbones.adapt(model, TLAlign())(images, lm).output, model(images), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", POOLED)
+@pytest.mark.parametrize("version", [1, 2])
+def test_fast_path_equals_reference(version: int, scheme: str) -> None:
+    check_parity(make(version, drop=0.4), scheme)  # drop 0.4: v1's per-offset drop-path keeps some sequences only
+
+
+def test_fast_path_equals_reference_variants() -> None:
+    check_parity(tiny_genet(drop=0.4), "tl_align")
+    check_parity(tiny_genet(), "tokens_aligned", token_space=True)
+    check_parity(make(1), "tokens_aligned", token_space=True)
+    check_parity(set_fused(make(1, drop=0.4), False), "tl_align")  # timm's explicit attention path
+    check_parity(make(2), "tl_official")
+
+
+def test_unmixed_gives_one_hot() -> None:
+    for model in (make(1), make(2), tiny_genet()):
+        check_unmixed_is_one_hot(model, POOLED)
+
+
+def test_attention_steps_are_timms() -> None:
+    """The v1 attention and the v2 separable attention are timm's modules bit for bit; their label weights are
+    distributions (v1: the head-mean rows; v2: the context scores over the patches of one offset)."""
+    for model in (make(1).eval(), make(2).eval()):
+        blk = model.stages[-1][-1]
+        attn = blk.transformer[0].attn
+        if type(attn).__name__ == "Attention":
+            x = torch.randn(8, 16, 16)
+            labels = torch.softmax(torch.randn(8, 16, 3), -1)
+            out, mixed, _ = _vit_attention(attn, x, labels)
+            assert_close(out, attn(x), rtol=0, atol=1e-6)
+            assert mixed is not None
+            assert_close(mixed.sum(-1), torch.ones(8, 16))
+        else:
+            x = torch.randn(2, attn.embed_dim, 4, 16)  # b c p m
+            out, scores = _linear_attention(attn, x)
+            assert_close(out, attn(x), rtol=0, atol=0)
+            assert_close(scores.sum(-1), torch.ones(2, 4))
+
+
+def test_fusion_rule() -> None:
+    """Two label states through one conv: equal halves give the one-state conv rule; on a grid over the explicit
+    bound (the conv path) it equals the explicit matrices; it stays a distribution."""
+    g = torch.Generator().manual_seed(0)
+    for grid in ((4, 4), (9, 9)):
+        n = grid[0] * grid[1]
+        k1, k2 = torch.rand(3, 3, generator=g), torch.rand(3, 3, generator=g)
+        total = (k1 + k2).sum()
+        k1, k2 = k1 / total, k2 / total
+        y1 = torch.softmax(torch.randn(2, n, 5, generator=g), -1)
+        y2 = torch.softmax(torch.randn(2, n, 5, generator=g), -1)
+        fused = conv_mix_pair(y1, y2, grid, k1, k2, (1, 1), (1, 1))
+        assert_close(fused.sum(-1), torch.ones(2, n))
+        assert_close(conv_mix_pair(y1, y1, grid, k1, k2, (1, 1), (1, 1)), conv_mix(y1, grid, k1 + k2, (1, 1), (1, 1)))
+        halves = [conv_matrix(grid, k.double(), padding=(1, 1))[0] for k in (k1, k2)]
+        explicit = row_normalise(torch.cat(halves, dim=1)) @ torch.cat([y1, y2], dim=1).double()
+        assert_close(fused.double(), explicit, rtol=1e-6, atol=1e-6)
+
+
+def test_v1_fusion_reads_both_halves() -> None:
+    """With the fusion conv's path channels zeroed, v1's block output labels are the input's labels through the
+    conv alone: a change of the transformer's attention does not reach them; with its input channels zeroed, it does."""
+    images, lm = cutmix_batch()
+    for zeroed, attention_counts in (("path", False), ("input", True)):
+        model = make(1).eval()
+        blk = model.stages[-1][-1]
+        c_in = blk.conv_kxk.conv.in_channels
+        with torch.no_grad():
+            weight = blk.conv_fusion.conv.weight
+            (weight[:, c_in:] if zeroed == "path" else weight[:, :c_in]).zero_()
+        before = backbones.adapt(model, TLAlign())(images, lm).target
+        with torch.no_grad():
+            for tb in blk.transformer:
+                tb.attn.qkv.weight[:32].mul_(3.0)  # sharper queries and keys: other attention rows
+        after = backbones.adapt(model, TLAlign())(images, lm).target
+        assert ((after - before).abs().max() > 1e-3) == attention_counts, zeroed
+
+
+def test_every_timm_name_adapts_and_refusals() -> None:
+    family = next(f for f in backbones.FAMILIES if f.name == "byobnet")
+    names = timm.list_models(module="mobilevit")
+    assert len(names) == 10
+    for name in names + ["gernet_s", "resnet33ts", "seresnext26ts", "eca_resnet33ts", "regnetz_b16", "resnet51q"]:
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False)
+        assert family.refusal(model) is None, name
+    for name, why in (("repvgg_a0", "the stem module 0 is RepVggBlock, which has no label rule here"),
+                      ("gcresnet33ts", "block 0's branch module 5 is GlobalContext, which has no label rule here"),
+                      ("resnet61q", "block 0 is EdgeBlock; only BasicBlock, BottleneckBlock, MobileVitBlock"),
+                      ("resnet50_clip", "the head (AttentionPool2d) has no label readout")):  # fmt: skip
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False)
+        reason = byobnet_refusal(model)
+        assert reason is not None and reason.startswith(why), (name, reason)
+    images, lm = cutmix_batch()
+    with pytest.raises(ValueError, match="no class token"):
+        backbones.adapt(make(1), TransMix())(images, lm)
+    # timm's mobilevit_xxs at 224 px: the last MobileViT block gets a 7x7 map, which timm would resize
+    torch.manual_seed(0)
+    xxs = timm.create_model("mobilevit_xxs", pretrained=False, num_classes=10)
+    big = torch.zeros(1, 224, 224)
+    big[:, :100, :50] = 1.0
+    lm224 = TokenLabelMap.from_mask(big, torch.tensor([0]), torch.tensor([3]), num_classes=10)
+    with pytest.raises(ValueError, match=r"gets a 7x7 map, not a multiple of its 2x2 patches.*256x256"):
+        backbones.adapt(xxs, TLAlign())(torch.randn(1, 3, 224, 224), lm224)
