@@ -54,6 +54,7 @@ from mixlabels.backbones._fastvit import AdaptedFastViT
 from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3, AdaptedMobileNetV4
 from mixlabels.backbones._regnet import AdaptedRegNet
 from mixlabels.backbones._mobilevit import AdaptedByobNet
+from mixlabels.backbones._efficientformer_v2 import AdaptedEfficientFormerV2
 from mixlabels.backbones._resnet import AdaptedResNet
 from mixlabels.backbones._swin import AdaptedSwin
 from mixlabels.backbones._swinv2 import AdaptedSwinV2
@@ -101,6 +102,7 @@ __all__ = [
     "AdaptedFastViT",
     "AdaptedRegNet",
     "AdaptedByobNet",
+    "AdaptedEfficientFormerV2",
     "AdaptedClassifier",
     "AdaptedEfficientViTMIT",
     "AdaptedMViTv2",

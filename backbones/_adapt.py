@@ -41,6 +41,11 @@ from mixlabels.backbones._crossvit import CROSSVIT_FAMILY, AdaptedCrossViT
 from mixlabels.backbones._volo import VOLO_FAMILY, AdaptedVOLO
 from mixlabels.backbones._fastvit import FASTVIT_FAMILY, AdaptedFastViT, tiny_fastvit
 from mixlabels.backbones._efficientformer import EFFICIENTFORMER_FAMILY, AdaptedEfficientFormer, tiny_efficientformer
+from mixlabels.backbones._efficientformer_v2 import (
+    EFFICIENTFORMERV2_FAMILY,
+    AdaptedEfficientFormerV2,
+    tiny_efficientformer_v2,
+)
 from mixlabels.backbones._efficientnet import EFFICIENTNET_FAMILY, AdaptedEfficientNet
 from mixlabels.backbones._convnext import CONVNEXT_FAMILY, AdaptedConvNeXt
 from mixlabels.backbones._eva import EVA_FAMILY, AdaptedEva
@@ -59,7 +64,6 @@ from mixlabels.backbones._relpos import RELPOS_FAMILY, AdaptedRelPosViT
 from mixlabels.backbones._resmlp import RESMLP_FAMILY, AdaptedResMLP
 from mixlabels.backbones._pvt import PVT_FAMILY, AdaptedPVTv2
 from mixlabels.backbones._tnt import TNT_FAMILY, AdaptedTNT
-from mixlabels.backbones._refusals import named_refusal
 from mixlabels.backbones._mobilenetv3 import (
     MOBILENETV3_FAMILY,
     MOBILENETV4_FAMILY,
@@ -215,6 +219,8 @@ _REGISTRY: list[Family] = [
     Family("regnet", REGNET_FAMILY, AdaptedRegNet.refusal, AdaptedRegNet,
            _tiny(RegNet, cfg=RegNetCfg(depth=5, w0=8, wa=8.0, wm=1.5, group_size=4, stem_width=8)), ("regnet",)),
     Family("byobnet", BYOBNET_FAMILY, AdaptedByobNet.refusal, AdaptedByobNet, tiny_mobilevit, ("byobnet", "mobilevit")),
+    Family("efficientformer_v2", EFFICIENTFORMERV2_FAMILY, AdaptedEfficientFormerV2.refusal, AdaptedEfficientFormerV2,
+           tiny_efficientformer_v2, ("efficientformer_v2",)),
     # Last: the fallback for NoAlign, taken only when no aligning family above accepts the model.
     Family("any", ANY_FAMILY, any_refusal, AdaptedClassifier, _tiny("test_nfnet"), None),
 ]  # fmt: skip
@@ -304,9 +310,6 @@ def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: 
     if accepts_any_model(scheme):
         return fallback.build(model, scheme, reference)
     aligning = ", ".join(f.name for f in _REGISTRY[:-1])
-    known = named_refusal(model)  # a known family without an adapter yet: its own reason leads
-    if known is not None:
-        raise TypeError(f"{type(scheme).__name__} cannot adapt {type(model).__name__}: {known}")
     listing = "\n  - ".join(f"{f.name}: {f.description}" for f in _REGISTRY[:-1])
     raise TypeError(
         f"aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "

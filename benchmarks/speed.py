@@ -161,6 +161,7 @@ FAMILY_MODELS = {
     "fastvit": "fastvit_t8",
     "regnet": "regnety_002",
     "byobnet": "mobilevit_xxs",
+    "efficientformer_v2": "efficientformerv2_s0",
 }
 
 

@@ -44,7 +44,7 @@ POOLED_FAMILIES = [
     "maxxvit", "nest", "focalnet",
     "resnet", "efficientnet",
     "levit",
-    "resnet", "efficientnet", "mobilenetv3", "mobilenetv4", "regnet", "efficientformer", "fastvit", "byobnet",
+    "resnet", "efficientnet", "mobilenetv3", "mobilenetv4", "regnet", "efficientformer", "fastvit", "byobnet", "efficientformer_v2",
 ]  # fmt: skip
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
