@@ -247,12 +247,12 @@ def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[
     names = {name for name, _ in parts}
     if len(parts) == 1:
         return parts[0]
-    if len(names) != 1 or not next(iter(names)).startswith("speed-families"):
+    if len(names) != 1 or not next(iter(names)).startswith(("speed-families", "speed-labels")):
         raise ValueError(f"--add-speed combines several speed.py --families runs of one device only, got {sorted(names)}")
     name, first = parts[0]
     families: dict[str, Any] = {}
     for _, summary in parts:
-        if summary["config"]["variants"] != first["config"]["variants"]:
+        if summary["config"].get("variants") != first["config"].get("variants") and name.startswith("speed-families"):
             raise ValueError("--add-speed: the runs measured different --variants; combine runs of the same variants")
         # a row keeps the provenance it already carries (the committed summary passed again, to add a family)
         families.update({f: {"provenance": summary["provenance"], **row} for f, row in summary["families"].items()})
@@ -274,6 +274,7 @@ def render_families(summary: dict[str, Any]) -> str:
              "| family | model (CutMix step ms) | " + " | ".join(
                  f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + " |",
              "| --- | --- |" + " ---: | ---: | ---: |" * len(variants)]
+    later, mark_of = _later_runs(summary)
     for family, row in summary["families"].items():
         cells = []
         for v in variants:
@@ -282,14 +283,51 @@ def render_families(summary: dict[str, Any]) -> str:
                          f"{_f(s['time_ratio'], 3)} [{_f(s['time_ratio_min'], 3)}, {_f(s['time_ratio_max'], 3)}] | "
                          f"{_f(s.get('alloc_ratio'), 4)} | {_f(s.get('alloc_step_ratio'), 4)}")
         base = row["steps"][BASELINE]
-        again = row.get("provenance") not in (None, summary["provenance"])
-        lines.append(f"| {family}{' [*]' if again else ''} | `{row['model']}` ({_f(base['step_ms_median'], 0)}) | "
+        lines.append(f"| {family}{mark_of(row)} | `{row['model']}` ({_f(base['step_ms_median'], 0)}) | "
                      + " | ".join(cells) + " |")
+    return "\n".join(lines + _later_notes(later))
+
+
+def _later_runs(summary: dict[str, Any]) -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], str]]:
+    """The provenances of rows measured after the summary's own run, and each row's mark: "[*1]", "[*2]", ... in the
+    order the rows name them ("" for a row of the summary's run)."""
     later = list({json.dumps(r["provenance"], sort_keys=True): r["provenance"] for r in summary["families"].values()
                   if r.get("provenance") not in (None, summary["provenance"])}.values())
-    for p in later:
-        lines += ["", "[*] measured in a later run: " + provenance_line(p).replace("  \n", " ")]
-    return "\n".join(lines)
+    marks = {json.dumps(p, sort_keys=True): f" [*{i}]" for i, p in enumerate(later, 1)}
+    return later, lambda row: marks.get(json.dumps(row.get("provenance"), sort_keys=True), "")
+
+
+def _later_notes(later: list[dict[str, Any]]) -> list[str]:
+    notes: list[str] = []
+    for i, p in enumerate(later, 1):
+        notes += ["", f"[*{i}] measured in a later run: " + provenance_line(p).replace("  \n", " ")]
+    return notes
+
+
+def render_label_work(summary: dict[str, Any]) -> str:
+    """``speed.py --families --label-profile``: per family, the forward's label work and the operators adding most."""
+    cfg = summary["config"]
+    later, mark_of = _later_runs(summary)
+    lines = [provenance_line(summary["provenance"]), "",
+             f"Batch {cfg['batch_size']}, default input size. Forward ms: no grad, train mode, median of "
+             f"{cfg['repeats']} interleaved rounds of {cfg['steps']} forwards; label work: TL-Align's forward minus "
+             "NoAlign's (median [min, max] over the paired rounds; labels carry no gradient, so this is the step's "
+             "extra work); share: of a CutMix + NoAlign training step; top added operators: self CPU ms per forward, "
+             "TL-Align's profile minus NoAlign's (median over paired profiles), with the calls each adds.", "",
+             "| family | model | CutMix step ms | forward ms NoAlign / TL-Align | label work ms | share of step "
+             "| top added operators |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for family, row in summary["families"].items():
+        lab = row["labels"]
+        if "refused" in lab:
+            lines.append(f"| {family}{mark_of(row)} | `{row['model']}` | refused | | | | {lab['refused']} |")
+            continue
+        fwd = lab["forward_ms"]
+        ops = ", ".join(f"{str(name).removeprefix('aten::')} {ms:+.1f} ({calls:+d})" for name, ms, calls in lab["top_ops"])
+        lines.append(f"| {family}{mark_of(row)} | `{row['model']}` | {_f(lab['step_ms'], 0)} | {_f(fwd['cutmix'], 1)} / "
+                     f"{_f(fwd['tlalign'], 1)} | {_f(lab['label_ms'], 1)} [{_f(lab['label_ms_min'], 1)}, "
+                     f"{_f(lab['label_ms_max'], 1)}] | {_f(100 * lab['label_share'], 1)}% | {ops} |")
+    return "\n".join(lines + _later_notes(later))
 
 
 def render_mixers(summary: dict[str, Any]) -> str:
@@ -316,6 +354,9 @@ def summarize_speed(path: Path) -> tuple[str, dict[str, Any]]:
         return {name: {k: v for k, v in row.items() if k not in _DROP} for name, row in table.items()}
 
     device = "cuda" if str(result["config"]["device"]).startswith("cuda") else "cpu"
+    if "families" in result and result["config"].get("label_profile"):  # --families --label-profile
+        return f"speed-labels-{device}", {"kind": "speed-labels", "provenance": result["provenance"],
+                                          "config": result["config"], "families": result["families"]}
     if "families" in result:  # speed.py --families: one row per family, its own section
         families = {name: {**row, "steps": trim(row["steps"])} for name, row in result["families"].items()}
         return f"speed-families-{device}", {"kind": "speed-families", "provenance": result["provenance"],
@@ -451,6 +492,12 @@ SECTIONS: tuple[Section, ...] = (
             "--variants cutmix tlalign --threads 2",
             "Every aligning family's own small model (`FAMILY_MODELS` in `benchmarks/speed.py`), variants interleaved "
             "in one process, memory measured in a fresh process per variant.", render_families),
+    Section("speed-labels-cpu", "Where the label work goes per backbone family (CPU)",
+            "python benchmarks/speed.py --families --label-profile --batch-size 8 --steps 2 --warmup 1 --repeats 5 "
+            "--threads 2",
+            "The account of the table above: per family, how long TL-Align's label work takes in the forward and "
+            "which operators it adds. A family over the time target there spends its extra time here.",
+            render_label_work),
     Section("speed-cpu", "Mixer cost (CPU)", _SPEED_CPU,
             "Every mixer builds its `TokenLabelMap` and image targets; timm, kornia and torchvision mixers for "
             "comparison.", _mixers_or_missing),

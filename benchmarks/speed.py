@@ -27,6 +27,13 @@ median and spread over repeats are reported):
    ``MALLOC_MMAP_THRESHOLD_=131072`` (always fault) or ``MALLOC_MMAP_MAX_=0``
    (never) fixes the regime for both sides.
 
+3. **Where the label work goes** (``--families --label-profile``): per family, the
+   forward pass with TL-Align against the forward with NoAlign (no grad, train mode,
+   interleaved rounds), their difference (the label work: labels carry no gradient,
+   so the backward does the same work), its share of a CutMix + NoAlign training
+   step, and the operators that add the most time (``torch.profiler`` self CPU time,
+   TL-Align's forward minus NoAlign's).
+
 Usage::
 
     python benchmarks/speed.py                       # CPU, tiny ViT, quick
@@ -35,6 +42,7 @@ Usage::
     python benchmarks/speed.py --model example:swin --num-classes 10  # the registry's tiny 32 px model of a family
     python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128
     python benchmarks/speed.py --only mixers --mixers "ours CutMix" --mixer-batch 64   # one pair, more repeats
+    python benchmarks/speed.py --families --label-profile --batch-size 8 --threads 2  # where the label time goes
 """
 
 from __future__ import annotations
@@ -632,10 +640,7 @@ def measure_families(args: argparse.Namespace, progress: Callable[[str], None],
     """``measure_steps`` on ``FAMILY_MODELS[f]`` for every family asked for, one after the other;
     ``save(rows)`` after each (a run cut short keeps the families it measured)."""
     rows: dict[str, Any] = {}
-    unknown = [f for f in args.families or () if f not in FAMILY_MODELS]
-    if unknown:
-        raise SystemExit(f"--families {' '.join(unknown)}: unknown; choose from {', '.join(FAMILY_MODELS)}")
-    for family in args.families or list(FAMILY_MODELS):
+    for family in _family_names(args):
         progress(f"family {family}: {FAMILY_MODELS[family]}")
         fam_args = argparse.Namespace(**{**vars(args), "model": FAMILY_MODELS[family]})
         refused: dict[str, str] = {}
@@ -645,6 +650,108 @@ def measure_families(args: argparse.Namespace, progress: Callable[[str], None],
         if save is not None:
             save(rows)
     return rows
+
+
+def _op_times(call: Callable[[], object], iters: int) -> dict[str, tuple[float, int]]:
+    """Self CPU ms and calls per ``call`` of every operator it runs (``torch.profiler``), over ``iters`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            call()
+    return {e.key: (e.self_cpu_time_total / 1000 / iters, e.count // iters) for e in prof.key_averages()}
+
+
+def measure_label_work(args: argparse.Namespace, progress: Callable[[str], None], top: int = 4) -> dict[str, Any]:
+    """The label work of TL-Align on ``args.model``: forward with TL-Align minus forward with NoAlign (no grad, train
+    mode, one CutMix batch, interleaved rounds), its share of a CutMix + NoAlign training step, and the ``top``
+    operators by added self CPU time (median over ``args.repeats`` interleaved profiles: the model's own operators
+    swing by several percent between profiles, which a single difference would read as label work), with the calls
+    they add."""
+    bench = StepBench(args, ["cutmix", "tlalign"])
+    if "tlalign" in bench.refused:
+        return {"refused": bench.refused["tlalign"]}
+    mixed, label_map = bench.mixer(bench.images, bench.labels)
+
+    def forward(variant: str) -> None:
+        with torch.no_grad(), torch.autocast(bench.device.type, dtype=torch.bfloat16, enabled=bench.amp):
+            bench.adapted[variant](mixed, label_map)
+
+    steps = interleaved_times({"step": partial(bench.step, "cutmix")}, rounds=args.repeats, per_block=args.steps,
+                              warmup=args.warmup, sync=bench.sync, progress=progress, label="CutMix steps: round")
+    fwd = interleaved_times({v: partial(forward, v) for v in ("cutmix", "tlalign")}, rounds=args.repeats,
+                            per_block=args.steps, warmup=args.warmup, sync=bench.sync, progress=progress,
+                            label="forwards: round")
+    diffs = [1000 * (t - c) for t, c in zip(fwd["tlalign"], fwd["cutmix"])]
+    profiles: dict[str, list[dict[str, tuple[float, int]]]] = {"cutmix": [], "tlalign": []}
+    for r in range(args.repeats):
+        progress(f"profiles: round {r + 1}/{args.repeats}")
+        for v in ("cutmix", "tlalign") if r % 2 == 0 else ("tlalign", "cutmix"):
+            profiles[v].append(_op_times(partial(forward, v), args.steps))
+    keys = {k for p in profiles["tlalign"] + profiles["cutmix"] for k in p}
+
+    def added(key: str) -> tuple[float, int]:
+        ms = statistics.median(t.get(key, (0.0, 0))[0] - c.get(key, (0.0, 0))[0]
+                               for t, c in zip(profiles["tlalign"], profiles["cutmix"]))
+        return ms, profiles["tlalign"][0].get(key, (0.0, 0))[1] - profiles["cutmix"][0].get(key, (0.0, 0))[1]
+
+    ranked = sorted(((*added(k), k) for k in keys), reverse=True)
+    step_ms = 1000 * statistics.median(steps["step"])
+    label_ms = statistics.median(diffs)
+    return {
+        "step_ms": step_ms,
+        "forward_ms": {v: 1000 * statistics.median(ts) for v, ts in fwd.items()},
+        "label_ms": label_ms, "label_ms_min": min(diffs), "label_ms_max": max(diffs),
+        "label_share": label_ms / step_ms,
+        "top_ops": [[name, ms, calls] for ms, calls, name in ranked[:top]],
+    }
+
+
+def measure_label_families(args: argparse.Namespace, progress: Callable[[str], None],
+                           save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """``measure_label_work`` for every family asked for (``save(rows)`` after each, as ``measure_families``)."""
+    rows: dict[str, Any] = {}
+    for family in _family_names(args):
+        progress(f"family {family}: {FAMILY_MODELS[family]}")
+        fam_args = argparse.Namespace(**{**vars(args), "model": FAMILY_MODELS[family]})
+        rows[family] = {"model": FAMILY_MODELS[family], "labels": measure_label_work(fam_args, progress)}
+        progress(format_label_families({**result_head(args), "families": {family: rows[family]}}).splitlines()[-1])
+        if save is not None:
+            save(rows)
+    return rows
+
+
+def format_label_families(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [
+        f"device: {result['device']}", f"command: {result['command']}", "",
+        f"Per family: batch {cfg['batch_size']}, default input size; forward ms (no grad, train mode, median of "
+        f"{cfg['repeats']} interleaved rounds of {cfg['steps']}); label work = TL-Align forward - NoAlign forward "
+        "(median [min, max] of the paired rounds), its share of the CutMix + NoAlign training step; the operators "
+        "adding the most self CPU time (profiler, TL-Align minus NoAlign, median of the paired profiles; the calls "
+        "each adds per forward)",
+        "",
+        "| family | model | CutMix step ms | forward ms NoAlign / TL-Align | label work ms | share of step | top added ops (ms) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for family, row in result["families"].items():
+        lab = row["labels"]
+        if "refused" in lab:
+            lines.append(f"| {family} | {row['model']} | refused: {lab['refused']} | | | | |")
+            continue
+        fwd = lab["forward_ms"]
+        ops = ", ".join(f"{name.removeprefix('aten::')} {ms:+.1f} ({calls:+d} calls)" for name, ms, calls in lab["top_ops"])
+        lines.append(f"| {family} | {row['model']} | {lab['step_ms']:.0f} | {fwd['cutmix']:.1f} / {fwd['tlalign']:.1f} | "
+                     f"{lab['label_ms']:.1f} [{lab['label_ms_min']:.1f}, {lab['label_ms_max']:.1f}] | "
+                     f"{100 * lab['label_share']:.1f}% | {ops} |")
+    return "\n".join(lines)
+
+
+def _family_names(args: argparse.Namespace) -> list[str]:
+    unknown = [f for f in args.families or () if f not in FAMILY_MODELS]
+    if unknown:
+        raise SystemExit(f"--families {' '.join(unknown)}: unknown; choose from {', '.join(FAMILY_MODELS)}")
+    return list(args.families or FAMILY_MODELS)
 
 
 def result_head(args: argparse.Namespace) -> dict[str, Any]:
@@ -772,6 +879,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--families", nargs="*", default=None, metavar="FAMILY",
         help="the per-family table: the step variants on one small model per family (all when none named)",
     )
+    p.add_argument("--label-profile", action="store_true",
+                   help="with --families: where the label work goes (forward TL-Align - NoAlign, top operators)")
     p.add_argument("--out", type=Path, default=Path("runs/speed"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--worker", choices=STEP_VARIANTS, default=None, help=argparse.SUPPRESS)
@@ -797,20 +906,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"},
         "provenance": provenance(device=args.device),
     }
+    if args.label_profile and args.families is None:
+        raise SystemExit("--label-profile profiles the per-family models: add --families (all) or --families NAME ...")
     if args.families is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = args.out / f"speed-families-{args.device}-{stamp}.json"
+        kind = "labels" if args.label_profile else "families"
+        path = args.out / f"speed-{kind}-{args.device}-{stamp}.json"
 
         def save(rows: dict[str, Any]) -> None:
             path.write_text(json.dumps({**result, "families": rows}, indent=2))
 
-        result["families"] = measure_families(args, progress, save)
+        measure, fmt = (measure_label_families, format_label_families) if args.label_profile else (measure_families, format_families)
+        result["families"] = measure(args, progress, save)
         result["provenance"] = finish(result["provenance"])
         save(result["families"])
-        report = format_families(result)
+        report = fmt(result)
         print(report)
-        (args.out / f"speed-families-{args.device}-{stamp}.md").write_text(report + "\n")
+        (args.out / f"speed-{kind}-{args.device}-{stamp}.md").write_text(report + "\n")
         return result
     if args.only in (None, "steps"):
         refused: dict[str, str] = {}

@@ -229,7 +229,15 @@ def test_several_families_runs_make_one_table_later_rows_replacing_earlier(tmp_p
     text = report.render_families(summary)
     assert name == "speed-families-cpu" and list(summary["families"]) == ["vit", "beit"]
     assert "| vit | `vit_model` (500) | 1.020 [1.020, 1.020] |" in text
-    assert "| beit [*] | `beit_model` (500) | 1.010 [1.010, 1.010] |" in text and "1.500" not in text
-    assert "[*] measured in a later run: Command:" in text and "2030-01-02 05:06 UTC" in text
+    assert "| beit [*1] | `beit_model` (500) | 1.010 [1.010, 1.010] |" in text and "1.500" not in text
+    assert "[*1] measured in a later run: Command:" in text and "2030-01-02 05:06 UTC" in text
+    # the committed summary passed again with a new run: every row keeps the run that measured it, each its own mark
+    (tmp_path / "committed.json").write_text(json.dumps(summary))
+    third = run("c.json", {"gmlp": 1.04}, "2030-01-03 07:08 UTC")
+    _, merged = report.merge_speed([report.summarize_speed(tmp_path / "committed.json"), report.summarize_speed(third)])
+    text = report.render_families(merged)
+    assert "| vit | `vit_model`" in text and "| beit [*1] | `beit_model`" in text and "| gmlp [*2] | `gmlp_model`" in text
+    assert "[*1] measured in a later run" in text and "2030-01-02 05:06 UTC" in text
+    assert "[*2] measured in a later run" in text and "2030-01-03 07:08 UTC" in text
     with pytest.raises(ValueError, match="combines several speed.py --families runs"):
         report.merge_speed([report.summarize_speed(first), ("speed-cpu", {})])

@@ -149,6 +149,32 @@ def test_per_family_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "| convnext | example:convnext (" in report and "| CutMix + TL-Align (fast) time |" in report
 
 
+def test_label_profile_per_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--families --label-profile``: the forward's label work and the operators it adds, per family; a family whose
+    TL-Align refuses the model says so; the report renders it as its own RESULTS section."""
+    from benchmarks import report
+
+    monkeypatch.setattr(speed, "FAMILY_MODELS", {"byobnet": "example:byobnet", "any": "example:any"})
+    result = speed.main(
+        [
+            "--families", "--label-profile", "--num-classes", "10", "--batch-size", "2", "--steps", "1", "--warmup",
+            "1", "--repeats", "2", "--out", str(tmp_path),
+        ]
+    )
+    lab = result["families"]["byobnet"]["labels"]
+    assert lab["step_ms"] > 0 and set(lab["forward_ms"]) == {"cutmix", "tlalign"}
+    assert lab["label_ms_min"] <= lab["label_ms"] <= lab["label_ms_max"]
+    assert lab["label_share"] == pytest.approx(lab["label_ms"] / lab["step_ms"])
+    assert len(lab["top_ops"]) == 4 and any(calls > 0 for _, _, calls in lab["top_ops"])  # label work adds operators
+    assert "NoAlign" in result["families"]["any"]["labels"]["refused"]
+    with pytest.raises(SystemExit, match="--label-profile profiles the per-family models: add --families"):
+        speed.main(["--label-profile", "--out", str(tmp_path)])
+    path = next(tmp_path.glob("speed-labels-*.json"))
+    name, summary = report.summarize_speed(path)
+    text = report.render_label_work(summary)
+    assert name == "speed-labels-cpu" and "| byobnet | `example:byobnet` |" in text and "| any | `example:any` | refused |" in text
+
+
 def test_cells_variant_is_the_same_step_on_a_densified_mask(tmp_path: Path) -> None:
     """``tlalign-cells`` (the route before BoxMask: token weights from cells) gives the fast path's loss
     to the bit on pixel boxes, and the per-pixel mask it builds shows in its allocations."""
