@@ -178,6 +178,10 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor |
     widths are checked: a head dim that is no multiple of 8 (flash), or one outside a GPU's
     backward window (flash on sm86/89), would pass the forward's check and fail the backward.
     """
+    if q.shape[-1] % _CUDA_FLASH.multiple:
+        # SDPA pads such a head dim before its kernels, so can_use_* says yes, but the raw backward ops we call
+        # take none ("head_size should be a multiple of 8"): autograd through the widened call instead.
+        return None
     dtype = _compute_dtype(q, k, v)
     widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), q.shape[-1])
 

@@ -103,7 +103,10 @@ class AdaptedBase(TimmFace):
             )
         check_distributed(self)
         if self.reference:
-            return self.reference_forward(images, label_map)
+            # The reference builds its explicit matrices with factory functions (eye, zeros, arange):
+            # made on the images' device, a GPU model's reference runs where its modules do.
+            with torch.device(images.device):
+                return self.reference_forward(images, label_map)
         return self.aligned_forward(images, label_map)
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

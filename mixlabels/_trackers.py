@@ -170,12 +170,13 @@ class DenseTracker:
     def mix(self, layer: int, matrix: Tensor, keep: Tensor | None) -> None:
         """A residual branch whose spatial mix is ``matrix`` ``(b|1, n, n)`` (rows sum to 1)."""
         if self.rules.wants_labels(layer):
-            self.y = self.rules.residual(self.y, matrix.to(self.dtype) @ self.y, keep)
+            self.y = self.rules.residual(self.y, matrix.to(self.y.device, self.dtype) @ self.y, keep)
 
     def aggregate(self, matrix: Tensor) -> None:
         """Tokens merged by the 0/1 (or weighted) matrix ``(n', n)``; rows renormalised."""
-        self.y = self.rules.merge(matrix.to(self.dtype) @ self.y)
-        self.static = self.rules.merge(matrix.to(self.dtype) @ self.static)
+        matrix = matrix.to(self.y.device, self.dtype)  # a matrix built on another device (the CPU) than the labels
+        self.y = self.rules.merge(matrix @ self.y)
+        self.static = self.rules.merge(matrix @ self.static)
 
     def wants_class_attention(self, layer: int) -> bool:
         """Whether the rules read the class token's attention row at ``layer`` (``attend_class``)."""

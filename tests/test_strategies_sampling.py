@@ -207,8 +207,11 @@ def test_params_on_gpu_mix_like_cpu(kind: str) -> None:
     out, lm = mixer.mix(x.cuda(), y.cuda(), params)
     cpu_out, cpu_lm = mixer.mix(x, y, params.to("cpu"))
     assert_close(out.cpu(), cpu_out)
-    for name in ("sources", "mask", "image_weights", "labels"):
+    for name in ("sources", "image_weights", "labels"):
         assert_close(getattr(lm, name).cpu(), getattr(cpu_lm, name))
+    assert type(lm.mask) is type(cpu_lm.mask)  # a mask is no tensor: its cells compare, and the token weights
+    assert_close(lm.mask.dense().cpu(), cpu_lm.mask.dense())
+    assert_close(lm.token_weights((H // CELL, W // CELL)).cpu(), cpu_lm.token_weights((H // CELL, W // CELL)))
 
 
 # ====================================================================== Switch
