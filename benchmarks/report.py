@@ -526,6 +526,12 @@ SECTIONS: tuple[Section, ...] = (
     Section("speed-cuda", "Training-step cost of alignment (GPU)",
             "python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128",
             "The paper's Table 2 setting (DeiT-S, batch 128, bf16).", _steps_or_missing),
+    Section("speed-families-cuda", "Training-step cost of alignment per backbone family (GPU)",
+            "python benchmarks/speed.py --families --device cuda --batch-size 64 --steps 5 --warmup 2 --repeats 3 "
+            "--variants cutmix tlalign",
+            "The families' own small models (`FAMILY_MODELS`) at batch 64, bf16 autocast; each run measured the "
+            "families it names, and the table joins the runs (a run stopped by its time limit shows its start date "
+            "alone: its rows are the families it finished).", render_families),
 )
 
 
