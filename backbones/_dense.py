@@ -10,6 +10,9 @@ tested against this second implementation; no code here knows which scheme runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -90,3 +93,13 @@ class DenseRules(DenseTracker):
         layout = TokenLayout(grid=grid, num_prefix=num_prefix, depth=depth,
                              class_token=num_prefix > 0 if class_token is None else class_token)
         super().__init__(scheme.rules(label_map, layout), label_map, layout)
+
+    def aggregate_convs(self, start: tuple[int, int], grid: tuple[int, int], convs: Sequence[Any]) -> None:
+        """The reference of ``start_on_convs``: labels on the pixels (``start``) summed over every window of the
+        strided ``convs`` in turn, as explicit 0/1 matrices; nothing for a token-space map (``start == grid``)."""
+        if start == grid:
+            return
+        g = start
+        for conv in convs:
+            merge, g = conv_matrix(g, torch.ones(conv.kernel_size), conv.stride, conv.padding)
+            self.aggregate(merge)

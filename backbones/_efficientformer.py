@@ -220,11 +220,7 @@ class AdaptedEfficientFormer(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
-        if start != grid:
-            g = start
-            for conv in _stem_convs(m):
-                merge, g = conv_matrix(g, torch.ones(conv.kernel_size), conv.stride, conv.padding)
-                rules.aggregate(merge)
+        rules.aggregate_convs(start, grid, _stem_convs(m))
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):

@@ -309,11 +309,7 @@ class AdaptedEfficientFormerV2(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
-        if start != grid:
-            g = start
-            for conv in _stem_convs(m):
-                merge, g = conv_matrix(g, torch.ones(conv.kernel_size), conv.stride, conv.padding)
-                rules.aggregate(merge)
+        rules.aggregate_convs(start, grid, _stem_convs(m))
         layer = 0
         for _, unit in _units(m):
             if type(unit) is Downsample:

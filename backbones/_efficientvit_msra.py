@@ -258,11 +258,7 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         plan = _layers(m)
         rules = DenseRules(self.scheme, label_map, start, 0, sum(1 for kind, _ in plan if kind == "layer"))
-        if start != grid:
-            g = start
-            for conv in _stem_convs(m):
-                merge, g = conv_matrix(g, torch.ones(conv.kernel_size), conv.stride, conv.padding)
-                rules.aggregate(merge)
+        rules.aggregate_convs(start, grid, _stem_convs(m))
         layer = 0
         for kind, part in plan:
             if kind == "merge":

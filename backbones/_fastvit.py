@@ -292,11 +292,7 @@ class AdaptedFastViT(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
-        if start != grid:
-            g = start
-            for conv in [_conv(b) for b in list(m.stem)[:2]]:
-                merge, g = conv_matrix(g, torch.ones(conv.kernel_size), conv.stride, conv.padding)
-                rules.aggregate(merge)
+        rules.aggregate_convs(start, grid, [_conv(b) for b in list(m.stem)[:2]])
         layer = 0
         for s in m.stages:
             if isinstance(s.downsample, PatchEmbed):

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, mix_token_space, start_on_convs
-from mixlabels.backbones._dense import DenseRules, conv_matrix
+from mixlabels.backbones._dense import DenseRules
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
 __all__ = ["AdaptedLeViT", "LEVIT_FAMILY", "levit_refusal"]
@@ -225,11 +225,7 @@ class AdaptedLeViT(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
-        if start != grid:
-            g = start
-            for conv in _stem_convs(m):
-                merge, g = conv_matrix(g, torch.ones(conv.kernel_size), conv.stride, conv.padding)
-                rules.aggregate(merge)
+        rules.aggregate_convs(start, grid, _stem_convs(m))
         layer = 0
         for stage in m.stages:
             ds = stage.downsample
