@@ -304,6 +304,23 @@ def _later_notes(later: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+LABEL_WORK_HEADER = ("| family | model | CutMix step ms | forward ms NoAlign / TL-Align | label work ms | share of step "
+                     "| top added operators |", "| --- | --- | ---: | ---: | ---: | ---: | --- |")
+
+
+def label_work_row(family: str, row: dict[str, Any], mark: str = "") -> str:
+    """One family's row of the label-work table (``speed.py --families --label-profile``), as RESULTS and the
+    benchmark's own report print it."""
+    lab = row["labels"]
+    if "refused" in lab:
+        return f"| {family}{mark} | `{row['model']}` | refused | | | | {lab['refused']} |"
+    fwd = lab["forward_ms"]
+    ops = ", ".join(f"{str(name).removeprefix('aten::')} {ms:+.1f} ({calls:+d})" for name, ms, calls in lab["top_ops"])
+    return (f"| {family}{mark} | `{row['model']}` | {_f(lab['step_ms'], 0)} | {_f(fwd['cutmix'], 1)} / "
+            f"{_f(fwd['tlalign'], 1)} | {_f(lab['label_ms'], 1)} [{_f(lab['label_ms_min'], 1)}, "
+            f"{_f(lab['label_ms_max'], 1)}] | {_f(100 * lab['label_share'], 1)}% | {ops} |")
+
+
 def render_label_work(summary: dict[str, Any]) -> str:
     """``speed.py --families --label-profile``: per family, the forward's label work and the operators adding most."""
     cfg = summary["config"]
@@ -314,19 +331,8 @@ def render_label_work(summary: dict[str, Any]) -> str:
              "NoAlign's (median [min, max] over the paired rounds; labels carry no gradient, so this is the step's "
              "extra work); share: of a CutMix + NoAlign training step; top added operators: self CPU ms per forward, "
              "TL-Align's profile minus NoAlign's (median over paired profiles), with the calls each adds.", "",
-             "| family | model | CutMix step ms | forward ms NoAlign / TL-Align | label work ms | share of step "
-             "| top added operators |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
-    for family, row in summary["families"].items():
-        lab = row["labels"]
-        if "refused" in lab:
-            lines.append(f"| {family}{mark_of(row)} | `{row['model']}` | refused | | | | {lab['refused']} |")
-            continue
-        fwd = lab["forward_ms"]
-        ops = ", ".join(f"{str(name).removeprefix('aten::')} {ms:+.1f} ({calls:+d})" for name, ms, calls in lab["top_ops"])
-        lines.append(f"| {family}{mark_of(row)} | `{row['model']}` | {_f(lab['step_ms'], 0)} | {_f(fwd['cutmix'], 1)} / "
-                     f"{_f(fwd['tlalign'], 1)} | {_f(lab['label_ms'], 1)} [{_f(lab['label_ms_min'], 1)}, "
-                     f"{_f(lab['label_ms_max'], 1)}] | {_f(100 * lab['label_share'], 1)}% | {ops} |")
+             *LABEL_WORK_HEADER]
+    lines += [label_work_row(family, row, mark_of(row)) for family, row in summary["families"].items()]
     return "\n".join(lines + _later_notes(later))
 
 

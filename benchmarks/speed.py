@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._provenance import finish, provenance
+from benchmarks.report import LABEL_WORK_HEADER, label_work_row
 
 STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference", "tlalign-cells")
 DEFAULT_VARIANTS = STEP_VARIANTS[:-1]  # tlalign-cells measures a past route: asked for by name
@@ -731,19 +732,9 @@ def format_label_families(result: dict[str, Any]) -> str:
         "adding the most self CPU time (profiler, TL-Align minus NoAlign, median of the paired profiles; the calls "
         "each adds per forward)",
         "",
-        "| family | model | CutMix step ms | forward ms NoAlign / TL-Align | label work ms | share of step | top added ops (ms) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        *LABEL_WORK_HEADER,
     ]
-    for family, row in result["families"].items():
-        lab = row["labels"]
-        if "refused" in lab:
-            lines.append(f"| {family} | {row['model']} | refused: {lab['refused']} | | | | |")
-            continue
-        fwd = lab["forward_ms"]
-        ops = ", ".join(f"{name.removeprefix('aten::')} {ms:+.1f} ({calls:+d} calls)" for name, ms, calls in lab["top_ops"])
-        lines.append(f"| {family} | {row['model']} | {lab['step_ms']:.0f} | {fwd['cutmix']:.1f} / {fwd['tlalign']:.1f} | "
-                     f"{lab['label_ms']:.1f} [{lab['label_ms_min']:.1f}, {lab['label_ms_max']:.1f}] | "
-                     f"{100 * lab['label_share']:.1f}% | {ops} |")
+    lines += [label_work_row(family, row) for family, row in result["families"].items()]
     return "\n".join(lines)
 
 
