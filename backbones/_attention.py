@@ -175,13 +175,13 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor |
     ``torch.nn.attention.sdpa_kernel`` settings).
 
     The forward runs at the widened head dim and the backward at the original one, so both
-    widths are checked: a head dim that is no multiple of 8 (flash), or one outside a GPU's
-    backward window (flash on sm86/89), would pass the forward's check and fail the backward.
+    widths are checked: one outside a GPU's backward window (flash on sm86/89) would pass the
+    forward's check and fail the backward. A head dim that is no multiple of 8 takes neither:
+    SDPA pads it before its kernels, so ``can_use_*`` says yes (torch 2.11, H100), but the raw
+    backward ops called here do not ("head_size should be a multiple of 8").
     """
     if q.shape[-1] % _CUDA_FLASH.multiple:
-        # SDPA pads such a head dim before its kernels, so can_use_* says yes, but the raw backward ops we call
-        # take none ("head_size should be a multiple of 8"): autograd through the widened call instead.
-        return None
+        return None  # autograd through the widened call instead
     dtype = _compute_dtype(q, k, v)
     widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), q.shape[-1])
 

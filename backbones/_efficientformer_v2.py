@@ -275,7 +275,7 @@ class AdaptedEfficientFormerV2(AdaptedBase):
     def _downsample(down: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int], int]:
         kernel, stride, padding = _windows(down.conv.conv)
         labels = tracker.labels_for(layer) if down.attn is not None else None
-        out, low = down.conv(x), (0, 0)
+        out = down.conv(x)
         tracker.aggregate(lambda y: window_sums(y, grid, kernel, stride, padding)[0])
         low = (int(out.shape[2]), int(out.shape[3]))
         if down.attn is None:
