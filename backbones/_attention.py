@@ -19,35 +19,82 @@ An additive mask or bias (a shift mask, a relative position bias) takes the same
 while it needs no gradient. A learnable bias that needs one makes plain SDPA take its
 math path (no fused kernel returns a mask's gradient), which builds the attention
 matrix anyway: there the labels are mixed by that same matrix (``explicit_attention``).
+
+Routes. Where the labels are mixed is a choice per device (``ROUTES``; ``attention_route``
+picks one for a block of code, ``MIXLABELS_ATTENTION_ROUTE`` for a process):
+
+- ``"widened"`` (the default): the widened fused forward above, the ordinary backward.
+- ``"separate"``: ordinary attention (autograd, whichever kernel SDPA picks) and the labels in
+  a second, no-grad SDPA call whose values are the labels alone (``l`` channels padded to 8).
+- ``"explicit"``: ordinary attention, and the labels by the explicit head-mean matrix
+  ``mean_h(softmax(q k^T s + mask)) @ Y`` under no grad (short sequences: one small product).
+- ``"widened-autograd"``: autograd through the widened call (devices without a fused kernel).
+
+Every route gives the same ``out`` (the ordinary attention's) and the same labels up to the
+compute dtype's rounding; ``benchmarks/gpu_suite.py`` measures them side by side. The kernel
+choice depends only on dtypes, head dims and the SDPA settings, made once per combination
+outside any ``torch.compile`` trace (a constant of the trace, not a guard per block).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Iterator
+import contextlib
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 from einops import reduce, repeat
 from torch import Tensor
 
-__all__ = ["attention_with_labels", "class_attention", "drop_path_with_keep", "explicit_mix", "widened_autograd"]
+__all__ = [
+    "ROUTES",
+    "Route",
+    "attention_route",
+    "attention_with_labels",
+    "class_attention",
+    "drop_path_with_keep",
+    "explicit_mix",
+    "widened_autograd",
+]
 
-_widened_autograd: ContextVar[bool] = ContextVar("mixlabels_widened_autograd", default=False)
+Route = Literal["widened", "separate", "explicit", "widened-autograd"]
+ROUTES: tuple[Route, ...] = get_args(Route)
+
+
+def _default_route() -> Route | None:
+    name = os.environ.get("MIXLABELS_ATTENTION_ROUTE", "")
+    if not name:
+        return None
+    if name not in ROUTES:
+        raise ValueError(f"MIXLABELS_ATTENTION_ROUTE={name!r} is no attention route; choose one of {', '.join(ROUTES)}")
+    return name  # type: ignore[return-value]  # checked against ROUTES
+
+
+_route: ContextVar[Route | None] = ContextVar("mixlabels_attention_route", default=_default_route())
 
 
 @contextmanager
-def widened_autograd() -> Iterator[None]:
-    """Inside, ``attention_with_labels`` takes the route of devices without a fused kernel
-    (autograd through the widened call) on every device: what ``benchmarks/speed.py``
-    measures that route's cost with."""
-    token = _widened_autograd.set(True)
+def attention_route(route: Route) -> Iterator[None]:
+    """Inside, ``attention_with_labels`` mixes the labels by ``route`` (see the module's docstring) on
+    every device: what the benchmarks and the route tests use. Outside, the device's default."""
+    if route not in ROUTES:
+        raise ValueError(f"{route!r} is no attention route; choose one of {', '.join(ROUTES)}")
+    token = _route.set(route)
     try:
         yield
     finally:
-        _widened_autograd.reset(token)
+        _route.reset(token)
+
+
+def widened_autograd() -> contextlib.AbstractContextManager[None]:
+    """``attention_route("widened-autograd")``: the route of devices without a fused kernel for the
+    widened forward (autograd through the widened call), on every device."""
+    return attention_route("widened-autograd")
 
 
 _Saved = tuple[Any, ...]  # what a kernel's forward hands to its backward besides q, k, v and out
@@ -182,28 +229,48 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor |
     """
     if q.shape[-1] % _CUDA_FLASH.multiple:
         return None  # autograd through the widened call instead
-    dtype = _compute_dtype(q, k, v)
-    widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), q.shape[-1])
+    widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), int(q.shape[-1]))
+    settings = (
+        torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(), q.device.index,
+    )
+    name = _cuda_choice(_compute_dtype(q, k, v), widths, q.requires_grad, mask is not None, settings)
+    return {"flash": _CUDA_FLASH, "efficient": _CUDA_EFFICIENT}.get(name)
 
-    def takes(can_use: Callable[[Any, bool], bool], with_mask: bool) -> bool:
+
+@torch.compiler.assume_constant_result
+def _cuda_choice(
+    dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, settings: tuple[bool, bool, int | None]
+) -> str:
+    """``"flash"``, ``"efficient"`` or ``""`` for these dtypes, head dims and SDPA settings: a constant of a
+    ``torch.compile`` trace (probing the kernels is no traceable op), cached across calls."""
+    return _cuda_probe(dtype, widths, requires_grad, with_mask, settings)
+
+
+@functools.lru_cache(maxsize=64)
+def _cuda_probe(
+    dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, settings: tuple[bool, bool, int | None]
+) -> str:
+    device = torch.device("cuda", settings[2]) if settings[2] is not None else torch.device("cuda")
+
+    def takes(can_use: Callable[[Any, bool], bool], mask: bool) -> bool:
         # Tiny stand-ins of the dtype and each head dim: the checks read neither batch nor length.
         for width in widths:
-            probe = q.new_empty((1, 1, 1, width), dtype=dtype).requires_grad_(q.requires_grad)
-            bias = q.new_zeros((1, 1, 1, 1), dtype=dtype) if with_mask else None
+            probe = torch.empty((1, 1, 1, width), dtype=dtype, device=device).requires_grad_(requires_grad)
+            bias = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device) if mask else None
             if not can_use(torch.backends.cuda.SDPAParams(probe, probe, probe, bias, 0.0, False, False), False):
                 return False
         return True
 
-    if mask is None and takes(torch.backends.cuda.can_use_flash_attention, False):
-        return _CUDA_FLASH
-    if takes(torch.backends.cuda.can_use_efficient_attention, mask is not None):
-        return _CUDA_EFFICIENT
-    return None
+    if not with_mask and takes(torch.backends.cuda.can_use_flash_attention, False):
+        return "flash"
+    if takes(torch.backends.cuda.can_use_efficient_attention, with_mask):
+        return "efficient"
+    return ""
 
 
 def _fused_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor | None = None) -> _Kernel | None:
     """The device's fused kernel for the widened forward, if one takes these inputs."""
-    if _widened_autograd.get() or not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         return None  # the fused kernels need q, k and v of one head dim
     if q.device.type == "cpu":
         return _CPU
@@ -318,7 +385,14 @@ def attention_with_labels(
         # No fused kernel returns a mask's gradient, so plain SDPA takes its math path and
         # builds the attention matrix: mix the labels with that same matrix.
         return explicit_attention(q, k, v, labels, scale, attn_mask)
-    elif (kernel := _fused_kernel(q, k, v, labels, attn_mask)) is not None:
+    elif (route := _route.get()) in ("separate", "explicit"):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+        mask = None if attn_mask is None else attn_mask.detach()
+        with torch.no_grad():
+            if route == "explicit":
+                return out, explicit_attention(q, k, v[..., :0], labels, scale, mask)[1]
+            mixed = _label_call(q, k, labels, scale, mask)
+    elif route != "widened-autograd" and (kernel := _fused_kernel(q, k, v, labels, attn_mask)) is not None:
         out, mixed = _WidenedForward.apply(q, k, v, labels, scale, kernel, attn_mask)
     else:
         # Elsewhere (other devices, GPUs neither CUDA kernel supports): autograd through
@@ -328,6 +402,15 @@ def attention_with_labels(
         out_wide = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)
         out, mixed = out_wide[..., :d], out_wide[..., d : d + labels.shape[-1]].detach()
     return out, reduce(mixed.float(), "b h n l -> b n l", "mean")
+
+
+def _label_call(q: Tensor, k: Tensor, labels: Tensor, scale: float, mask: Tensor | None) -> Tensor:
+    """``A_h Y`` ``(b, h, n, l)`` by one SDPA call whose values are the labels alone (padded to 8 channels,
+    the fused kernels' multiple): q and k at their own head dim, so the call is a narrow one."""
+    dtype = _compute_dtype(q, k)
+    ll = labels.shape[-1]
+    y = repeat(F.pad(labels.to(dtype), (0, -ll % 8)), "b m l -> b h m l", h=q.shape[1])
+    return F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), y, attn_mask=None if mask is None else mask.to(dtype), scale=scale)[..., :ll]
 
 
 def explicit_attention(

@@ -176,17 +176,20 @@ depthwise conv call costs three times the small matrix products (on 14x14 the co
 
 @functools.lru_cache(maxsize=256)
 def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], device: torch.device) -> Tensor:
-    """``(kh*kw, n*n)`` fp32 0/1: for each tap, which input position every output position reads (shapes only: cached)."""
+    """``(kh*kw, n*n)`` fp32 0/1: for each tap, which input position every output position reads (shapes only: cached).
+
+    Built by comparisons only, no boolean indexing: every shape is a constant of the grid and kernel, so
+    ``torch.compile`` traces it into the graph (it ignores the cache) without a data-dependent shape.
+    """
     h, w = grid
-    oy, ox = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-    taps = torch.zeros(kernel[0] * kernel[1], h * w, h * w)
-    for i in range(kernel[0]):
-        for j in range(kernel[1]):
-            iy, ix = oy + i * dilation[0] - padding[0], ox + j * dilation[1] - padding[1]
-            inside = ((iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)).flatten()
-            rows = torch.arange(h * w)[inside]
-            taps[i * kernel[1] + j, rows, (iy * w + ix).flatten()[inside]] = 1.0
-    return taps.reshape(kernel[0] * kernel[1], -1).to(device)
+    pos = torch.arange(h * w, device=device)  # n: output positions, row-major
+    ti = torch.arange(kernel[0], device=device).repeat_interleave(kernel[1])  # t: each tap's row offset
+    tj = torch.arange(kernel[1], device=device).repeat(kernel[0])  # t: its column offset
+    iy = (pos // w).unsqueeze(0) + (ti * dilation[0] - padding[0]).unsqueeze(1)  # t n: the input row read
+    ix = (pos % w).unsqueeze(0) + (tj * dilation[1] - padding[1]).unsqueeze(1)  # t n
+    inside = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
+    reads = (iy * w + ix).unsqueeze(-1) == pos  # t n n: output row reads input column
+    return (reads & inside.unsqueeze(-1)).to(torch.float32).reshape(kernel[0] * kernel[1], -1)
 
 
 def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:

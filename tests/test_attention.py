@@ -14,7 +14,16 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mixlabels.backbones import attention_with_labels
-from mixlabels.backbones._attention import _CPU, _CUDA_EFFICIENT, _CUDA_FLASH, _Kernel, _WidenedForward, widened_autograd
+from mixlabels.backbones._attention import (
+    _CPU,
+    _CUDA_EFFICIENT,
+    _CUDA_FLASH,
+    ROUTES,
+    _Kernel,
+    _WidenedForward,
+    attention_route,
+    widened_autograd,
+)
 
 B, H, N, D, L = 2, 3, 10, 16, 2
 
@@ -66,6 +75,35 @@ def test_widened_autograd_route_gives_the_fast_paths_results() -> None:
     assert_close(mixed_w, mixed)
     g = torch.randn_like(out)
     assert_close(torch.autograd.grad(out_w, (q, k, v), g), torch.autograd.grad(out, (q, k, v), g))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_route_equals_the_explicit_reference(route: str, masked: bool) -> None:
+    """Each route (the device default and its tested fallbacks): plain SDPA's output and gradients, and
+    the labels mixed by the explicit head-mean attention matrix; ``m != n`` as in a spatial reduction."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, N, D, generator=gen).mul_(3.0).requires_grad_()  # sharp: the labels move
+    k, v = (torch.randn(B, H, 7, D, generator=gen).requires_grad_() for _ in range(2))
+    labels = torch.rand(B, 7, L, generator=gen).softmax(-1)
+    mask = torch.randn(1, H, N, 7, generator=gen) if masked else None
+    with attention_route(route):  # type: ignore[arg-type]
+        out, mixed = attention_with_labels(q, k, v, labels, scale=D**-0.5, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)
+    a = torch.softmax(q.detach() @ k.detach().transpose(-1, -2) * D**-0.5 + (0 if mask is None else mask), -1)
+    assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close(mixed, a.mean(1) @ labels, atol=1e-5, rtol=1e-5)
+    assert (mixed - labels.mean(1, keepdim=True)).abs().max() > 0.05  # the check can fail: the labels moved
+    assert not mixed.requires_grad
+    g = torch.randn_like(ref)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_route_is_refused() -> None:
+    with pytest.raises(ValueError, match="no attention route; choose one of widened, separate"):
+        with attention_route("flash"):  # type: ignore[arg-type]
+            pass
 
 
 def test_cpu_kernel_gradients_equal_plain_attention() -> None:
@@ -212,11 +250,13 @@ def _cuda_case(d: int, n: int, m: int, dtype: torch.dtype) -> tuple[Tensor, Tens
         (32, 49, 49, torch.bfloat16, True),
     ],
 )
-def test_cuda_routes_equal_plain_attention(d: int, n: int, m: int, dtype: torch.dtype, masked: bool) -> None:
+@pytest.mark.parametrize("route", ROUTES)
+def test_cuda_routes_equal_plain_attention(d: int, n: int, m: int, dtype: torch.dtype, masked: bool, route: str) -> None:
     q, k, v, labels = _cuda_case(d, n, m, dtype)
     mask = torch.randn(1, H, n, m, device="cuda", dtype=dtype) if masked else None
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    out, mixed = attention_with_labels(q, k, v, labels, scale=d**-0.5, attn_mask=mask)
+    with attention_route(route):  # type: ignore[arg-type]
+        out, mixed = attention_with_labels(q, k, v, labels, scale=d**-0.5, attn_mask=mask)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
     assert_close(out, ref, atol=tol, rtol=tol)
     scores = q.float() @ k.float().transpose(-1, -2) * d**-0.5 + (0 if mask is None else mask.float())

@@ -1,0 +1,111 @@
+"""Operators one training step dispatches: CutMix + TL-Align against CutMix + NoAlign, per family.
+
+Timings on shared CPUs are noisy and GPUs are scarce; the number of ATen operators a step
+dispatches is exact on any machine, and in eager mode on a GPU each one is (at least) a kernel
+launch: what the label path's many small operations cost there. A dispatch mode counts every
+operator the step runs below autograd (forward, loss and backward; the mixer and the optimizer
+are the same on both sides and left out), on the CPU, at batch 2 and each model's default size.
+
+Usage::
+
+    python benchmarks/op_count.py                       # every family's small model (speed.py's list)
+    python benchmarks/op_count.py --families vit resnet --out runs/op_count
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks._provenance import finish, provenance
+
+__all__ = ["OpCounter", "count_step", "main"]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every ATen operator dispatched inside it, by name (``aten.mm.default`` -> ``mm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
+    """Operators of one forward + loss + backward with CutMix + NoAlign and with CutMix + TL-Align."""
+    import mixlabels
+    from mixlabels.backbones import adapt
+    from mixlabels.strategies import CutMix
+
+    from benchmarks.speed import build_model, token_stride
+
+    torch.manual_seed(0)
+    num_classes = 10 if model_name.startswith("example:") else 1000
+    model, size = build_model(model_name, num_classes)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(batch_size, 3, size, size, generator=gen)
+    labels = torch.randint(0, num_classes, (batch_size,), generator=gen)
+    mixer = CutMix(num_classes, label_smoothing=0.1, patch_size=token_stride(model))
+    mixed, label_map = mixer.mix(images, labels, mixer.sample(images.shape, generator=gen))
+    row: dict[str, Any] = {"model": model_name}
+    for name, scheme in (("cutmix", mixlabels.NoAlign()), ("tlalign", mixlabels.TLAlign())):
+        adapted = adapt(model, scheme)
+        adapted(mixed, label_map).loss().backward()  # warm-up: caches (tap matrices, probes) filled
+        model.zero_grad(set_to_none=True)
+        with OpCounter() as counter:
+            adapted(mixed, label_map).loss().backward()
+        model.zero_grad(set_to_none=True)
+        row[name] = sum(counter.ops.values())
+        row[f"{name}_ops"] = dict(counter.ops)
+    row["added"] = row["tlalign"] - row["cutmix"]
+    row["ratio"] = row["tlalign"] / row["cutmix"]
+    extra = Counter(row["tlalign_ops"])
+    extra.subtract(Counter(row["cutmix_ops"]))
+    row["top_added"] = [(op, n) for op, n in extra.most_common(6) if n > 0]
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from benchmarks.speed import FAMILY_MODELS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--families", nargs="*", default=None, help="default: every aligning family")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--example", action="store_true", help="the registry's tiny 32 px models instead of speed.py's")
+    p.add_argument("--out", type=Path, default=Path("runs/op_count"))
+    args = p.parse_args(argv)
+    names = args.families or list(FAMILY_MODELS)
+    unknown = [n for n in names if n not in FAMILY_MODELS]
+    if unknown:
+        raise SystemExit(f"--families: no such family {unknown}; choose from {', '.join(FAMILY_MODELS)}")
+    result: dict[str, Any] = {"provenance": provenance(), "batch_size": args.batch_size, "families": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for family in names:
+        model = f"example:{family}" if args.example else FAMILY_MODELS[family]
+        row = count_step(model, args.batch_size)
+        result["families"][family] = row
+        print(f"{family:20s} {model:30s} {row['cutmix']:6d} -> {row['tlalign']:6d} ops ({row['ratio']:.3f}x)  "
+              f"added: {', '.join(f'{op} {n}' for op, n in row['top_added'])}", flush=True)
+        (args.out / "op_count.json").write_text(json.dumps(result, indent=1))
+    result["provenance"] = finish(result["provenance"])
+    (args.out / "op_count.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
