@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 import torch
 from einops import rearrange, reduce
@@ -599,3 +600,16 @@ class TokenLabelMap:
     def dense_pixel_targets(self) -> Tensor:
         """Per-pixel class distributions ``(b, c, H, W)``; for pictures and tests, not hot paths."""
         return rearrange(self.targets(rearrange(self.pixel_weights(), "b k h w -> b h w k")), "b h w c -> b c h w")
+
+    def __neg__(self) -> NoReturn:
+        # timm's SoftTargetCrossEntropy starts with -target: a label map reaches it through a timm task that
+        # does not know label maps (train.py's --kd-model-name builds LogitDistillationTask), and Python's
+        # own error ("bad operand type for unary -") names neither the cause nor the fix.
+        raise TypeError(
+            "a TokenLabelMap reached a loss written for target tensors (timm's SoftTargetCrossEntropy inside a "
+            "timm task that does not take label maps: LogitDistillationTask or TokenDistillationTask from "
+            "train.py's --kd-model-name, or ClassificationTask). Train with "
+            "mixlabels.backbones.AlignedClassificationTask(model, scheme), which aligns the targets; timm's "
+            "distillation tasks cannot align them: pass them label_map.image_targets() (the mixed image-level "
+            "targets, as timm's Mixup gives) or distil without mixlabels' mixers"
+        )
