@@ -299,6 +299,12 @@ def test_timm_distillation_with_a_label_map_says_what_to_do() -> None:
         task(images, lm)
     result = task(images, lm.image_targets())  # the workaround the message names: unaligned image targets
     assert_close(result["task_loss"], SoftTargetCrossEntropy()(result["output"], lm.image_targets()))
+    from timm.loss import BinaryCrossEntropy  # train.py's --bce-loss: the loss reads target.shape first
+
+    bce = LogitDistillationTask(tiny(), tiny(), criterion=BinaryCrossEntropy(), verbose=False)
+    with pytest.raises(AttributeError, match=r"TokenLabelMap has no shape: .*AlignedClassificationTask"):
+        bce(images, lm)
+    assert not hasattr(lm, "shape")  # duck-typing checks still see no tensor
 
 
 def test_timm_create_model_is_accepted_and_eval_model_is_plain() -> None:
