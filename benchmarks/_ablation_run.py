@@ -74,14 +74,16 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             if not dry_run and source.missing():  # another rank downloaded onto a disk this rank does not see
                 raise FileNotFoundError(f"{source.folder} lacks {', '.join(source.missing())} on rank {shard.rank}")
         data = load_data(cfg, shard, source) if not dry_run else None
-        if data is None:  # a dry run counts class folders and images instead of decoding: it plans the real keys
+        if data is not None:
+            num_classes = data.num_classes
+        else:  # a dry run counts class folders and images instead of decoding: it plans the real keys
             sizes = peek_sizes(cfg, source)
             check_subsets(cfg, sizes)
-            if base_cfg is not None and base_source is not None:
+            num_classes = sizes.num_classes
+            if base_cfg is not None and base_source is not None:  # and refuses the base the run would refuse
                 base_sizes = peek_sizes(base_cfg, base_source)
-                check_base_classes(base_sizes.name, base_sizes.num_classes, cfg.data.source, sizes.num_classes)
+                check_base_classes(base_sizes.name, base_sizes.num_classes, cfg.data.source, num_classes)
                 check_subsets(base_cfg, base_sizes)  # the base run evaluates on the job's --test-subset
-        num_classes = data.num_classes if data else sizes.num_classes
         planned = plan(cfg, num_classes, shard.device.type)
         if data is not None and (cfg.model.init is not None or cfg.model.pretrained):
             cfg.model.initialised(num_classes)  # a checkpoint that does not fit fails now, not after the first run

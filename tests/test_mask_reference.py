@@ -95,3 +95,15 @@ def test_box_source_mean_reaching_past_the_grid_by_hand() -> None:
     assert_close(BoxMask(torch.tensor([[-2, 2, 3, 9]]), (4, 4)).source_mean(), torch.tensor([14 / 16]))
     # wholly outside: nothing mixed
     assert_close(BoxMask(torch.tensor([[5, 9, 0, 4]]), (4, 4)).source_mean(), torch.tensor([1.0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_box_source_mean_on_the_gpu_matches_the_painted_pixels() -> None:
+    """Off the CPU ``BoxMask.source_mean`` builds and averages the cells (the device's own rounding)."""
+    grid, image_size = (3, 5), (12, 20)
+    boxes = edge_boxes(grid, 40, seed=1)
+    got = BoxMask(boxes.cuda(), grid).source_mean()
+    assert got.device.type == "cuda"
+    assert_close(got.cpu(), naive_box_lambda(boxes, grid, image_size), rtol=0, atol=1e-6)
+    cells = torch.softmax(torch.randn(4, 2, 2, 3, generator=torch.Generator().manual_seed(0)), dim=1)
+    assert_close(CellMask(cells.cuda()).source_mean().cpu(), naive_cell_lambda(cells, (8, 9)))
