@@ -15,6 +15,10 @@ Data: ``--data cifar10`` (the default) reads the bundled ``cifar10-jpg.tar.gz`` 
 torchvision's format from ``<cache>/torchvision``, which torchvision downloads there
 once (announced first; ``--no-download`` forbids it). Runs on those files keep apart
 from the archive's (``<out>`` ends in ``cifar10-torchvision``; their records say so).
+Any other data set (``imagenette`` or a path) switches the recipe to an ImageNet-like one
+(DeiT-S at 224 px, 100 epochs, batch 256, timm's folder transforms, ImageNet statistics):
+the end of ``--help`` lists it, and the job's first line names what changed and the flags
+that keep the CIFAR-10 recipe. A subset larger than the data is refused, in a dry run too.
 
 Every cell of the table is trained and evaluated once per seed. Each finished
 run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
