@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+from timm.loss.binary_cross_entropy import BinaryCrossEntropy
 from timm.loss.cross_entropy import LabelSmoothingCrossEntropy
 from timm.loss.jsd import JsdCrossEntropy
 from timm.task import TrainingTask
@@ -28,6 +29,11 @@ from mixlabels.backbones._timm_face import TimmFace, distributed_world
 __all__ = ["AlignedClassificationTask"]
 
 Criterion = Callable[[Tensor, Tensor], Tensor]
+
+
+# timm's losses that read (b,) class ids; the first two read nothing else (a mixed batch's soft targets break them)
+_IDS_ONLY = (LabelSmoothingCrossEntropy, JsdCrossEntropy)
+_TAKES_IDS = (*_IDS_ONLY, nn.CrossEntropyLoss, BinaryCrossEntropy)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -57,14 +63,19 @@ class AlignedClassificationTask(TrainingTask):
     Args:
         model: a timm model of a supported family (``backbones.SUPPORTED``), not compiled or wrapped.
         scheme: ``mixlabels.NoAlign()``, ``TransMix()``, ``TLAlign(...)``, ``TokenLabeling(...)``.
-        criterion: loss of the class logits against the ``(b, c)`` soft targets; default soft-target
-            cross entropy (timm's ``SoftTargetCrossEntropy``, what ``train.py`` builds when mixing is on;
-            its ``BinaryCrossEntropy`` works too). Criteria that need class ids are refused.
+        criterion: loss of the class logits against the targets: the ``(b, c)`` soft targets of a mixed
+            batch; default soft-target cross entropy (timm's ``SoftTargetCrossEntropy``, what ``train.py``
+            builds when mixing is on; its ``BinaryCrossEntropy`` works too). A batch of class ids (mixing
+            off) goes to the criterion as ids when it reads them (``LabelSmoothingCrossEntropy``,
+            ``nn.CrossEntropyLoss``, ``BinaryCrossEntropy``, ``JsdCrossEntropy``: what ``train.py`` builds
+            without mixing), else as one-hot rows, as timm's ``ClassificationTask`` trains.
         reference: the adapter's dense reference path (tests).
         device, dtype, verbose: as ``timm.task.TrainingTask``.
 
     ``task(images, label_map)`` returns timm's dict: ``loss``, ``output`` (the class logits) and, for
-    token labeling, ``class_loss`` and ``token_loss``.
+    token labeling, ``class_loss`` and ``token_loss``. ``task(images, class_ids)`` (a batch no mixer
+    touched) trains the plain model on them as timm's ``ClassificationTask`` does, so one ported
+    ``train.py`` serves runs with and without mixing.
 
     Example:
         >>> import timm, mixlabels
@@ -90,16 +101,13 @@ class AlignedClassificationTask(TrainingTask):
         verbose: bool = True,
     ) -> None:
         super().__init__(device=device, dtype=dtype, verbose=verbose)
-        if isinstance(criterion, (LabelSmoothingCrossEntropy, JsdCrossEntropy)):
-            raise ValueError(
-                f"criterion {type(criterion).__name__} takes class ids, but the task's targets are the scheme's "
-                "(b, c) soft targets (label smoothing is applied by the mixer): pass criterion=None or timm's "
-                "SoftTargetCrossEntropy()/BinaryCrossEntropy(); in train.py this means mixing is on (--mixup/--cutmix)"
-            )
         adapted = adapt(model, scheme, reference)
         self.trainable_module: nn.Module = adapted
         self.scheme = scheme
         self.criterion: Criterion = criterion if criterion is not None else soft_target_cross_entropy
+        # criteria that read class ids themselves (train.py's loss when mixing is off); others get one-hot rows
+        self.criterion_takes_ids = isinstance(self.criterion, _TAKES_IDS)
+        self.criterion_ids_only = isinstance(self.criterion, _IDS_ONLY)
         if isinstance(self.criterion, nn.Module):
             self.criterion = self.criterion.to(device=self.device)
 
@@ -173,13 +181,15 @@ class AlignedClassificationTask(TrainingTask):
 
         Args:
             input: ``(b, ch, H, W)`` mixed images.
-            target: the ``TokenLabelMap`` the mixer returned with them.
+            target: the ``TokenLabelMap`` the mixer returned with them, or ``(b,)`` class ids of an
+                unmixed batch.
 
         Returns:
             ``{"loss", "output"}`` (class logits ``(b, c)``), plus ``class_loss`` and ``token_loss`` when
             the scheme trains token logits.
         """
-        if not isinstance(target, TokenLabelMap):
+        ids = isinstance(target, Tensor) and not target.is_floating_point() and target.ndim == 1
+        if not ids and not isinstance(target, TokenLabelMap):
             raise TypeError(_target_refusal(target))
         if torch.is_grad_enabled() and distributed_world() > 1 and not _has_ddp(self.trainable_module):
             raise RuntimeError(
@@ -187,6 +197,20 @@ class AlignedClassificationTask(TrainingTask):
                 "gradients would not be all-reduced. Call task.prepare_distributed(device_ids=[local_rank]) "
                 "after task.compile() and before training (timm's train.py does when --distributed)"
             )
+        if ids:  # mixing off: the plain model's forward (through DDP/compile when set up) and the criterion
+            logits = self.trainable_module(input)
+            if self.criterion_takes_ids:
+                return {"loss": self.criterion(logits, target), "output": logits}
+            hard = torch.nn.functional.one_hot(target.long(), logits.shape[-1]).to(logits.dtype)
+            return {"loss": self.criterion(logits, hard), "output": logits}
+        if self.criterion_ids_only:
+            raise TypeError(
+                f"criterion {type(self.criterion).__name__} takes class ids, but this batch was mixed (a "
+                "TokenLabelMap): its targets are the scheme's (b, c) soft targets, label smoothing already applied "
+                "by the mixer. Pass criterion=None or timm's SoftTargetCrossEntropy()/BinaryCrossEntropy() "
+                "(train.py builds SoftTargetCrossEntropy when mixing is on)"
+            )
+        assert isinstance(target, TokenLabelMap)
         out = self.trainable_module(input, target)
         class_loss = self.criterion(out.logits, out.target)
         if out.token_target is None or out.token_logits is None:
@@ -200,10 +224,8 @@ def _target_refusal(target: Any) -> str:
     """What to do when the task gets something other than a label map."""
     if isinstance(target, Tensor) and not target.is_floating_point():
         return (
-            "AlignedClassificationTask got integer class ids: no mixer of this library ran on the batch, so there "
-            "is no label map to align. Mix with mixlabels.strategies.timm_mixup(...) (or timm_collate_mixup for "
-            "timm's prefetcher); it keeps returning a label map when mixup_enabled is off. To train without any "
-            "mixing, use timm.task.ClassificationTask"
+            f"AlignedClassificationTask got integer targets of shape {tuple(target.shape)}: it takes (b,) class "
+            "ids (an unmixed batch) or the TokenLabelMap a mixlabels mixer returns"
         )
     if isinstance(target, Tensor):
         return (

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +26,7 @@ from pydantic.fields import FieldInfo
 from benchmarks._config import AblationConfig
 from benchmarks._rows import EXTENSION_ROWS, ROW_IDS
 
-__all__ = ["Flag", "config_flags", "build_parser", "resolve_config", "load_config_file"]
+__all__ = ["Flag", "config_flags", "build_parser", "resolve_config", "resolve", "load_config_file"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -60,6 +61,7 @@ _NOTES: dict[tuple[str, ...], str] = {
                f"table 8 {','.join(ROW_IDS[8])}; tokenlabel {','.join(ROW_IDS['tokenlabel'])}",
     ("seeds",): "; comma separated, ranges inclusive: 0,1 or 0-9 or 0-4,7 (default 0,1)",
     ("model", "name"): " (pretrained=False); a new name drops the CIFAR size overrides",
+    ("data", "source"): "; any data set but cifar10 switches the recipe (see the end of --help)",
 }
 
 
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train and evaluate the paper's Table 7 (mixers x TL-Align) or Table 8 (TL-Align operations). "
         "Every AblationConfig field is a flag; --config takes them all as a file.",
         argument_default=argparse.SUPPRESS,
+        epilog=_preset_help(),
     )
     p.add_argument("--config", type=Path, help="AblationConfig as .json or .yaml; flags override it")
     seen: dict[str, tuple[str, ...]] = {}
@@ -111,6 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag.name, dest=".".join(flag.path), help=(flag.help + note).replace("%", "%%"), **argument)
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the runs, train nothing")
     return p
+
+
+def _preset_help() -> str:
+    """What a data set other than cifar10 changes, from ``_IMAGENET_LIKE`` (so the help cannot drift from it)."""
+    names = {flag.path: flag.name for flag, _ in config_flags()}
+    sets = []
+    for section, fields in _IMAGENET_LIKE.items():
+        for field, value in fields.items():
+            if (section, field) in names:
+                sets.append(f"{names[section, field]} {_text(value)}")
+    return ("Data sets and recipes: the defaults above are the CIFAR-10 recipe (--data cifar10). Any other data set "
+            "(--data imagenette, or a PATH) switches to an ImageNet-like recipe, DeiT at 224 px through timm's "
+            f"transforms: {', '.join(sets)}. A flag or a --config value keeps its own setting over the preset, and a "
+            "line at start names what the preset changed with the flags that keep the CIFAR-10 recipe. Under "
+            "--profile finetune, --base-data defaults to imagenette for a cifar10 job and to cifar10 for any other "
+            "data set.").replace("%", "%%")
 
 
 def _argument(flag: Flag, annotation: Any) -> dict[str, Any]:
@@ -242,6 +261,12 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def resolve_config(argv: Sequence[str] | None = None) -> tuple[AblationConfig, bool]:
     """The job's config from defaults < the data set's preset < ``--config`` file < flags; and ``--dry-run``."""
+    cfg, dry_run, _ = resolve(argv)
+    return cfg, dry_run
+
+
+def resolve(argv: Sequence[str] | None = None) -> tuple[AblationConfig, bool, str | None]:
+    """``resolve_config``, plus the line that says what the data set's preset changed (None: nothing)."""
     args = vars(build_parser().parse_args(argv))
     given = load_config_file(args["config"]) if "config" in args else {}
     given = _merge(given, _flags_to_tree(args))
@@ -255,4 +280,57 @@ def resolve_config(argv: Sequence[str] | None = None) -> tuple[AblationConfig, b
     if "img_size" not in model:  # unless asked otherwise, the model is built for the images it gets
         img = tree.get("data", {}).get("img_size", AblationConfig().data.img_size)
         tree = _merge(tree, {"model": {"img_size": img}})
-    return AblationConfig.model_validate(tree), bool(args.get("dry_run", False))
+    cfg = AblationConfig.model_validate(tree)
+    return cfg, bool(args.get("dry_run", False)), _preset_note(cfg, source, preset, given)
+
+
+def _preset_note(cfg: AblationConfig, source: str, preset: dict[str, Any], given: dict[str, Any]) -> str | None:
+    """What the data set's preset changed (the fields neither a flag nor the config file set) and how to keep it."""
+    default = AblationConfig()
+    changed: list[tuple[Flag, Any, Any]] = []  # flag, the value now, the default recipe's value
+    for flag, _ in config_flags():
+        if not _has(preset, flag.path) or _has(given, flag.path):
+            continue
+        now, before = _get(cfg, flag.path), _get(default, flag.path)
+        if now != before:
+            changed.append((flag, now, before))
+    notes: list[str] = []
+    if changed:
+        what = ", ".join(f"{flag.name} {_text(now)}" for flag, now, _ in changed)
+        keep = " ".join(f"{flag.name} {_text(before)}" for flag, _, before in changed)
+        notes.append(f"--data {source} switches the recipe to the ImageNet-like preset: {what}. "
+                     f"To keep the CIFAR-10 recipe, add: {keep}")
+        patch = re.search(r"patch(\d+)", cfg.model.name)
+        if cfg.model.patch_size is None and patch is not None:
+            side = cfg.data.img_size // int(patch.group(1))
+            notes.append(f"{cfg.model.name} keeps timm's patch size {patch.group(1)}: a {side}x{side} token grid "
+                         f"at --img-size {cfg.data.img_size}")
+    if cfg.profile == "finetune" and cfg.base_data is None and source != "cifar10":
+        notes.append(f"under --profile finetune the base model trains on {cfg.base_source()} (--base-data's default "
+                     "for a data set other than cifar10), not on imagenette: pass --base-data to choose")
+    return "; ".join(notes) if notes else None
+
+
+def _has(tree: dict[str, Any], path: tuple[str, ...]) -> bool:
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _get(cfg: AblationConfig, path: tuple[str, ...]) -> Any:
+    value: Any = cfg
+    for part in path:
+        value = getattr(value, part)
+    return value
+
+
+def _text(value: Any) -> str:
+    """A value as its flag takes it: ``none`` for None, comma separated tuples."""
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)

@@ -18,6 +18,7 @@ from benchmarks._archive import (
     eval_split,
     extract,
     resolve_source,
+    split_counts,
     tensor_cache,
     train_split,
 )
@@ -25,7 +26,8 @@ from benchmarks._cifar_batches import TorchvisionCIFAR10, read_split
 from benchmarks._config import AblationConfig
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 
-__all__ = ["Data", "default_out", "locate_data", "data_origin", "load_data", "peek_classes"]
+__all__ = ["Data", "Sizes", "default_out", "locate_data", "data_origin", "load_data", "peek_sizes", "check_subsets",
+           "check_base_classes"]
 
 
 def default_out(cfg: AblationConfig, source: Path | TorchvisionCIFAR10 | None = None) -> Path:
@@ -98,6 +100,7 @@ def load_data(cfg: AblationConfig, shard: Shard, source: Path | TorchvisionCIFAR
             test_split_ = tensor_cache(source, test_name, d.img_size, root)
         if train_split_.classes != test_split_.classes:
             raise ValueError(f"{source}: the train and {test_name} splits have different classes")
+        check_subsets(cfg, Sizes(len(train_split_.classes), len(train_split_.labels), len(test_split_.labels), d.source))
         train_idx = subset_indices(len(train_split_.labels), d.subset)
         test_idx = subset_indices(len(test_split_.labels), d.test_subset)
         erasing = (RandomErasing(probability=r.reprob, mode=r.remode, device=str(shard.device))  # type: ignore[no-untyped-call]
@@ -118,6 +121,7 @@ def load_data(cfg: AblationConfig, shard: Shard, source: Path | TorchvisionCIFAR
         folder = extract(source, root)
         classes = sorted(p.name for p in (folder / train_name).iterdir() if p.is_dir())
         n_train, n_test = _count_images(folder / train_name), _count_images(folder / test_name)
+        check_subsets(cfg, Sizes(len(classes), n_train, n_test, d.source))
         train_tf = create_transform(
             d.img_size, is_training=True, hflip=d.hflip, auto_augment=d.auto_augment, interpolation="bicubic",
             mean=d.mean, std=d.std, re_prob=r.reprob, re_mode=r.remode, color_jitter=0.3,
@@ -153,6 +157,52 @@ def _count_images(split_dir: Path) -> int:
     return sum(1 for c in split_dir.iterdir() if c.is_dir() for f in c.iterdir() if f.suffix.lower() in ext)
 
 
-def peek_classes(cfg: AblationConfig) -> int:
-    """The class count for a dry run without decoding: the named data sets have 10."""
-    return 10 if cfg.data.source in ("cifar10", "imagenette") else 1000
+@dataclass(frozen=True)
+class Sizes:
+    """A data set's class count and the images of its training and evaluation splits."""
+
+    num_classes: int
+    train: int
+    test: int
+    name: str  # the data set as the user named it (--data), for messages
+
+
+# torchvision's CIFAR-10 files: fixed sizes (the files may not be on disk yet in a dry run)
+_TORCHVISION_CIFAR10 = (10, 50_000, 10_000)
+
+
+def peek_sizes(cfg: AblationConfig, source: Path | TorchvisionCIFAR10) -> Sizes:
+    """The data's sizes without decoding it (a dry run): class folders and images counted, an archive's list read once.
+
+    Raises:
+        FileNotFoundError: the tree has no train split, or neither a val nor a test split.
+    """
+    if isinstance(source, TorchvisionCIFAR10):
+        return Sizes(*_TORCHVISION_CIFAR10, name=cfg.data.source)
+    counts = split_counts(source, cache_root(cfg.cache_dir))
+    if "train" not in counts:
+        raise FileNotFoundError(f"{source} has no train/ split (splits found: {', '.join(counts)})")
+    test = next((counts[s] for s in ("val", "test") if s in counts), None)
+    if test is None:
+        raise FileNotFoundError(f"{source} has neither a val/ nor a test/ split (splits found: {', '.join(counts)})")
+    return Sizes(num_classes=counts["train"][0], train=counts["train"][1], test=test[1], name=cfg.data.source)
+
+
+def check_subsets(cfg: AblationConfig, sizes: Sizes) -> None:
+    """Refuse a subset larger than its split: the job would train on fewer images than its records claim.
+
+    Raises:
+        ValueError: ``subset`` above the training images or ``test_subset`` above the evaluation images.
+    """
+    for flag, asked, there, what in (("--subset", cfg.data.subset, sizes.train, "training"),
+                                     ("--test-subset", cfg.data.test_subset, sizes.test, "evaluation")):
+        if asked is not None and asked > there:
+            raise ValueError(f"{flag} {asked} asks for more {what} images than {sizes.name} has ({there}): "
+                             f"pass {flag} {there} or fewer, or {flag} all for every image")
+
+
+def check_base_classes(base: str, base_classes: int, job: str, job_classes: int) -> None:
+    """The finetune profile's base data must have the job's class count: the cells load the base's head strictly."""
+    if base_classes != job_classes:
+        raise ValueError(f"the base data {base} has {base_classes} classes and the job's {job} {job_classes}: the "
+                         "cells load the base's classifier strictly; pick a --base-data with as many classes")

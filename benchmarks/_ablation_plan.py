@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._config import AblationConfig, AnnotatorConfig, RunConfig, keyed_dump, run_key
+from benchmarks._config import AblationConfig, AnnotatorConfig, DataConfig, RunConfig, keyed_dump, run_key
 from benchmarks._init import file_digest
 from benchmarks._rows import Cell, MixerFlags, row_ids, table_cells
 from mixlabels import NoAlignConfig
 from mixlabels.strategies import CutMixConfig
 
-__all__ = ["Planned", "plan", "teacher_run", "base_run", "planned_teacher", "grid_of", "read_done", "record_problem"]
+__all__ = ["Planned", "plan", "teacher_run", "base_run", "base_data", "planned_teacher", "grid_of", "read_done", "record_problem"]
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,18 @@ def base_run(cfg: AblationConfig, num_classes: int, device_type: str) -> RunConf
     All of the base data's training images at the job's image size, for ``base_epochs``
     (default: four times the rows' epochs); the cells then fine-tune it on the job's data.
     """
-    source = cfg.base_data or ("imagenette" if cfg.data.source == "cifar10" else "cifar10")
     r = cfg.recipe
     epochs = cfg.base_epochs if cfg.base_epochs is not None else 4 * r.epochs
     # the base data must have the job's class count: the cells load the base's head strictly
     cutmix = CutMixConfig(num_classes=num_classes, label_smoothing=r.label_smoothing, prob=r.mix_prob, alpha=1.0)
-    data = cfg.data.model_copy(update={"source": source, "loader": "tensor", "subset": None})
-    return RunConfig(data=data, model=cfg.model, recipe=r.model_copy(update={"epochs": epochs}), mixer=cutmix,
+    return RunConfig(data=base_data(cfg), model=cfg.model, recipe=r.model_copy(update={"epochs": epochs}), mixer=cutmix,
                      scheme=NoAlignConfig(), init_sha256=_init_digest(cfg), seed=0, device_type=device_type,
                      bf16=cfg.use_bf16())
+
+
+def base_data(cfg: AblationConfig) -> DataConfig:
+    """The base run's data: the base data set at the job's image size, all its training images, as tensors."""
+    return cfg.data.model_copy(update={"source": cfg.base_source(), "loader": "tensor", "subset": None})
 
 
 def _init_digest(cfg: AblationConfig) -> str | None:

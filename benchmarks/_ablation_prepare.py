@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._ablation_data import Data, load_data
+from benchmarks._ablation_data import Data, check_base_classes, load_data
 from benchmarks._ablation_outputs import write_atomic
 from benchmarks._ablation_plan import Planned, base_run, grid_of, planned_teacher, read_done
 from benchmarks._config import AblationConfig, run_key
@@ -42,10 +42,7 @@ def prepare_base(cfg: AblationConfig, planned: Sequence[Planned], num_classes: i
     done = broadcast_from_zero(found if ckpt.is_file() or not needed else {})
     if key not in done:
         data = load_data(cfg.model_copy(update={"data": run.data}), shard)
-        if data.num_classes != num_classes:
-            raise ValueError(f"the base data {run.data.source} has {data.num_classes} classes and the job's "
-                             f"{cfg.data.source} {num_classes}: the cells load the base's classifier strictly; "
-                             "pick a --base-data with as many classes")
+        check_base_classes(run.data.source, data.num_classes, cfg.data.source, num_classes)
         result = train_and_evaluate(run, data.make_train(run.seed), data.test, shard, num_classes=num_classes,
                                     progress=progress, desc="base model", checkpoint=ckpt)
         record = {"key": key, "run": run.model_dump(mode="json"), "result": asdict(result), "world": shard.world,

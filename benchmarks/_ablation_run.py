@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from benchmarks._ablation_data import data_origin, default_out, load_data, locate_data, peek_classes
+from benchmarks._ablation_data import (check_base_classes, check_subsets, data_origin, default_out, load_data,
+                                      locate_data, peek_sizes)
 from benchmarks._ablation_outputs import render_markdown, write_atomic, write_outputs
-from benchmarks._ablation_plan import plan, planned_teacher, read_done
+from benchmarks._ablation_plan import base_data, plan, planned_teacher, read_done
 from benchmarks._ablation_prepare import prepare_annotator, prepare_base
 from benchmarks._cifar_batches import TorchvisionCIFAR10, ensure_files
 from benchmarks._data import Shard
@@ -49,6 +50,8 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
         torch.set_num_threads(threads)
         lead = shard.rank == 0
         source = locate_data(cfg)  # a missing archive or path fails now, also in a dry run
+        base_cfg = cfg.model_copy(update={"data": base_data(cfg)}) if cfg.profile == "finetune" else None
+        base_source = locate_data(base_cfg) if base_cfg is not None else None  # so does a missing --base-data
         origin = data_origin(source)
         out = Path(cfg.out).expanduser().resolve() if cfg.out else default_out(cfg, source)
         job = provenance(device=str(shard.device))
@@ -71,7 +74,16 @@ def run_ablation(cfg: AblationConfig, *, dry_run: bool = False) -> Report:
             if not dry_run and source.missing():  # another rank downloaded onto a disk this rank does not see
                 raise FileNotFoundError(f"{source.folder} lacks {', '.join(source.missing())} on rank {shard.rank}")
         data = load_data(cfg, shard, source) if not dry_run else None
-        num_classes = data.num_classes if data else peek_classes(cfg)
+        if data is not None:
+            num_classes = data.num_classes
+        else:  # a dry run counts class folders and images instead of decoding: it plans the real keys
+            sizes = peek_sizes(cfg, source)
+            check_subsets(cfg, sizes)
+            num_classes = sizes.num_classes
+            if base_cfg is not None and base_source is not None:  # and refuses the base the run would refuse
+                base_sizes = peek_sizes(base_cfg, base_source)
+                check_base_classes(base_sizes.name, base_sizes.num_classes, cfg.data.source, num_classes)
+                check_subsets(base_cfg, base_sizes)  # the base run evaluates on the job's --test-subset
         planned = plan(cfg, num_classes, shard.device.type)
         if data is not None and (cfg.model.init is not None or cfg.model.pretrained):
             cfg.model.initialised(num_classes)  # a checkpoint that does not fit fails now, not after the first run

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "tensor_cache",
     "eval_split",
     "train_split",
+    "split_counts",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -132,38 +134,92 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(_IMAGE_EXT)
 
 
-def _layout(paths: Iterable[PurePosixPath]) -> tuple[str, tuple[str, ...]]:
-    """The common prefix above ``<split>/<class>/<image>`` and the split names, from relative image paths."""
+def _layout(paths: Iterable[PurePosixPath]) -> tuple[str, tuple[str, ...], dict[str, tuple[int, int]]]:
+    """The common prefix above ``<split>/<class>/<image>``, the split names and each split's ``(classes, images)``."""
     prefixes: set[str] = set()
-    splits: set[str] = set()
+    classes: dict[str, set[str]] = {}
+    images: dict[str, int] = {}
     for path in paths:
         if len(path.parts) < 3 or not _is_image(path.name):
             continue
         prefixes.add("/".join(path.parts[:-3]))
-        splits.add(path.parts[-3])
-    if not splits:
+        split = path.parts[-3]
+        classes.setdefault(split, set()).add(path.parts[-2])
+        images[split] = images.get(split, 0) + 1
+    if not classes:
         raise FileNotFoundError("no images laid out as <split>/<class>/<image>")
     if len(prefixes) > 1:
         raise ValueError(f"images at several depths ({sorted(prefixes)[:3]}...); expected one <split>/<class>/<image> tree")
-    return prefixes.pop(), tuple(sorted(splits))
+    counts = {split: (len(classes[split]), images[split]) for split in sorted(classes)}
+    return prefixes.pop(), tuple(counts), counts
+
+
+def _find_tree(source: Path, depth: int = 3) -> Path | None:
+    """The directory holding ``train/`` within ``depth`` levels of ``source``, found without listing every image."""
+    level = [source]
+    for _ in range(depth + 1):
+        for folder in level:
+            if (folder / "train").is_dir():
+                return folder
+        level = [c for folder in level for c in sorted(folder.iterdir()) if c.is_dir()]
+    return None
+
+
+def _dir_counts(tree: Path) -> dict[str, tuple[int, int]]:
+    """``{split: (classes, images)}`` of a ``<split>/<class>/<image>`` directory, one listing per class folder."""
+    counts: dict[str, tuple[int, int]] = {}
+    for split in sorted(p for p in tree.iterdir() if p.is_dir()):
+        per_class = [sum(1 for f in c.iterdir() if _is_image(f.name)) for c in split.iterdir() if c.is_dir()]
+        per_class = [n for n in per_class if n]
+        if per_class:
+            counts[split.name] = (len(per_class), sum(per_class))
+    return counts
 
 
 def _tree_of(source: Path, root: Path) -> tuple[str, tuple[str, ...]]:
     """``(prefix, splits)`` of an archive or directory; an archive's is read once and remembered in the cache."""
     if source.is_dir():
         images = (p.relative_to(source) for p in source.rglob("*") if p.is_file())
-        return _layout(PurePosixPath(p.as_posix()) for p in images)
+        prefix, splits, _ = _layout(PurePosixPath(p.as_posix()) for p in images)
+        return prefix, splits
+    blob = _archive_index(source, root)
+    return str(blob["prefix"]), tuple(blob["splits"])
+
+
+def _archive_index(source: Path, root: Path) -> dict[str, Any]:
+    """An archive's layout (prefix, splits, per-split counts): read from the tar once, then from the cache."""
     index = _cache_dir_for(source, root) / "layout.json"
     if index.exists():
-        blob = json.loads(index.read_text())
-        return str(blob["prefix"]), tuple(blob["splits"])
+        blob: dict[str, Any] = json.loads(index.read_text())
+        if "counts" in blob:  # indexes written before the counts existed are read again, once
+            return blob
     with tarfile.open(source) as tar:
-        prefix, splits = _layout(PurePosixPath(m.name) for m in tar if m.isfile())
+        prefix, splits, counts = _layout(PurePosixPath(m.name) for m in tar if m.isfile())
+    blob = {"prefix": prefix, "splits": list(splits), "counts": {k: list(v) for k, v in counts.items()}}
     index.parent.mkdir(parents=True, exist_ok=True)
     tmp = index.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"prefix": prefix, "splits": list(splits)}))
+    tmp.write_text(json.dumps(blob))
     os.replace(tmp, index)
-    return prefix, splits
+    return blob
+
+
+def split_counts(source: Path, root: Path) -> dict[str, tuple[int, int]]:
+    """``{split: (classes, images)}`` of an archive or directory, without decoding or extracting it.
+
+    A directory is found by its ``train/`` folder and counted one class folder at a time; an
+    archive's member list is read once and remembered beside its cache (``layout.json``).
+    """
+    if source.is_dir():
+        tree = _find_tree(source)
+        if tree is None:  # a deeper or odd layout: the full walk the loaders do, which names what is wrong
+            prefix, _ = _tree_of(source, root)
+            tree = source / prefix
+        counts = _dir_counts(tree)
+        if not counts:
+            raise FileNotFoundError(f"{source}: no images laid out as <split>/<class>/<image>")
+        return counts
+    blob = _archive_index(source, root)
+    return {str(k): (int(v[0]), int(v[1])) for k, v in blob["counts"].items()}
 
 
 def train_split(source: Path, root: Path) -> str:

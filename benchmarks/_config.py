@@ -14,7 +14,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 from torch import nn
 
 from mixlabels import Config
@@ -26,6 +26,11 @@ __all__ = ["DataConfig", "ModelConfig", "RecipeConfig", "AnnotatorConfig", "RunC
            "keyed_dump"]
 
 PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _none_is_unset(value: object) -> object:
+    """``'none'`` (any case) or ``''`` is unset, as the other flags take it: one spelling, one run key."""
+    return None if isinstance(value, str) and value.strip().lower() in ("none", "") else value
 
 
 class DataConfig(Config[None]):
@@ -45,7 +50,11 @@ class DataConfig(Config[None]):
     test_subset: Annotated[int | None, Field(ge=1, description="evaluate on this many images (fixed subset)")] = 2000
     crop_padding: Annotated[int, Field(ge=0, description="tensor loader: random crop after zero padding by this")] = 4
     hflip: Annotated[float, Field(ge=0.0, le=1.0, description="probability of a horizontal flip")] = 0.5
-    auto_augment: Annotated[str | None, Field(description="folder loader: timm auto-augment policy")] = None
+    auto_augment: Annotated[
+        str | None,
+        BeforeValidator(_none_is_unset),
+        Field(description="folder loader: timm auto-augment policy (e.g. rand-m9-mstd0.5-inc1); 'none': no auto-augment"),
+    ] = None
     mean: Annotated[tuple[float, float, float], Field(description="per-channel mean the images are normalised by")] = (
         0.4914, 0.4822, 0.4465)
     std: Annotated[tuple[float, float, float], Field(description="per-channel std the images are normalised by")] = (
@@ -269,6 +278,10 @@ class AblationConfig(Config[None]):
     base_epochs: Annotated[
         float | None, Field(gt=0.0, description="finetune: the base model's training epochs (default: 4x the recipe's)")
     ] = None
+
+    def base_source(self) -> str:
+        """The finetune profile's base data set: ``base_data``, else imagenette for a cifar10 job, else cifar10."""
+        return self.base_data or ("imagenette" if self.data.source == "cifar10" else "cifar10")
 
     def use_bf16(self) -> bool:
         """bf16 autocast as asked, else on for CUDA and off for the CPU."""

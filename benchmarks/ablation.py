@@ -15,6 +15,10 @@ Data: ``--data cifar10`` (the default) reads the bundled ``cifar10-jpg.tar.gz`` 
 torchvision's format from ``<cache>/torchvision``, which torchvision downloads there
 once (announced first; ``--no-download`` forbids it). Runs on those files keep apart
 from the archive's (``<out>`` ends in ``cifar10-torchvision``; their records say so).
+Any other data set (``imagenette`` or a path) switches the recipe to an ImageNet-like one
+(DeiT-S at 224 px, 100 epochs, batch 256, timm's folder transforms, ImageNet statistics):
+the end of ``--help`` lists it, and the job's first line names what changed and the flags
+that keep the CIFAR-10 recipe. A subset larger than the data is refused, in a dry run too.
 
 Every cell of the table is trained and evaluated once per seed. Each finished
 run is written at once to ``<out>/runs/<run_key>.json`` (the key hashes the
@@ -59,6 +63,7 @@ base model and the annotator trained before the cells (``_ablation_prepare``), t
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,7 +71,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/ablation.py``: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._ablation_cli import build_parser, load_config_file, resolve_config
+from benchmarks._ablation_cli import build_parser, load_config_file, resolve, resolve_config
 from benchmarks._ablation_cli import _int_list as _int_list  # the seeds parser (tests)
 from benchmarks._ablation_data import Data, data_origin, default_out, load_data, locate_data
 from benchmarks._ablation_outputs import render_markdown, write_atomic, write_outputs
@@ -89,7 +94,9 @@ __all__ = ["main", "resolve_config", "plan", "run_ablation", "Planned", "Report"
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line entry point; returns the exit status."""
     try:
-        cfg, dry_run = resolve_config(argv)
+        cfg, dry_run, note = resolve(argv)
+        if note is not None and os.environ.get("RANK", "0") == "0":  # said once, before the resolved config
+            print(f"ablation: {note}", flush=True)
         run_ablation(cfg, dry_run=dry_run)
     except (FileNotFoundError, ValueError, PretrainedUnavailable) as err:
         from pydantic import ValidationError

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 import torch
 from einops import rearrange, reduce
@@ -104,6 +105,15 @@ def class_distributions(labels: Tensor, num_classes: int, label_smoothing: float
         return labels.float() * (1.0 - label_smoothing) + off
     out = torch.full((labels.shape[0], num_classes), off, dtype=torch.float32, device=labels.device)
     return out.scatter_(1, labels.long().unsqueeze(1), 1.0 - label_smoothing + off)
+
+
+_NOT_A_TARGET_TENSOR = (
+    "a TokenLabelMap reached a loss written for target tensors (timm's SoftTargetCrossEntropy or BinaryCrossEntropy "
+    "inside a timm task that does not take label maps: LogitDistillationTask or TokenDistillationTask from "
+    "train.py's --kd-model-name, or ClassificationTask). Train with mixlabels.backbones.AlignedClassificationTask("
+    "model, scheme), which aligns the targets; timm's distillation tasks cannot align them: pass them "
+    "label_map.image_targets() (the mixed image-level targets, as timm's Mixup gives) or distil without mixing"
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -599,3 +609,15 @@ class TokenLabelMap:
     def dense_pixel_targets(self) -> Tensor:
         """Per-pixel class distributions ``(b, c, H, W)``; for pictures and tests, not hot paths."""
         return rearrange(self.targets(rearrange(self.pixel_weights(), "b k h w -> b h w k")), "b h w c -> b c h w")
+
+    # timm's losses read a target tensor: SoftTargetCrossEntropy starts with -target, BinaryCrossEntropy with
+    # target.shape. A label map reaches them through a timm task that does not know label maps (train.py's
+    # --kd-model-name builds LogitDistillationTask), and Python's own errors ("bad operand type for unary -",
+    # "no attribute 'shape'") name neither the cause nor the fix.
+    def __neg__(self) -> NoReturn:
+        raise TypeError(_NOT_A_TARGET_TENSOR)
+
+    @property
+    def shape(self) -> NoReturn:
+        """Not a tensor: raises ``AttributeError`` saying which task takes label maps (``hasattr`` stays False)."""
+        raise AttributeError("TokenLabelMap has no shape: " + _NOT_A_TARGET_TENSOR)

@@ -144,3 +144,136 @@ def test_a_field_of_a_type_the_command_line_cannot_parse_is_named() -> None:
 def test_parser_has_no_flag_twice() -> None:
     names = [a for action in build_parser()._actions for a in action.option_strings]
     assert len(names) == len(set(names))
+
+
+# ------------------------------------------------------------------ data sets: presets, sizes, dry runs (issue 29)
+def _folder(root: Path, classes: int = 3, per_class: int = 4) -> Path:
+    """A tiny ImageFolder tree: ``train`` and ``val`` with ``classes`` folders of ``per_class`` 8x8 PNGs each."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+# the CIFAR-sized recipe kept on a folder data set: a 1-block, 16-wide DeiT on 16 px images, one optimizer step
+KEEP = ["--loader", "tensor", "--img-size", "16", "--model", "deit_tiny_patch16_224", "--patch-size", "4",
+        "--embed-dim", "16", "--depth", "1", "--heads", "2", "--batch-size", "4", "--max-steps", "1",
+        "--eval-batch-size", "8", "--threads", "1", "--quiet"]
+
+
+def test_auto_augment_none_is_unset_like_every_other_none() -> None:
+    from benchmarks._config import DataConfig, ModelConfig, RecipeConfig, RunConfig, run_key
+
+    for text in ("none", "None", "NONE"):
+        cfg, _ = ablation.resolve_config(["--auto-augment", text])
+        assert cfg.data.auto_augment is None
+    assert ablation.resolve_config(["--auto-augment", "rand-m9"])[0].data.auto_augment == "rand-m9"
+    # the same run, the same key: a finished run is not trained again because of the spelling
+    run = RunConfig(data=DataConfig(), model=ModelConfig(), recipe=RecipeConfig())
+    spelled = run.model_copy(update={"data": DataConfig.model_validate({"auto_augment": "none"})})
+    assert spelled.data.auto_augment is None and run_key(spelled) == run_key(run)
+
+
+def test_help_says_what_a_data_set_changes_and_how_to_keep_the_recipe() -> None:
+    out = subprocess.run([sys.executable, "benchmarks/ablation.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    text = re.sub(r"\s+", " ", out)
+    assert "Any other data set (--data imagenette, or a PATH) switches to an ImageNet-like recipe" in text
+    for words in ("--model deit_small_patch16_224", "--patch-size none", "--epochs 100.0", "--batch-size 256",
+                  "--loader folder", "--auto-augment rand-m9-mstd0.5-inc1", "--mean 0.485,0.456,0.406",
+                  "keeps its own setting over the preset", "--base-data defaults to imagenette for a cifar10 job "
+                  "and to cifar10 for any other"):
+        assert words in text, words
+    assert "any data set but cifar10 switches the recipe" in text  # on --data itself
+
+
+def test_a_data_set_that_switches_the_recipe_says_so_and_the_named_flags_keep_it() -> None:
+    from benchmarks._ablation_cli import resolve
+
+    cfg, _, note = resolve(["--data", "/some/folder", "--img-size", "32"])
+    assert note is not None and cfg.model.name == "deit_small_patch16_224"
+    assert "--data /some/folder switches the recipe" in note and "--epochs 100.0" in note
+    assert "a 2x2 token grid at --img-size 32" in note  # the patch-16 model on 32 px images
+    assert "--img-size" not in note.split("switches")[1].split("To keep")[0]  # given, so not the preset's
+    keep = note.split("add: ")[1].split(";")[0].split()
+    kept, _, again = resolve(["--data", "/some/folder", "--img-size", "32", *keep])
+    assert again is None  # nothing left for the preset to change
+    default = AblationConfig()
+    assert kept.data == default.data.model_copy(update={"source": "/some/folder"})
+    assert (kept.model, kept.recipe) == (default.model, default.recipe)
+    assert resolve([])[2] is None and resolve(["--data", "cifar10"])[2] is None
+    _, _, fine = resolve(["--data", "imagenette", "--profile", "finetune", *keep])
+    assert fine is not None and "the base model trains on cifar10" in fine and "--base-data" in fine
+
+
+def test_the_recipe_switch_is_printed_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _folder(tmp_path / "ds")
+    assert ablation.main(["--data", str(data), "--img-size", "16", "--rows", "none", "--seeds", "0", "--dry-run",
+                          "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.index(f"ablation: --data {data} switches the recipe") < out.index("resolved config")
+
+
+def test_a_subset_beyond_the_data_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _folder(tmp_path / "ds")  # 12 training and 12 evaluation images
+    common = ["--data", str(data), *KEEP, "--rows", "none", "--seeds", "0", "--cache-dir", str(tmp_path / "cache"),
+              "--out", str(tmp_path / "out")]
+    for extra, words in ((["--subset", "100000000"], "--subset 100000000 asks for more training images than"),
+                         (["--test-subset", "13"], "--test-subset 13 asks for more evaluation images than")):
+        for dry in (["--dry-run"], []):  # the dry run refuses what the real run refuses, before any training
+            assert ablation.main([*common, *extra, *dry]) == 2
+            err = capsys.readouterr().err
+            assert words in err and f"{data} has (12)" in err and "all for every image" in err, err
+            assert not (tmp_path / "out" / "runs").exists()
+    cfg, _ = ablation.resolve_config([*common, "--subset", "12", "--test-subset", "all"])  # all of it is fine
+    from benchmarks._ablation_data import load_data
+    from benchmarks._data import Shard
+
+    loaded = load_data(cfg, Shard(0, 1, torch_device("cpu")))
+    assert loaded.num_classes == 3 and loaded.train_indices is not None and len(loaded.train_indices) == 12
+
+
+def torch_device(name: str) -> Any:
+    import torch
+
+    return torch.device(name)
+
+
+def test_a_dry_run_on_a_folder_plans_the_keys_a_run_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _folder(tmp_path / "ds")
+    argv = ["--data", str(data), *KEEP, "--rows", "none,cutmix", "--seeds", "0", "--subset", "all",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")]
+    cfg, _ = ablation.resolve_config([*argv, "--dry-run"])
+    plan = ablation.run_ablation(cfg, dry_run=True)
+    assert (plan.trained, plan.skipped) == (0, 0)
+    listed = set(re.findall(r"^  ([0-9a-f]{16})  ", capsys.readouterr().out, re.M))
+    ran = ablation.run_ablation(ablation.resolve_config(argv)[0])
+    assert ran.trained == 3 and all(r["run"]["mixer"] is None or r["run"]["mixer"]["num_classes"] == 3
+                                     for r in ran.records)
+    written = {p.stem for p in (tmp_path / "out" / "runs").glob("*.json")}
+    assert listed == written and len(written) == 3  # the dry run planned the 3-class keys, not 1000-class ones
+    again = ablation.run_ablation(cfg, dry_run=True)
+    assert (again.trained, again.skipped) == (0, 3)
+    assert "3 runs (3 already done, 0 to train)" in capsys.readouterr().out
+
+
+def test_finetune_dry_run_refuses_what_the_run_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks._archive import NAMED, default_data_root
+
+    if not (default_data_root() / NAMED["cifar10"]).is_file():
+        pytest.skip("the CIFAR-10 archive is not in ../shared/data")
+    common = ["--profile", "finetune", "--dry-run", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "o"),
+              "--threads", "1"]
+    assert ablation.main([*common, "--base-data", str(tmp_path / "nonexistent")]) == 2
+    err = capsys.readouterr().err
+    assert f"no data at {tmp_path / 'nonexistent'}" in err and "--data takes" in err
+    folder = _folder(tmp_path / "ds")  # 3 classes, CIFAR-10 has 10: the cells could not load the base's head
+    assert ablation.main([*common, "--base-data", str(folder)]) == 2
+    assert "has 3 classes and the job's cifar10 10" in capsys.readouterr().err

@@ -373,7 +373,51 @@ def _ablation_config(tree: dict[str, Any]) -> Any:
     return AblationConfig.model_validate(tree)
 
 
-BAD = _bad()
+def _ablation_run(p: Path, argv: list[str]) -> object:
+    """A dry run of the ablation on ``argv`` (the refusals a dry run shares with the real run)."""
+    from benchmarks.ablation import resolve_config, run_ablation
+
+    cfg, _ = resolve_config([*argv, "--cache-dir", str(p / "cache"), "--out", str(p / "out"), "--threads", "1"])
+    return run_ablation(cfg, dry_run=True)
+
+
+def _tiny_folder(p: Path) -> str:
+    from test_ablation_cli import _folder
+
+    return str(_folder(p / "ds"))  # 3 classes, 12 training and 12 evaluation images
+
+
+def _task_mixed_with_ids_only_criterion() -> object:
+    from timm.loss import LabelSmoothingCrossEntropy
+
+    from mixlabels.backbones import AlignedClassificationTask
+
+    task = AlignedClassificationTask(vit(), TLAlign(), criterion=LabelSmoothingCrossEntropy(0.1), verbose=False)
+    return task(*CutMix(C, generator=gen())(X, Y))
+
+
+def _timm_distillation_with_a_label_map() -> object:
+    from timm.loss import SoftTargetCrossEntropy
+    from timm.task import LogitDistillationTask
+
+    # train.py's --kd-model-name with mixing on: timm's task and loss, mixlabels' mixer
+    task = LogitDistillationTask(vit(), vit(), criterion=SoftTargetCrossEntropy(), verbose=False)
+    return task(*CutMix(C, generator=gen())(X, Y))
+
+
+def _bad_cli_and_task() -> list[Bad]:
+    """Issue 29's cases: the ablation's dry run refuses what its run refuses; the task and timm's tasks."""
+    return [
+        ("ablation finetune --base-data missing (dry run)", lambda p: _ablation_run(p, ["--profile", "finetune", "--base-data", str(p / "nonexistent")]), FileNotFoundError, r"no data at .*nonexistent"),
+        ("ablation --subset beyond the data (dry run)", lambda p: _ablation_run(p, ["--data", _tiny_folder(p), "--subset", "100000000", "--img-size", "16", "--patch-size", "4"]), ValueError, r"--subset 100000000 asks for more training images than .*ds has \(12\): pass --subset 12 or fewer, or --subset all"),
+        ("ablation --test-subset beyond the data (dry run)", lambda p: _ablation_run(p, ["--data", _tiny_folder(p), "--test-subset", "13", "--img-size", "16", "--patch-size", "4"]), ValueError, r"--test-subset 13 asks for more evaluation images"),
+        ("ablation finetune base with other classes (dry run)", lambda p: _ablation_run(p, ["--profile", "finetune", "--base-data", _tiny_folder(p)]), ValueError, r"has 3 classes and the job's cifar10 10.*--base-data with as many classes"),
+        ("task: ids-only criterion, mixed batch", lambda _: _task_mixed_with_ids_only_criterion(), TypeError, r"LabelSmoothingCrossEntropy takes class ids, but this batch was mixed.*SoftTargetCrossEntropy"),
+        ("timm distillation task given a label map", lambda _: _timm_distillation_with_a_label_map(), TypeError, r"reached a loss written for target tensors.*AlignedClassificationTask.*image_targets\(\)"),
+    ]
+
+
+BAD = _bad() + _bad_cli_and_task()
 
 
 @pytest.mark.parametrize(("case", "call", "error", "match"), BAD, ids=[c[0] for c in BAD])
@@ -646,6 +690,54 @@ def _run_files() -> None:
 def _compile_after() -> None:
     adapted = adapt(vit(), NoAlign())
     assert isinstance(adapted, AdaptedViT) and adapted.model is vit()
+
+
+@edge("ablation: --auto-augment none is unset, as every other 'none' (same run key)")
+def _auto_augment_none() -> None:
+    from benchmarks._config import DataConfig
+    from benchmarks.ablation import resolve_config
+
+    assert resolve_config(["--auto-augment", "none"])[0].data.auto_augment is None
+    assert DataConfig.model_validate({"auto_augment": "None"}) == DataConfig()
+
+
+@edge("ablation: a dry run on a folder plans with its class count")
+def _dry_run_folder_classes() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp)
+        report = _ablation_run(p, ["--data", _tiny_folder(p), "--rows", "cutmix", "--seeds", "0", "--img-size", "16",
+                                   "--patch-size", "4", "--loader", "tensor"])
+        assert report.trained == 0  # type: ignore[attr-defined]
+    from benchmarks._ablation_data import peek_sizes
+    from benchmarks._config import AblationConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp)
+        cfg = AblationConfig.model_validate({"data": {"source": _tiny_folder(p)}, "cache_dir": str(p / "cache")})
+        sizes = peek_sizes(cfg, Path(cfg.data.source))
+        assert (sizes.num_classes, sizes.train, sizes.test) == (3, 12, 12)
+
+
+@edge("task: class ids (mixing off) train as timm's ClassificationTask")
+def _task_class_ids() -> None:
+    from timm.task import ClassificationTask
+
+    from mixlabels.backbones import AlignedClassificationTask
+
+    model = vit()
+    model.eval()
+    ours = AlignedClassificationTask(model, TLAlign(), criterion=nn.CrossEntropyLoss(), verbose=False)(X, Y)
+    theirs = ClassificationTask(model, criterion=nn.CrossEntropyLoss(), verbose=False)(X, Y)
+    assert_close(ours["loss"], theirs["loss"])
+
+
+@edge("mask: a box past the grid keeps the clipped area's lambda")
+def _box_past_grid_lambda() -> None:
+    from mixlabels._mask import BoxMask
+
+    assert_close(BoxMask(torch.tensor([[-2, 2, 3, 9]]), (4, 4)).source_mean(), torch.tensor([14 / 16]))
 
 
 @pytest.mark.parametrize(("case", "check"), EDGE, ids=[e[0] for e in EDGE])

@@ -84,3 +84,19 @@ def test_table_deltas_and_markdown() -> None:
     table = ablation.render_markdown(cfg, planned, records)
     assert f"| {deltas['cutmix'].delta} |" in table and NO_DIFFERENCE in table
     assert "95% t interval" in table  # the caption says what the brackets are
+
+
+def test_a_zero_difference_is_not_counted_as_positive() -> None:
+    """Ties (the same top-1 with and without) count neither as positive: ``k/n > 0`` counts strict gains only."""
+    d = paired_delta({0: 50.0, 1: 51.0, 2: 52.0, 3: 40.0}, {0: 50.0, 1: 52.0, 2: 51.0, 3: 40.0})  # 0, +1, -1, 0
+    assert d is not None and (d.n, d.positive) == (4, 1)
+    assert ", 1/4 > 0, " in str(d) and d.as_dict()["positive"] == 1
+    ties = paired_delta({0: 50.0, 1: 51.0}, {0: 50.0, 1: 51.0})
+    assert ties is not None and (ties.positive, ties.mean, ties.low, ties.high) == (0, 0.0, 0.0, 0.0)
+    assert ties.verdict == NO_DIFFERENCE and ", 0/2 > 0, " in str(ties)
+    one = paired_delta({3: 70.0}, {3: 70.0})
+    assert one is not None and one.positive == 0 and "0/1 > 0" in str(one)
+    # a reference count by the definition, over every sign pattern of three seeds
+    for signs in [(a, b, c) for a in (-1, 0, 1) for b in (-1, 0, 1) for c in (-1, 0, 1)]:
+        got = paired_delta({0: 10.0, 1: 10.0, 2: 10.0}, {s: 10.0 + v for s, v in enumerate(signs)})
+        assert got is not None and got.positive == sum(1 for v in signs if v > 0), signs

@@ -322,3 +322,257 @@ def test_blockwise_blocks_follow_beit_and_stay_strictly_smaller_than_the_grid(se
     for g in range(groups):
         want = _beit_blocks(int(counts[g]), grid, draws, g, 2, sampler.log_aspect)
         assert torch.equal(got[g], want), f"group {g}"
+
+
+# ====================================================================== laws of the random mixers (issue 29)
+# Each test below draws thousands of independent params with a fixed generator and compares how often each
+# outcome comes with its probability under the mixer's definition (or BEiT's reference code): chi-square
+# goodness of fit (or a two-sample chi-square) with the p-value threshold ALPHA_FALSE. A correct sampler fails
+# a test with probability ALPHA_FALSE over the choice of seed (0.1%; with the fixed seeds here the tests are
+# deterministic). Each law was also checked to fail with a planted bug (see the commit message).
+ALPHA_FALSE = 1e-3
+
+
+def beta_cdf(alpha: float) -> Any:
+    return stats.beta(alpha, alpha).cdf
+
+
+def chi_square_fit(observed: dict[Any, int], expected_p: dict[Any, float], n: int, min_expected: float = 5.0) -> float:
+    """p-value of a chi-square goodness of fit; categories expected fewer than ``min_expected`` times are pooled.
+
+    Every observed category must have positive probability under the law (else the law is plainly violated)."""
+    stray = [k for k in observed if expected_p.get(k, 0.0) <= 0.0]
+    assert not stray, f"outcomes impossible under the law: {stray[:5]}"
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k, p in expected_p.items():
+        if n * p >= min_expected:
+            obs.append(observed.get(k, 0))
+            exp.append(n * p)
+        else:
+            pool_o, pool_e = pool_o + observed.get(k, 0), pool_e + n * p
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    exp_arr = np.array(exp) * (sum(obs) / sum(exp))  # the tiny mass of a measure-zero outcome, renormalised
+    return float(stats.chisquare(obs, exp_arr).pvalue)
+
+
+def tally(values: list[Any]) -> dict[Any, int]:
+    out: dict[Any, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def floored_count_p(k: int, n: int, alpha: float) -> float:
+    """P(floor((1 - lam) * n) = k), lam ~ Beta(alpha, alpha)."""
+    f = beta_cdf(alpha)
+    return float(f(1 - k / n) - f(1 - (k + 1) / n))
+
+
+# ---------------------------------------------------------------------- CutMix: box sizes and positions
+def cutmix_side_law(g: int, alpha: float) -> dict[tuple[int, int], float]:
+    """Exact law of one axis ``(y0, y1)`` of a free CutMix box on ``g`` cells: side ``floor(g sqrt(1 - lam))``,
+    centre uniform over the cells, ``[c - side // 2, c + (side + 1) // 2)`` clipped to the grid."""
+    f = beta_cdf(alpha)
+    law: dict[tuple[int, int], float] = {}
+    for side in range(g + 1):
+        p_side = float(f(1 - (side / g) ** 2) - f(1 - ((side + 1) / g) ** 2)) if side < g else 0.0
+        for c in range(g):
+            key = (min(max(c - side // 2, 0), g), min(max(c + (side + 1) // 2, 0), g))
+            law[key] = law.get(key, 0.0) + p_side / g
+    return law
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.4])
+@pytest.mark.parametrize("grid", [(8, 8), (6, 10)])
+def test_cutmix_box_sides_and_positions_follow_their_definition(alpha: float, grid: tuple[int, int]) -> None:
+    n = 8000
+    boxes = CutMix(NC, alpha=alpha, mode="elem").sample((n, 1, *grid), generator=torch.Generator().manual_seed(3)).boxes
+    for axis, g in ((0, grid[0]), (1, grid[1])):
+        observed = tally([tuple(b) for b in boxes[:, 2 * axis : 2 * axis + 2].tolist()])
+        assert chi_square_fit(observed, cutmix_side_law(g, alpha), n) > ALPHA_FALSE, axis
+
+
+def test_cutmix_box_law_catches_timm_s_even_sides() -> None:
+    """Negative control: timm's ``rand_bbox`` ends the box at ``c + side // 2`` (even sides only); our definition,
+    ``c + (side + 1) // 2``, keeps the side drawn. The chi-square tells them apart."""
+    n, g = 8000, 8
+    np.random.seed(0)
+    theirs = [timm_mixup.rand_bbox((g, g), lam) for lam in np.random.beta(1.0, 1.0, size=n)]
+    observed = tally([(int(b[0]), int(b[2])) for b in theirs])
+    assert chi_square_fit(observed, {**cutmix_side_law(g, 1.0), **{k: 1e-12 for k in observed}}, n) < 1e-6
+
+
+def test_cutmix_minmax_sides_are_uniform_and_boxes_anywhere_inside() -> None:
+    n, g, minmax = 8000, 10, (0.2, 0.7)
+    boxes = CutMix(NC, minmax=minmax, mode="elem").sample((n, 1, g, g), generator=torch.Generator().manual_seed(4)).boxes
+    lo, hi = int(g * minmax[0]), int(g * minmax[1])  # sides uniform in [lo, hi) (numpy's randint), as timm
+    law = {(y0, y0 + s): 1 / (hi - lo) / (g - s + 1) for s in range(lo, hi) for y0 in range(g - s + 1)}
+    for axis in (0, 1):
+        observed = tally([tuple(b) for b in boxes[:, 2 * axis : 2 * axis + 2].tolist()])
+        assert chi_square_fit(observed, law, n) > ALPHA_FALSE
+    # the two sides are drawn independently (unlike free CutMix, where both follow lambda)
+    sides = (boxes[:, 1] - boxes[:, 0]).tolist(), (boxes[:, 3] - boxes[:, 2]).tolist()
+    joint = tally(list(zip(*sides)))
+    assert chi_square_fit(joint, {(a, b): 1 / (hi - lo) ** 2 for a in range(lo, hi) for b in range(lo, hi)}, n) > ALPHA_FALSE
+
+
+# ---------------------------------------------------------------------- GridMix: the cell size, the count, the cells
+def test_gridmix_draws_each_cell_size_equally_and_floor_count_cells_uniformly() -> None:
+    """Sizes 4 and 6 px on 12 px images (common grid of 2 px units, 6x6): a non-empty mask of size 4 is a union
+    of aligned 2x2-unit blocks, one of size 6 of 3x3-unit blocks, and no non-empty, non-full mask is both, so
+    every draw shows its size and its count; only empty masks (count 0) hide the size."""
+    from mixlabels.strategies import GridMix
+
+    n, alpha, sizes = 6000, 1.0, {4: 2, 6: 3}  # size in px -> side in units
+    params = GridMix(NC, cell_sizes=(4, 6), alpha=alpha, mode="elem").sample(
+        (n, 1, 12, 12), generator=torch.Generator().manual_seed(5))
+    cells = params.cells  # n 6 6
+    assert cells.shape == (n, 6, 6)
+    outcomes: list[tuple[int, int] | str] = []
+    single: dict[int, list[int]] = {4: [], 6: []}  # the one partner cell of count-1 draws
+    for mask in cells:
+        if not mask.any():
+            outcomes.append("empty")
+            continue
+        found = []
+        for size, u in sizes.items():
+            coarse = mask.reshape(6 // u, u, 6 // u, u).permute(0, 2, 1, 3).reshape(6 // u, 6 // u, u * u)
+            if bool((coarse.all(-1) | ~coarse.any(-1)).all()):  # constant on every block
+                found.append((size, coarse.all(-1).flatten()))
+        assert len(found) == 1, "a mask of neither (or both) cell sizes"
+        size, blocks = found[0]
+        outcomes.append((size, int(blocks.sum())))
+        if int(blocks.sum()) == 1:
+            single[size].append(int(blocks.float().argmax()))
+    law: dict[tuple[int, int] | str, float] = {"empty": 0.0}
+    for size, u in sizes.items():
+        m = (6 // u) ** 2
+        law["empty"] += 0.5 * floored_count_p(0, m, alpha)
+        law.update({(size, k): 0.5 * floored_count_p(k, m, alpha) for k in range(1, m)})
+    assert chi_square_fit(tally(outcomes), law, n) > ALPHA_FALSE
+    for size, where in single.items():  # a single partner cell lies anywhere on its size's grid
+        m = (6 // sizes[size]) ** 2
+        assert len(where) > 20 * m
+        assert chi_square_fit(tally(where), {i: 1 / m for i in range(m)}, len(where)) > ALPHA_FALSE
+
+
+# ---------------------------------------------------------------------- BlockwiseMix: BEiT's blocks
+def beit_masking_generator(rng: Any, shape: tuple[int, int], target: int, min_num: int = 16,
+                           max_num: int | None = None, min_aspect: float = 0.3, max_aspect: float | None = None) -> np.ndarray:
+    """BEiT's ``MaskingGenerator`` (microsoft/unilm, beit/masking_generator.py), as written there, on ``rng``."""
+    height, width = shape
+    max_num = target if max_num is None else max_num
+    max_aspect = max_aspect or 1 / min_aspect
+    log_aspect_ratio = (math.log(min_aspect), math.log(max_aspect))
+    mask = np.zeros(shape, dtype=int)
+
+    def _mask(max_mask_patches: int) -> int:
+        delta = 0
+        for _attempt in range(10):
+            target_area = rng.uniform(min_num, max_mask_patches)
+            aspect_ratio = math.exp(rng.uniform(*log_aspect_ratio))
+            h = int(round(math.sqrt(target_area * aspect_ratio)))
+            w = int(round(math.sqrt(target_area / aspect_ratio)))
+            if w < width and h < height:
+                top = rng.randint(0, height - h)
+                left = rng.randint(0, width - w)
+                num_masked = mask[top : top + h, left : left + w].sum()
+                if 0 < h * w - num_masked <= max_mask_patches:
+                    for i in range(top, top + h):
+                        for j in range(left, left + w):
+                            if mask[i, j] == 0:
+                                mask[i, j] = 1
+                                delta += 1
+            if delta > 0:
+                break
+        return delta
+
+    count = 0
+    while count < target:
+        delta = _mask(min(target - count, max_num))
+        if delta == 0:
+            break
+        count += delta
+    return mask
+
+
+def block_shape_statistics(masks: Tensor) -> tuple[list[int], list[int]]:
+    """Per mask: rows touched minus columns touched (the blocks' aspect), and rows touched."""
+    rows = masks.any(dim=2).sum(dim=1)
+    cols = masks.any(dim=1).sum(dim=1)
+    return (rows - cols).tolist(), rows.tolist()
+
+
+def two_sample_p(a: list[int], b: list[int], min_count: int = 10) -> float:
+    """Chi-square test that two samples of integers come from one law (sparse values pooled at the tails)."""
+    values = sorted(set(a) | set(b))
+    ta, tb = tally(a), tally(b)
+    table, pool = [], [0, 0]
+    for v in values:
+        row = [ta.get(v, 0), tb.get(v, 0)]
+        if sum(row) < min_count:
+            pool = [pool[0] + row[0], pool[1] + row[1]]
+        else:
+            table.append(row)
+    if sum(pool):
+        table.append(pool)
+    return float(stats.chi2_contingency(np.array(table)).pvalue)
+
+
+def test_blockwise_defaults_are_beit_s() -> None:
+    from mixlabels.strategies import BlockwiseMix
+
+    sampler = BlockwiseMix(NC, cell_size=1).sampler
+    assert sampler.min_cells == 16  # BEiT's min_num_patches
+    assert sampler.log_aspect == pytest.approx((math.log(0.3), math.log(1 / 0.3)))  # min_aspect 0.3, max its inverse
+
+
+@pytest.mark.parametrize(("grid", "target", "min_cells"), [((14, 14), 75, 16), ((8, 12), 30, 4)])
+def test_blockwise_block_shapes_follow_beit_s_masking_generator(grid: tuple[int, int], target: int,
+                                                                min_cells: int) -> None:
+    """Our vectorised sampler against BEiT's own loop on an independent RNG: the same law of block aspects
+    (rows minus columns touched) and extents (rows touched) at BEiT's setting (14x14, 75 cells) and a wide grid."""
+    import random
+
+    from mixlabels.strategies._patch import BlockCellSampler
+
+    n = 3000
+    sampler = BlockCellSampler(1, 1.0, None, min_cells, None, 0.3, None, "elem", "flip", 1.0)
+    ours = sampler.cells_for(n, grid, torch.full((n,), target), torch.Generator().manual_seed(6), torch.device("cpu"))
+    rng = random.Random(0)
+    beit = torch.from_numpy(np.stack([beit_masking_generator(rng, grid, target, min_cells) for _ in range(n)])).bool()
+    assert ours.sum(dim=(1, 2)).float().mean() > 0.9 * target  # the masks reach (about) their target
+    for ours_stat, beit_stat in zip(block_shape_statistics(ours), block_shape_statistics(beit)):
+        assert two_sample_p(ours_stat, beit_stat) > ALPHA_FALSE
+
+
+def test_blockwise_shape_test_catches_a_wrong_aspect() -> None:
+    """Negative control: blocks of aspect up to 3 only one way (tall) are told apart from BEiT's."""
+    import random
+
+    from mixlabels.strategies._patch import BlockCellSampler
+
+    n, grid = 3000, (14, 14)
+    tall = BlockCellSampler(1, 1.0, None, 16, None, 1.0, 1 / 0.3, "elem", "flip", 1.0)
+    ours = tall.cells_for(n, grid, torch.full((n,), 75), torch.Generator().manual_seed(6), torch.device("cpu"))
+    rng = random.Random(0)
+    beit = torch.from_numpy(np.stack([beit_masking_generator(rng, grid, 75) for _ in range(n)])).bool()
+    assert two_sample_p(block_shape_statistics(ours)[0], block_shape_statistics(beit)[0]) < 1e-6
+
+
+# ---------------------------------------------------------------------- FMix: the lambda quantile
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_fmix_keeps_round_lambda_n_cells(alpha: float) -> None:
+    """FMix keeps the ``round(lam * n)`` cells of highest noise: the kept count's law is Beta's, binned at
+    the half cells."""
+    from mixlabels.strategies import FMix
+
+    n_draws, grid = 6000, (4, 4)
+    m = grid[0] * grid[1]
+    params = FMix(NC, alpha=alpha, mode="elem").sample((n_draws, 1, *grid), generator=torch.Generator().manual_seed(7))
+    kept = (~params.cells).sum(dim=(1, 2)).tolist()
+    f = beta_cdf(alpha)
+    law = {k: float(f(min((k + 0.5) / m, 1.0)) - f(max((k - 0.5) / m, 0.0))) for k in range(m + 1)}
+    assert chi_square_fit(tally(kept), law, n_draws) > ALPHA_FALSE

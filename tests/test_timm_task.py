@@ -213,12 +213,98 @@ def test_token_labeling_logs_its_two_losses() -> None:
 def test_label_tensors_are_refused_with_the_fix() -> None:
     task = AlignedClassificationTask(tiny(), mixlabels.TLAlign(), verbose=False)
     images = torch.randn(2, 3, 32, 32)
-    with pytest.raises(TypeError, match="timm_mixup"):
-        task(images, torch.tensor([1, 2]))
+    with pytest.raises(TypeError, match=r"integer targets of shape \(2, 1\).*\(b,\) class ids"):
+        task(images, torch.tensor([[1], [2]]))
     with pytest.raises(TypeError, match="timm's Mixup"):
         task(images, torch.full((2, 10), 0.1))
-    with pytest.raises(ValueError, match="class ids"):
-        AlignedClassificationTask(tiny(), mixlabels.TLAlign(), criterion=LabelSmoothingCrossEntropy(0.1), verbose=False)
+    ids_only = AlignedClassificationTask(tiny(), mixlabels.TLAlign(), criterion=LabelSmoothingCrossEntropy(0.1),
+                                         verbose=False)
+    with pytest.raises(TypeError, match=r"LabelSmoothingCrossEntropy takes class ids, but this batch was mixed.*"
+                                        r"SoftTargetCrossEntropy"):
+        ids_only(*mixed_batch(0))
+
+
+# ---------------------------------------------------------------------------- one ported train.py, mixing on or off
+def ported_train_py(model: nn.Module, mixup: float, cutmix: float, smoothing: float, steps: int = 2,
+                    task_cls: Any = AlignedClassificationTask) -> list[torch.Tensor]:
+    """The lines of timm's train.py that build the loss, the mixer and the task, with mixlabels' mixer and task.
+
+    Returns the losses of ``steps`` SGD steps on fixed batches (each forward after ``torch.manual_seed(step)``).
+    """
+    mixup_active = mixup > 0 or cutmix > 0
+    mixer = (timm_mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=smoothing, num_classes=10,
+                        generator=torch.Generator().manual_seed(0)) if mixup_active else None)
+    if mixup_active:
+        train_loss_fn: nn.Module = SoftTargetCrossEntropy()
+    elif smoothing:
+        train_loss_fn = LabelSmoothingCrossEntropy(smoothing=smoothing)
+    else:
+        train_loss_fn = nn.CrossEntropyLoss()
+    if task_cls is AlignedClassificationTask:
+        task = AlignedClassificationTask(model, mixlabels.TLAlign(), criterion=train_loss_fn, verbose=False)
+    else:
+        task = task_cls(model, criterion=train_loss_fn, verbose=False)
+    opt = torch.optim.SGD(task.get_trainable_module().parameters(), lr=0.5)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        input, target = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+        if mixer is not None:
+            input, target = mixer(input, target)
+        torch.manual_seed(step)  # the same drop-path draws in both tasks
+        loss = task(input, target)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_ported_train_py_trains_without_mixing_as_timm_does(smoothing: float) -> None:
+    import copy
+
+    from timm.task import ClassificationTask
+
+    model = tiny()
+    reference = copy.deepcopy(model)
+    ours = ported_train_py(model, mixup=0.0, cutmix=0.0, smoothing=smoothing)
+    timm_losses = ported_train_py(reference, mixup=0.0, cutmix=0.0, smoothing=smoothing, task_cls=ClassificationTask)
+    assert_close(torch.stack(ours), torch.stack(timm_losses))  # hard or smoothed targets, as timm's task trains
+    assert not torch.equal(ours[0], ours[1])  # the second step saw updated weights
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_close(p, q)
+    # the same script with mixing on: label maps, aligned targets
+    mixed = ported_train_py(tiny(), mixup=0.8, cutmix=1.0, smoothing=smoothing)
+    assert all(torch.isfinite(v) for v in mixed)
+
+
+def test_class_ids_with_a_soft_target_criterion_train_on_one_hot_rows() -> None:
+    model = tiny()
+    model.eval()
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 3, 9, 3])
+    for criterion in (None, SoftTargetCrossEntropy()):
+        result = AlignedClassificationTask(model, mixlabels.NoAlign(), criterion=criterion, verbose=False)(images, labels)
+        assert_close(result["loss"], nn.functional.cross_entropy(model(images), labels))
+        assert_close(result["output"], model(images))
+
+
+def test_timm_distillation_with_a_label_map_says_what_to_do() -> None:
+    from timm.task import LogitDistillationTask
+
+    task = LogitDistillationTask(tiny(), tiny(), criterion=SoftTargetCrossEntropy(), verbose=False)
+    images, lm = mixed_batch(0)
+    with pytest.raises(TypeError, match=r"TokenLabelMap reached a loss written for target tensors.*"
+                                        r"LogitDistillationTask.*AlignedClassificationTask.*image_targets\(\)"):
+        task(images, lm)
+    result = task(images, lm.image_targets())  # the workaround the message names: unaligned image targets
+    assert_close(result["task_loss"], SoftTargetCrossEntropy()(result["output"], lm.image_targets()))
+    from timm.loss import BinaryCrossEntropy  # train.py's --bce-loss: the loss reads target.shape first
+
+    bce = LogitDistillationTask(tiny(), tiny(), criterion=BinaryCrossEntropy(), verbose=False)
+    with pytest.raises(AttributeError, match=r"TokenLabelMap has no shape: .*AlignedClassificationTask"):
+        bce(images, lm)
+    assert not hasattr(lm, "shape")  # duck-typing checks still see no tensor
 
 
 def test_timm_create_model_is_accepted_and_eval_model_is_plain() -> None:
