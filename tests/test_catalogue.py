@@ -50,12 +50,16 @@ from mixlabels.strategies import (
     BlockwiseMix,
     CutMix,
     CutMixConfig,
+    ElemSwitch,
     MixerConfig,
     MixToken,
     MixUp,
     RandomPatchMix,
+    ResizeMix,
+    SaliencyMix,
     Switch,
     mix_images,
+    timm_mixup,
 )
 
 C = 5  # classes
@@ -164,6 +168,9 @@ def _bad() -> list[Bad]:
         ("ratio nan", lambda _: BlockwiseMix(C, ratio=float("nan")), ValueError, r"ratio must lie in \[0, 1\]"),
         ("min_aspect 0", lambda _: BlockwiseMix(C, min_aspect=0.0), ValueError, r"aspect ratios must satisfy"),
         ("min_cells 0", lambda _: BlockwiseMix(C, min_cells=0), ValueError, r"min_cells and max_cells must be >= 1"),
+        ("ElemSwitch switch_prob 1.5", lambda _: ElemSwitch(C, switch_prob=1.5), ValueError, r"switch_prob must lie in \[0, 1\].*got 1.5"),
+        ("timm_mixup switch_prob 1.5", lambda _: timm_mixup(0.8, 1.0, switch_prob=1.5, num_classes=C), ValueError, r"switch_prob must lie in \[0, 1\].*got 1.5"),
+        ("timm_mixup switch_prob -0.2 elem", lambda _: timm_mixup(0.8, 1.0, switch_prob=-0.2, mode="elem", num_classes=C), ValueError, r"switch_prob must lie in \[0, 1\].*got -0.2"),
         ("generator int", lambda _: CutMix(C, generator=0), TypeError, r"generator must be a torch.Generator, got the int 0.*manual_seed\(0\)"),  # type: ignore[arg-type]
         ("generator str", lambda _: MixUp(C, generator="cpu"), TypeError, r"generator must be a torch.Generator or None, got str"),  # type: ignore[arg-type]
         # ---- mixer calls: images
@@ -176,6 +183,8 @@ def _bad() -> list[Bad]:
         ("image not divisible by patch_size", lambda _: CutMix(C, patch_size=5)(X, Y), ValueError, r"patch_size=5 does not divide the image size 16x16"),
         ("image not divisible by cell_size", lambda _: RandomPatchMix(C, cell_size=6)(X, Y), ValueError, r"cell_size=6 does not divide"),
         ("MixToken patch not dividing", lambda _: MixToken(C, patch_size=3)(X, Y), ValueError, r"patch_size=3 does not divide"),
+        ("ResizeMix scale rounding every box to 0 px", lambda _: ResizeMix(C, scale=(0.01, 0.06))(X, Y), ValueError, r"scale=\(0.01, 0.06\) gives only empty boxes on 16x16 images.*nothing would be mixed; raise scale's max above 1/16"),
+        ("ResizeMix scale rounding every box to 0 cells", lambda _: ResizeMix(C, scale=(0.2, 0.5), patch_size=8)(X, Y), ValueError, r"only empty boxes.*2x2 grid of cells.*smaller patch_size"),
         ("blockwise min_cells cannot fit", lambda _: BlockwiseMix(C, cell_size=4, min_cells=10)(X, Y), ValueError, r"min_cells=10 cannot fit on the 4x4 cell grid.*at most 9 cells"),
         ("blockwise one-row grid", lambda _: BlockwiseMix(C, cell_size=4, min_cells=1)(torch.rand(2, 3, 4, 16), Y[:2]), ValueError, r"strictly smaller than the grid"),
         # ---- mixer calls: labels
@@ -493,6 +502,28 @@ def _keep_unmixed_routes() -> None:
         got = keep_unmixed(out, own, unmixed, select)
         assert_close(got[unmixed], own[unmixed], rtol=0, atol=0)
         assert torch.isnan(got[~unmixed]).all()
+
+
+@edge("ResizeMix: a draw whose box rounds to 0 px is marked unmixed, and its pixels and targets are untouched")
+def _resizemix_empty_boxes_unmixed() -> None:
+    x = torch.rand(64, 3, 16, 16, generator=gen(9))
+    y = torch.arange(64) % C
+    mixer = ResizeMix(C, scale=(0.01, 0.2), mode="elem", generator=gen(9))  # tau < 1/16 rounds to an empty box
+    out, lm = mixer(x, y)
+    p = mixer.last_params
+    assert p is not None
+    empty = (p.boxes[:, 1] == p.boxes[:, 0]) | (p.boxes[:, 3] == p.boxes[:, 2])
+    assert 0 < int(empty.sum()) < 64  # both kinds of draw happened
+    assert not p.applied[empty].any() and p.applied[~empty].all()
+    assert torch.equal(out[empty], x[empty])
+    assert_close(lm.image_targets()[empty], torch.eye(C)[y[empty]])
+
+
+@edge("SaliencyMix: an empty batch gives an empty batch (no FFT of nothing)")
+def _saliencymix_empty() -> None:
+    for mode in ("batch", "elem"):
+        out, lm = SaliencyMix(C, mode=mode, generator=gen())(torch.rand(0, 3, 16, 16), torch.zeros(0, dtype=torch.long))
+        assert out.shape == (0, 3, 16, 16) and lm.image_targets().shape == (0, C)
 
 
 @edge("mix_images: weight 1 selects the image's own pixels")
