@@ -59,6 +59,7 @@ from mixlabels.strategies import (
     SaliencyMix,
     Switch,
     mix_images,
+    timm_collate_mixup,
     timm_mixup,
 )
 
@@ -220,6 +221,8 @@ def _bad() -> list[Bad]:
         ("Switch probs inf", lambda _: Switch([MixUp(C), CutMix(C)], probs=[float("inf"), 1]), ValueError, r"non-negative number per mixer"),
         ("Switch probs count", lambda _: Switch([MixUp(C), CutMix(C)], probs=[1.0]), ValueError, r"one non-negative number per mixer \(2\)"),
         ("Switch params of a child", lambda _: Switch([MixUp(C), CutMix(C)]).mix(X, Y, MixUp(C).sample(X.shape)), TypeError, r"Switch mixes with SwitchParams"),
+        # ---- collate-time mixing
+        ("collate channels-last uint8 (PIL to numpy)", lambda _: timm_collate_mixup(0.8, 1.0, num_classes=C, seed=0)([(np.zeros((16, 16, 3), np.uint8), 0)] * 4), ValueError, r"channels-last \(16, 16, 3\) uint8 image.*ToNumpy\(\).*np.transpose\(x, \(2, 0, 1\)\)"),
         # ---- mixer configs
         ("config extra field", lambda _: CutMixConfig(num_classes=C, alhpa=1.0), pydantic.ValidationError, r"alhpa"),  # type: ignore[call-arg]
         ("config unknown kind", lambda _: TypeAdapter(MixerConfig).validate_python({"kind": "cutmixx", "num_classes": C}), pydantic.ValidationError, r"cutmixx"),
