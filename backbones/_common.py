@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
-from mixlabels.backbones._timm_face import TimmFace, check_distributed
+from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_windows, chain_matrices, window_sums
 
 __all__ = [
@@ -102,6 +102,7 @@ class AdaptedBase(TimmFace):
                 "call model.set_grad_checkpointing(False) before training with a label map"
             )
         check_distributed(self)
+        check_label_map(self, images, label_map)
         if self.reference:
             # The reference builds its explicit matrices with factory functions (eye, zeros, arange):
             # made on the images' device, a GPU model's reference runs where its modules do.
