@@ -610,6 +610,21 @@ def _box_mask_int32() -> None:
     assert_close(m.token_weights((2, 2)), BoxMask(torch.tensor([[0, 2, 0, 3]]), (4, 4)).token_weights((2, 2)))
 
 
+@edge("distributed refusal: keeps the DDP guidance and promises no FSDP")
+def _distributed_refusal() -> None:
+    from unittest import mock
+
+    from mixlabels.backbones import _timm_face
+
+    adapted = adapt(vit(), TLAlign())
+    with mock.patch.object(_timm_face, "distributed_world", return_value=2):
+        with pytest.raises(RuntimeError, match=r"outside DistributedDataParallel.*prepare_distributed") as err:
+            adapted(X, cutmix_map())
+    message = str(err.value)
+    assert "DistributedDataParallel(adapted" in message and "(FSDP is not)" in message
+    assert "(FSDP), set" not in message  # the old promise: FSDP2 then crashes on mixed Tensor and DTensor
+
+
 @edge("mix_images: weight 1 selects the image's own pixels")
 def _mix_images_select() -> None:
     x = torch.tensor([[[[1.0, 2.0]]], [[[float("nan"), float("inf")]]]])
