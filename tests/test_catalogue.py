@@ -91,6 +91,18 @@ def _vit24() -> nn.Module:
                              depth=1, num_heads=2, num_classes=C)
 
 
+def _eva_avg() -> nn.Module:
+    from timm.models.eva import Eva
+
+    return Eva(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg")
+
+
+def _beit_avg() -> nn.Module:
+    from timm.models.beit import Beit
+
+    return Beit(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg")
+
+
 def cutmix_map(images: Tensor = X) -> TokenLabelMap:
     return CutMix(C, patch_size=4, generator=gen())(images, Y[: images.shape[0]])[1]
 
@@ -304,6 +316,9 @@ def _bad() -> list[Bad]:
         ("hand-built map with negative weights", lambda _: adapt(vit(), NoAlign())(X, hand_map(1.5, -0.5)), ValueError, r"label map passed to AdaptedViT is invalid: mask and image weights must lie in \[0, 1\]"),
         ("hand-built map into any classifier", lambda _: adapt(nn.Sequential(nn.Flatten(), nn.Linear(768, C)), NoAlign())(X, hand_map(0.7, 0.7)), ValueError, r"passed to AdaptedClassifier is invalid: mask weights must sum to 1"),
         ("hand-built map with logits as token targets", lambda _: adapt(vit(), TokenLabeling())(X, dataclasses.replace(hand_map(0.5, 0.5), token_targets=torch.randn(4, 2, 2, C))), ValueError, r"invalid: token_targets must be class probabilities.*softmax"),
+        ("TransMix on an EVA that pools by average", lambda _: adapt(_eva_avg(), TransMix())(X, cutmix_map()), ValueError, r"TransMix reads the attention of the class token that the head reads.*averages the tokens.*global_pool='token'"),
+        ("TransMix on a BEiT that pools by average (reference)", lambda _: adapt(_beit_avg(), TransMix(), reference=True)(X, cutmix_map()), ValueError, r"class token that the head reads.*global_pool='token'"),
+        ("MixPro on a ViT with a class token, pooled by average", lambda _: adapt(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg"), MixPro())(X, cutmix_map().with_progress(0.5)), ValueError, r"MixPro reads the attention of the class token.*global_pool='token'"),
         ("aligned uint8 images", lambda _: adapt(vit(), TLAlign())((X * 255).byte(), cutmix_map()), ValueError, r"images must be floating point, got torch.uint8"),
         ("aligned map on another device", lambda _: adapt(vit(), TLAlign())(X, cutmix_map().to("meta")), ValueError, r"label map on meta.*label_map.to\(images.device\)"),
         ("token-space map not lining up with patches", lambda _: adapt(_vit24(), NoAlign())(torch.rand(2, 3, 24, 24), TokenLabelMap.from_mask(torch.ones(2, 4, 4), torch.tensor([1, 0]), Y[:2], C, image_size=(24, 24), token_space=True)), ValueError, r"4x4 cells, which do not line up with the model's 6x6 patches.*patch_size=4"),
