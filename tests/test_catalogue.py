@@ -103,6 +103,14 @@ def _beit_avg() -> nn.Module:
     return Beit(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg")
 
 
+def _reference_at(name: str, size: int) -> object:
+    """The float64 reference of a timm model at its default size, on the meta device: refused before allocating."""
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False)
+    lm = TokenLabelMap.unmixed(torch.tensor([0, 1]), 1000, (size, size)).to("meta")
+    return adapt(model, TLAlign(), reference=True)(torch.empty(2, 3, size, size, device="meta"), lm)
+
+
 def cutmix_map(images: Tensor = X) -> TokenLabelMap:
     return CutMix(C, patch_size=4, generator=gen())(images, Y[: images.shape[0]])[1]
 
@@ -319,6 +327,8 @@ def _bad() -> list[Bad]:
         ("TransMix on an EVA that pools by average", lambda _: adapt(_eva_avg(), TransMix())(X, cutmix_map()), ValueError, r"TransMix reads the attention of the class token that the head reads.*averages the tokens.*global_pool='token'"),
         ("TransMix on a BEiT that pools by average (reference)", lambda _: adapt(_beit_avg(), TransMix(), reference=True)(X, cutmix_map()), ValueError, r"class token that the head reads.*global_pool='token'"),
         ("MixPro on a ViT with a class token, pooled by average", lambda _: adapt(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg"), MixPro())(X, cutmix_map().with_progress(0.5)), ValueError, r"MixPro reads the attention of the class token.*global_pool='token'"),
+        ("reference of resnet18 at its default size", lambda _: _reference_at("resnet18", 224), ValueError, r"dense reference path would build 38.3 GiB float64 matrices.*use the fast path \(reference=False\), or the reference on smaller images"),
+        ("reference of crossvit_tiny_240 at its default size", lambda _: _reference_at("crossvit_tiny_240", 240), ValueError, r"would build 50.3 GiB.*use the fast path"),
         ("aligned uint8 images", lambda _: adapt(vit(), TLAlign())((X * 255).byte(), cutmix_map()), ValueError, r"images must be floating point, got torch.uint8"),
         ("aligned map on another device", lambda _: adapt(vit(), TLAlign())(X, cutmix_map().to("meta")), ValueError, r"label map on meta.*label_map.to\(images.device\)"),
         ("token-space map not lining up with patches", lambda _: adapt(_vit24(), NoAlign())(torch.rand(2, 3, 24, 24), TokenLabelMap.from_mask(torch.ones(2, 4, 4), torch.tensor([1, 0]), Y[:2], C, image_size=(24, 24), token_space=True)), ValueError, r"4x4 cells, which do not line up with the model's 6x6 patches.*patch_size=4"),
