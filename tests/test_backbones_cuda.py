@@ -133,6 +133,8 @@ def test_cuda_hand_built_map_is_checked_once_with_no_sync_per_step() -> None:
             check_label_map(adapted, images, hand)  # later calls: no host read
             check_label_map(adapted, images, lm)
             hand.with_token_targets(maps)  # checked by the adapter, not here: no sync
+        with pytest.raises(RuntimeError):  # the mode does catch a host read: the check itself syncs
+            hand.check()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert not lm.with_token_targets(maps).validated  # left to the adapter's (first-call) check
