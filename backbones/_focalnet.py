@@ -156,7 +156,8 @@ class AdaptedFocalNet(AdaptedBase):
 
     def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
         """The reference's labels start on a patch stem's grid, else on the pixels (as ``_embed`` decides)."""
-        stem: Any = self.model.stem.proj
+        m: Any = self.model
+        stem = m.stem.proj
         if label_map.token_space or (stem.kernel_size == stem.stride and stem.padding == (0, 0)):
             return stride_grid(label_map, tuple(stem.stride))
         return label_map.image_size[0], label_map.image_size[1]

@@ -122,7 +122,7 @@ def check_label_map(adapter: nn.Module, images: torch.Tensor, label_map: TokenLa
                 f"the label map passed to {type(adapter).__name__} is invalid: {e}. (Maps from this library's mixers "
                 "are valid by construction; a hand-built map is checked where it enters the model)"
             ) from None
-        adapter._label_values_checked = True
+        setattr(adapter, "_label_values_checked", True)  # nn.Module's __setattr__ types attributes as tensors or modules
 
 
 def check_distributed(adapter: TimmFace) -> None:
