@@ -481,11 +481,11 @@ class TokenLabelMap:
         """
         if maps is None:
             return replace(self, token_targets=None)
-        out = replace(self, token_targets=maps)  # shapes and dtype checked
-        if maps.device.type == "cpu" and not torch.compiler.is_compiling():
+        checked_here = maps.device.type == "cpu" and not torch.compiler.is_compiling()
+        out = replace(self, token_targets=maps, validated=self.validated and checked_here)  # shapes and dtype checked
+        if checked_here:
             check_token_targets(maps)
-            return out
-        return replace(out, validated=False) if out.validated else out
+        return out
 
     def with_progress(self, progress: float | None) -> TokenLabelMap:
         """This map carrying the training progress of its batch in ``[0, 1]`` (``step / total_steps``)."""
