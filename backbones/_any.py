@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap, TokenLayout
+from mixlabels.backbones._timm_face import check_label_map
 
 __all__ = ["AdaptedClassifier", "ANY_FAMILY", "any_refusal", "accepts_any_model"]
 
@@ -142,6 +143,8 @@ class AdaptedClassifier(nn.Module):
         self.model = model
         self.scheme = scheme
         self.reference = reference  # nothing to reference: the target never depends on the model
+        self.check_label_values: bool | None = None  # as TimmFace's: when to check a hand-built map's values
+        self._label_values_checked = False
 
     @overload
     def forward(self, images: Tensor) -> Any: ...
@@ -157,6 +160,7 @@ class AdaptedClassifier(nn.Module):
                 f"images {tuple(images.shape)} do not match the label map (batch {label_map.batch_size}, "
                 f"{label_map.image_size[0]}x{label_map.image_size[1]} pixels); mix and adapt the same batch"
             )
+        check_label_map(self, images, label_map)
         output = self._token_space_forward(images, label_map) if label_map.token_space else self.model(images)
         logits = output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor) else output
         if not isinstance(logits, Tensor) or tuple(logits.shape) != (label_map.batch_size, label_map.num_classes):

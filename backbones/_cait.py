@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels, class_attention
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix
+from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, stride_grid
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
@@ -116,6 +116,11 @@ class AdaptedCaiT(AdaptedBase):
 
     family = CAIT_FAMILY
     refusal = staticmethod(_cait_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.patch_embed.patch_size))
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model

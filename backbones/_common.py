@@ -32,11 +32,14 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
-from mixlabels.backbones._timm_face import TimmFace, check_distributed
+from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_windows, chain_matrices, window_sums
 
 __all__ = [
     "AdaptedBase",
+    "REFERENCE_LIMIT",
+    "check_reference_size",
+    "stride_grid",
     "branch",
     "conv_label_kernel",
     "kernel_labels",
@@ -53,6 +56,30 @@ __all__ = [
     "check_static_conv",
     "explicit_mix",
 ]
+
+
+REFERENCE_LIMIT = 4 * 2**30
+"""Bytes of float64 matrices the dense reference path may build; beyond, it refuses before allocating
+(a ValueError, which benchmarks/speed.py reports as a refused variant) rather than exhaust the machine."""
+
+
+def stride_grid(label_map: TokenLabelMap, stride: int | Sequence[int]) -> tuple[int, int]:
+    """The grid of a stem or patch embedding of ``stride`` on the label map's images."""
+    sh, sw = (stride, stride) if isinstance(stride, int) else (int(stride[0]), int(stride[1]))
+    return label_map.image_size[0] // sh, label_map.image_size[1] // sw
+
+
+def check_reference_size(adapter: AdaptedBase, label_map: TokenLabelMap) -> None:
+    """Refuse a reference forward whose estimated matrices (``adapter.reference_bytes``) exceed ``REFERENCE_LIMIT``."""
+    need = adapter.reference_bytes(label_map)
+    if need > REFERENCE_LIMIT:
+        h, w = label_map.image_size
+        gh, gw = adapter.reference_grid(label_map)
+        raise ValueError(
+            f"the dense reference path would build {need / 2**30:.1f} GiB float64 matrices for {label_map.batch_size} "
+            f"{h}x{w} images (labels on a {gh}x{gw} grid; the limit is {REFERENCE_LIMIT / 2**30:.1f} GiB); "
+            "use the fast path (reference=False), or the reference on smaller images"
+        )
 
 
 class AdaptedBase(TimmFace):
@@ -102,7 +129,9 @@ class AdaptedBase(TimmFace):
                 "call model.set_grad_checkpointing(False) before training with a label map"
             )
         check_distributed(self)
+        check_label_map(self, images, label_map)
         if self.reference:
+            check_reference_size(self, label_map)  # before any matrix is built
             # The reference builds its explicit matrices with factory functions (eye, zeros, arange):
             # made on the images' device, a GPU model's reference runs where its modules do.
             with torch.device(images.device):
@@ -114,6 +143,18 @@ class AdaptedBase(TimmFace):
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         raise NotImplementedError
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The grid the reference path's dense labels start on: the pixels here (the conv-stem families sum
+        them into the stem's grid); families whose reference starts on a patch or stem grid override it."""
+        return label_map.image_size[0], label_map.image_size[1]
+
+    def reference_bytes(self, label_map: TokenLabelMap) -> int:
+        """Estimated bytes of the reference path's largest float64 buffers: an ``(n, n)`` matrix per sample on the
+        first grid of ``n`` cells (path, window and attention matrices are that size there) and the ``(b, n, c)`` labels."""
+        gh, gw = self.reference_grid(label_map)
+        n, b = gh * gw, max(label_map.batch_size, 1)
+        return 8 * (b * n * n + b * n * label_map.num_classes)
 
 
 def branch(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_stem
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_stem, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 
 __all__ = ["AdaptedFocalNet", "FOCALNET_FAMILY", "gate_weights"]
@@ -153,6 +153,14 @@ class AdaptedFocalNet(AdaptedBase):
 
     family = FOCALNET_FAMILY
     refusal = staticmethod(_focalnet_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on a patch stem's grid, else on the pixels (as ``_embed`` decides)."""
+        m: Any = self.model
+        stem = m.stem.proj
+        if label_map.token_space or (stem.kernel_size == stem.stride and stem.padding == (0, 0)):
+            return stride_grid(label_map, tuple(stem.stride))
+        return label_map.image_size[0], label_map.image_size[1]
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model

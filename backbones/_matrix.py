@@ -101,8 +101,8 @@ def support_markdown(rows: list[SupportRow] | None = None) -> str:
 
 def _short(reason: str) -> str:
     """A refusal in a few words (the full text is in docs/families.md)."""
-    if "no class token" in reason:
-        return "no class token"
+    if "no class token" in reason or "class token that the head reads" in reason:
+        return "no class token"  # or none the head reads (a pooled BEiT): docs/families.md has the full reason
     if "works for any classifier" in reason:
         return "NoAlign only"
     return reason.split(";")[0][:80]

@@ -259,23 +259,13 @@ def _branch_matrix(ops: list[_Op], grid: tuple[int, int]) -> tuple[Tensor, tuple
     return (torch.eye(grid[0] * grid[1], dtype=torch.float64) if m is None else m), grid
 
 
-# The reference path's largest dense float64 matrix: beyond this it refuses (a ValueError, which
-# benchmarks/speed.py reports as a refused variant) rather than exhaust the machine's memory.
-REFERENCE_BYTES = 2**31
-
-
-def _check_reference_size(m: Any, label_map: TokenLabelMap) -> None:
-    """Refuse image sizes whose stem matrices (pixels to the stem's grid, and that grid's own) exceed ``REFERENCE_BYTES``."""
+def _reference_bytes(m: Any, label_map: TokenLabelMap) -> int:
+    """The stem matrices' bytes (pixels to the stem's grid, and that grid's own): the reference's largest."""
     h, w = label_map.image_size
     sh, sw = _pair(m.stem.conv1.stride)
     tokens = (h // sh) * (w // sw)
     pixels = tokens if label_map.token_space else h * w
-    need = 8 * tokens * max(pixels, tokens)
-    if need > REFERENCE_BYTES:
-        raise ValueError(
-            f"the dense reference path would build {need / 2**30:.1f} GiB float64 matrices for {h}x{w} images "
-            f"(a {h // sh}x{w // sw} stem grid); use the fast path (reference=False), or the reference on smaller images"
-        )
+    return 8 * tokens * max(pixels, tokens)
 
 
 def _conv_branch(u: Any, x: Tensor) -> Tensor:
@@ -425,6 +415,10 @@ class AdaptedMaxxVit(AdaptedBase):
     family = MAXXVIT_FAMILY
     refusal = staticmethod(_maxxvit_refusal)
 
+    def reference_bytes(self, label_map: TokenLabelMap) -> int:
+        """The stem matrices, this family's largest (checked by ``AdaptedBase.forward`` before they are built)."""
+        return _reference_bytes(self.model, label_map)
+
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
@@ -479,7 +473,6 @@ class AdaptedMaxxVit(AdaptedBase):
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         """Explicit matrices (windows, kernels, attention scattered over the grid) on dense labels."""
         m: Any = self.model
-        _check_reference_size(m, label_map)
         x, grid, start = _embed(m, images, label_map)
         units = _units(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(units))

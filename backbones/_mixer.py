@@ -29,7 +29,7 @@ from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch
+from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 
@@ -93,6 +93,11 @@ class AdaptedMixer(AdaptedBase):
 
     family = MIXER_FAMILY
     refusal = staticmethod(_mixer_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.stem.patch_size))
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 
 __all__ = ["AdaptedNest", "NEST_FAMILY"]
@@ -168,6 +168,11 @@ class AdaptedNest(AdaptedBase):
 
     family = NEST_FAMILY
     refusal = staticmethod(_nest_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.patch_embed.proj.stride))
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model

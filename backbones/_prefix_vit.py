@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, DenseTracker, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch
+from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._vit import attend
 
 __all__ = ["PrefixViT", "attention_output", "patch_embed_refusal", "pool_refusal", "project_qkv"]
@@ -95,6 +95,11 @@ def _layer_scale(blk: Any, i: int, y: Tensor) -> Tensor:
 
 class PrefixViT(AdaptedBase):
     """A ViT with prefix tokens whose attention takes a bias or rotated q/k; subclasses build the tokens and q, k, v."""
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.patch_embed.patch_size))
 
     def _prepare(self, x: Tensor) -> tuple[Tensor, Any]:
         """Patch tokens (``b n c``, or ``b h w c`` with ``dynamic_img_size``) to all tokens ``b n c``

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, sum_pool_merge, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, window_matrix
 from mixlabels.backbones._swin import check_window_grids, shifted_windows, window_ids
 from mixlabels.backbones._swinv2 import cosine_attention, cosine_scores
@@ -92,6 +92,11 @@ class AdaptedSwinV2Cr(AdaptedBase):
 
     family = SWINV2_CR_FAMILY
     refusal = staticmethod(_swinv2_cr_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.patch_embed.patch_size))
 
     def _embed(self, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], int]:
         m: Any = self.model

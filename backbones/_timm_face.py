@@ -10,7 +10,8 @@ dict the model's own (it loads one too) and forwards ``no_weight_decay`` and
 
 It also refuses the one silent failure of distributed training: a training forward
 under a process group of several ranks that does not run inside
-``DistributedDataParallel``, whose gradients would never be all-reduced.
+``DistributedDataParallel``, whose gradients would never be all-reduced; and it checks
+the values of a hand-built label map where it enters the model (``check_label_map``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from timm.models import group_parameters
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["TimmFace", "check_distributed", "distributed_world"]
+from mixlabels import TokenLabelMap
+
+__all__ = ["TimmFace", "check_distributed", "check_label_map", "distributed_world"]
 
 PREFIX = "model."
 
@@ -54,8 +57,10 @@ class TimmFace(nn.Module):
 
     Attributes:
         check_distributed: refuse a training forward under a multi-rank process group that does not
-            run inside ``DistributedDataParallel`` (set ``False`` when gradients are synchronised another
-            way, e.g. FSDP).
+            run inside ``DistributedDataParallel`` (``False`` turns the check off; only DDP is supported).
+        check_label_values: check the values of a label map not made by a mixer (``label_map.check()``,
+            a host read). ``None`` (default): every call for maps on the CPU, the first call for maps
+            on an accelerator (no device sync per step); ``True``: every call; ``False``: never.
     """
 
     model: nn.Module
@@ -65,6 +70,8 @@ class TimmFace(nn.Module):
         self.register_state_dict_post_hook(_strip)  # type: ignore[no-untyped-call]  # untyped in torch
         self.register_load_state_dict_pre_hook(_add)  # type: ignore[no-untyped-call]  # untyped in torch
         self.check_distributed = True
+        self.check_label_values: bool | None = None
+        self._label_values_checked = False
 
     def no_weight_decay(self) -> set[str]:
         """The model's ``no_weight_decay`` names under this module's names (``model.pos_embed``, ...)."""
@@ -92,6 +99,32 @@ def distributed_world() -> int:
     return 1
 
 
+def check_label_map(adapter: nn.Module, images: torch.Tensor, label_map: TokenLabelMap) -> None:
+    """Check a label map's values where it enters the model, unless a mixer vouched for them.
+
+    A hand-built map (``TokenLabelMap(...)``, ``from_mask(..., validate=False)``, maps with token
+    targets on an accelerator) whose weights sum to 1.4 or are negative would train silently.
+    ``adapter.check_label_values`` decides when (see ``TimmFace``); skipped while compiling,
+    where the host read would break the graph.
+    """
+    if torch.compiler.is_compiling() or label_map.validated:
+        return
+    if label_map.device != images.device or label_map.device.type == "meta":
+        return  # no values to read here; the adapter's batch check refuses the devices by name
+    when: bool | None = getattr(adapter, "check_label_values", None)
+    if when is None:
+        when = label_map.device.type == "cpu" or not getattr(adapter, "_label_values_checked", False)
+    if when:
+        try:
+            label_map.check()
+        except ValueError as e:
+            raise ValueError(
+                f"the label map passed to {type(adapter).__name__} is invalid: {e}. (Maps from this library's mixers "
+                "are valid by construction; a hand-built map is checked where it enters the model)"
+            ) from None
+        setattr(adapter, "_label_values_checked", True)  # nn.Module's __setattr__ types attributes as tensors or modules
+
+
 def check_distributed(adapter: TimmFace) -> None:
     """Refuse a training forward that would leave gradients un-reduced across ranks.
 
@@ -114,6 +147,7 @@ def check_distributed(adapter: TimmFace) -> None:
         "task = AlignedClassificationTask(model, scheme); task.prepare_distributed(device_ids=[local_rank]); "
         "result = task(images, label_map). By hand: ddp = DistributedDataParallel(adapted, device_ids=[local_rank]) "
         "and call ddp(images, label_map), not the adapter (a DistributedDataParallel of the bare model does not "
-        "see the adapter's forward). If gradients are synchronised another way (FSDP), set "
-        "adapted.check_distributed = False."
+        "see the adapter's forward). Only DistributedDataParallel is supported for training an adapted model "
+        "across ranks (FSDP is not). If this forward really needs no gradient reduction (each rank trains "
+        "its own model on purpose), set adapted.check_distributed = False."
     )

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, explicit_mix, mix_token_space
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -198,6 +198,11 @@ class AdaptedTwins(AdaptedBase):
 
     family = TWINS_FAMILY
     refusal = staticmethod(_twins_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.patch_embeds[0].proj.stride))
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model

@@ -16,7 +16,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels, class_attention, explicit_mix
-from mixlabels.backbones._common import AdaptedBase, branch
+from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._vit_reference import reference_forward
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -64,6 +64,11 @@ class AdaptedViT(AdaptedBase):
 
     family = VIT_FAMILY
     refusal = staticmethod(vit_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.patch_embed.patch_size))
 
     def _grid(self, images: Tensor, label_map: TokenLabelMap) -> tuple[int, int]:
         m: Any = self.model

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels, class_attention
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -145,6 +145,11 @@ class AdaptedXCiT(AdaptedBase):
 
     family = XCIT_FAMILY
     refusal = staticmethod(_xcit_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, int(m.patch_embed.patch_size))
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model

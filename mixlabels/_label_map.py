@@ -32,7 +32,7 @@ from torch import Tensor
 
 from mixlabels._mask import BoxMask, CellMask, Mask
 
-__all__ = ["TokenLabelMap", "class_distributions", "check_labels"]
+__all__ = ["TokenLabelMap", "class_distributions", "check_labels", "check_token_targets"]
 
 
 def _fail(message: str) -> None:
@@ -80,6 +80,24 @@ def check_labels(labels: Tensor, num_classes: int) -> None:
         _fail(
             f"labels out of range: found class ids in [{lo_v}, {hi_v}] but num_classes={num_classes}; "
             f"ids must lie in [0, {num_classes - 1}]"
+        )
+
+
+def check_token_targets(maps: Tensor) -> None:
+    """Raise unless annotator maps ``(b, h, w, c)`` are probabilities: finite, >= 0, each cell summing to at most 1.
+
+    (At most, not exactly: top-k maps expanded with ``fill="zeros"`` leave the rest of the mass out.)
+    One host read.
+    """
+    if maps.numel() == 0:
+        return
+    m = maps.float()
+    flags = torch.stack([(~torch.isfinite(m)).any(), (m < 0).any(), (m.sum(dim=-1) > 1.01).any()]).tolist()
+    if flags[0] or flags[1] or flags[2]:
+        found = "NaN or inf values" if flags[0] else "negative values" if flags[1] else "cells summing to more than 1"
+        _fail(
+            f"token_targets must be class probabilities per cell, found {found}: these look like logits or "
+            "unnormalised scores. Pass probabilities, e.g. maps.softmax(dim=-1) of an annotator's logits"
         )
 
 
@@ -147,6 +165,10 @@ class TokenLabelMap:
         progress: optional training progress of this batch in ``[0, 1]`` (e.g. ``step /
             total_steps``), for schemes whose rules change over training (``MixPro``); set
             with ``with_progress``.
+        validated: the values are known valid (weights in ``[0, 1]`` summing to 1, labels in
+            range): set by this library's mixers, and by ``from_mask`` and ``unmixed`` with their
+            value checks. The adapters check a map that is not, once where it enters
+            the model (``check``: every call on the CPU, the first call on an accelerator).
 
     Example:
         >>> import torch
@@ -170,6 +192,7 @@ class TokenLabelMap:
     token_space: bool = False
     token_targets: Tensor | None = None
     progress: float | None = None
+    validated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sources", "image_weights", "labels"):
@@ -303,6 +326,7 @@ class TokenLabelMap:
             image_size=(int(size[0]), int(size[1])),
             label_smoothing=float(label_smoothing),
             token_space=token_space,
+            validated=validate,  # weights 0..1 checked, and [w0, 1 - w0] sums to 1 by construction
         )
 
     @classmethod
@@ -317,6 +341,7 @@ class TokenLabelMap:
         image_size: tuple[int, int] | None = None,
         token_space: bool = False,
         lam: Tensor | None = None,
+        validated: bool = False,
     ) -> TokenLabelMap:
         """Pairwise map of CutMix boxes: the partner fills each box, the sample keeps the rest.
 
@@ -336,6 +361,8 @@ class TokenLabelMap:
             image_size: ``(H, W)``; defaults to the grid (pixel boxes).
             token_space: mark the map for mixing patch embeddings (MixToken).
             lam: ``(b,)`` weight of source 0 to use instead of the area (timm's uncorrected lambda).
+            validated: the caller vouches for the values (a sampler's boxes and lambdas, labels it
+                checked); otherwise an adapter checks them once (see ``validated`` on the class).
 
         Returns:
             A map with ``k = 2``.
@@ -363,6 +390,7 @@ class TokenLabelMap:
             image_size=(int(size[0]), int(size[1])),
             label_smoothing=float(label_smoothing),
             token_space=token_space,
+            validated=validated,
         )
 
     @classmethod
@@ -400,6 +428,7 @@ class TokenLabelMap:
             num_classes=num_classes,
             image_size=image_size,
             label_smoothing=float(label_smoothing),
+            validated=validate,  # one source of weight 1 everywhere: only the labels could be wrong
         )
 
     # ------------------------------------------------------------------ properties
@@ -417,6 +446,13 @@ class TokenLabelMap:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TokenLabelMap:
         """The same map on another device (``non_blocking`` as ``Tensor.to``: from pinned memory, asynchronous)."""
+        if isinstance(device, torch.dtype) or isinstance(non_blocking, torch.dtype):
+            dtype = device if isinstance(device, torch.dtype) else non_blocking
+            raise TypeError(
+                f"TokenLabelMap.to() takes a device, got the dtype {dtype}: the label weights stay float32 whatever "
+                "the images' dtype (autocast and half-precision models included), and class ids stay integers. "
+                "Cast the images, and move the map with label_map.to(images.device)"
+            )
         return replace(
             self,
             sources=self.sources.to(device, non_blocking=non_blocking),
@@ -448,15 +484,26 @@ class TokenLabelMap:
             >>> maps = torch.softmax(torch.randn(2, 4, 4, 10), dim=-1)
             >>> tuple(lm.with_token_targets(maps).mixed_token_targets((4, 4)).shape)
             (2, 16, 10)
+
+        Values (probabilities: finite, non-negative, cells summing to at most 1) are checked here
+        for maps on the CPU; maps on an accelerator are checked by the adapter, at its first call
+        (no device sync per step).
         """
-        return replace(self, token_targets=maps)
+        if maps is None:
+            return replace(self, token_targets=None)
+        checked_here = maps.device.type == "cpu" and not torch.compiler.is_compiling()
+        out = replace(self, token_targets=maps, validated=self.validated and checked_here)  # shapes and dtype checked
+        if checked_here:
+            check_token_targets(maps)
+        return out
 
     def with_progress(self, progress: float | None) -> TokenLabelMap:
         """This map carrying the training progress of its batch in ``[0, 1]`` (``step / total_steps``)."""
         return replace(self, progress=None if progress is None else float(progress))
 
     def check(self) -> None:
-        """Check values (one host sync): labels in range, weights in [0, 1] summing to 1 over k."""
+        """Check values (one host sync): labels in range, weights in [0, 1] summing to 1 over k, token targets
+        (if any) probabilities."""
         check_labels(self.labels, self.num_classes)
         b = self.batch_size
         if b == 0:
@@ -482,6 +529,8 @@ class TokenLabelMap:
         for flag, message in zip(flags, messages):
             if flag:
                 _fail(message)
+        if self.token_targets is not None:
+            check_token_targets(self.token_targets)
 
     # ------------------------------------------------------------------ weights
     def token_weights(self, grid: tuple[int, int]) -> Tensor:

@@ -156,6 +156,20 @@ class BoxMask:
     boxes: Tensor
     grid: tuple[int, int]
 
+    def __post_init__(self) -> None:
+        # Corners are whole cells: a fractional corner would give token weights (from box/cell overlaps)
+        # and pixel weights (from the cells inside) that disagree by up to half a cell.
+        b = self.boxes
+        if not isinstance(b, Tensor) or b.ndim != 2 or b.shape[1] != 4:
+            got = f"shape {tuple(b.shape)}" if isinstance(b, Tensor) else type(b).__name__
+            raise ValueError(f"BoxMask boxes must be a (batch, 4) integer tensor of (y0, y1, x0, x1) cell corners, got {got}")
+        if b.dtype.is_floating_point or b.dtype.is_complex or b.dtype == torch.bool:
+            raise ValueError(
+                f"BoxMask corners must be whole cells (an integer tensor), got {b.dtype}: a fractional corner makes the "
+                "token weights and the pixel mixing disagree by up to half a cell. Snap the boxes to the cell grid "
+                "(boxes.round().long(), or a finer grid), or give fractional weights as a CellMask"
+            )
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.boxes.shape[0], 2, *self.grid))

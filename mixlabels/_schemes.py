@@ -58,6 +58,23 @@ class NoAlign:
         return CompactTracker(self.rules(label_map, layout), label_map, layout)
 
 
+def _no_class_token_read(scheme: str, layout: TokenLayout) -> str:
+    """Why a scheme that reads the class token's attention refuses a model whose head reads no token."""
+    if layout.num_prefix == 0:
+        return (
+            f"{scheme} reads the class token's attention, but this model has no class token "
+            "(global pooling); use TLAlign() or NoAlign() instead"
+        )
+    # Prefix tokens but a pooling head (EVA02, BEiT v2 and ViTs built with global_pool='avg'): the class
+    # token is there, but the prediction is the patch tokens' average, not what the class token attends to.
+    return (
+        f"{scheme} reads the attention of the class token that the head reads, but this model's head averages "
+        f"the tokens (global_pool='avg') and reads none of its {layout.num_prefix} prefix token(s). Build the model "
+        "with token pooling, e.g. timm.create_model(name, global_pool='token') (with a class token: class_token=True "
+        "where the model has that option), or use TLAlign() or NoAlign() instead"
+    )
+
+
 @dataclass(frozen=True)
 class TransMix:
     """TransMix: ``lambda = (lambda_attn + lambda_area) / 2``.
@@ -73,10 +90,7 @@ class TransMix:
 
     def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
         if not layout.class_token:
-            raise ValueError(
-                "TransMix reads the class token's attention, but this model has no class token "
-                "(global pooling); use TLAlign() or NoAlign() instead"
-            )
+            raise ValueError(_no_class_token_read("TransMix", layout))
         return Rules(class_attention_layer=layout.depth - 1, target="attention", area_weight=0.5)
 
     def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
@@ -280,10 +294,7 @@ class MixPro:
 
     def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
         if not layout.class_token:
-            raise ValueError(
-                "MixPro reads the class token's attention, but this model has no class token "
-                "(global pooling); use TLAlign() or NoAlign() instead"
-            )
+            raise ValueError(_no_class_token_read("MixPro", layout))
         if label_map.progress is None:
             raise ValueError(
                 "MixPro weighs its targets by training progress, but this batch's label map carries none: "

@@ -284,6 +284,7 @@ def pair_label_map(
             image_size=p.image_size,
             token_space=p.token_space,
             lam=None if p.lambda_is_mask_mean else p.image_weight().float(),
+            validated=True,  # a sampler's boxes and lambdas
         )
     w0 = p.source_weight().float()
     lam = w0.mean(dim=(1, 2)) if p.lambda_is_mask_mean else p.image_weight().float()  # the mask once, not twice
@@ -300,6 +301,7 @@ def pair_label_map(
         image_size=p.image_size,
         label_smoothing=label_smoothing,
         token_space=p.token_space,
+        validated=True,  # [w0, 1 - w0] of a sampler's weights in [0, 1]
     )
 
 

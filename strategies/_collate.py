@@ -34,6 +34,7 @@ from mixlabels.strategies._timm_mixup import timm_mixup
 __all__ = ["CollateMixer", "timm_collate_mixup"]
 
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, worker seed) pairs over the 64-bit seed space
+_CHANNELS = (1, 3, 4)  # grey, RGB, RGBA: the channel counts that tell (C, H, W) from (H, W, C)
 
 
 def stack_uint8(batch: Sequence[tuple[Any, Any]]) -> tuple[Tensor, Tensor]:
@@ -52,6 +53,14 @@ def stack_uint8(batch: Sequence[tuple[Any, Any]]) -> tuple[Tensor, Tensor]:
         raise ValueError(
             f"CollateMixer mixes uint8 (channels, H, W) images (timm's prefetcher path, ToNumpy/MaybePILToTensor "
             f"transforms), got {sorted(kinds)}; for float batches call the mixer after the DataLoader instead"
+        )
+    shape = tuple(images[0].shape)
+    if shape[-1] in _CHANNELS and shape[0] not in _CHANNELS:
+        # (H, W, C), as np.asarray(PIL image) gives: stacked as (C, H, W) it would mix rows as channels.
+        raise ValueError(
+            f"CollateMixer got a channels-last {shape} uint8 image (height, width, channels, as np.asarray of a PIL "
+            f"image gives); it mixes (channels, H, W) images. Make the transform end with timm's ToNumpy() or "
+            f"MaybePILToTensor() (channels first), or transpose each image: np.transpose(x, (2, 0, 1)) / x.permute(2, 0, 1)"
         )
     labels = default_collate([y for _, y in batch])
     if isinstance(labels, Tensor) and labels.ndim == 1:

@@ -108,7 +108,7 @@ class ElemSwitch(Mixer[ElemSwitchParams]):
                 f"ElemSwitch chooses the kind per sample or per pair: mode must be 'elem' or 'pair', got {mode!r}; "
                 "for one kind per batch use Switch([MixUp(...), CutMix(...)], probs=[1 - switch_prob, switch_prob])"
             )
-        check_prob(switch_prob)
+        check_prob(switch_prob, "switch_prob", "the probability that a sample or pair takes a CutMix box instead of MixUp")
         super().__init__(num_classes, label_smoothing, generator)
         self.mixup_sampler = MixUpSampler(mixup_alpha, mode, pairing, prob)
         self.cutmix_sampler = BoxSampler(cutmix_alpha, cutmix_minmax, correct_lam, None, False, mode, pairing, prob)

@@ -168,5 +168,6 @@ class FMix(PairMixer[CellParams]):
                     num_classes=self.num_classes,
                     image_size=params.image_size,
                     label_smoothing=self.label_smoothing,
+                    validated=True,  # 0/1 cells and their mean
                 )
         return super().label_map_from(params, labels)

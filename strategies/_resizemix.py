@@ -100,7 +100,19 @@ class ResizeSampler(MixSampler[ResizeParams]):
 
     def check_image_size(self, image_size: tuple[int, int]) -> None:
         super().check_image_size(image_size)
-        grid_of(image_size, self.cell, "patch_size")
+        gh, gw = grid_of(image_size, self.cell, "patch_size")
+        lo, hi = self.scale
+        side = min(gh, gw)
+        # A box side is floor(tau * side) with tau in [lo, hi) (tau == lo when lo == hi): some box is
+        # non-empty only if tau * side can reach 1. Otherwise nothing would ever be mixed.
+        if not (hi * side > 1.0 or (lo == hi and hi * side >= 1.0)):
+            unit = "cells" if self.cell is not None else "px"
+            raise ValueError(
+                f"scale={self.scale} gives only empty boxes on {image_size[0]}x{image_size[1]} images "
+                f"(a {gh}x{gw} grid of {unit}): a box side is floor(tau * {side}) with tau <= {hi}, always 0, so "
+                f"nothing would be mixed; raise scale's max above 1/{side} = {1 / side:.4g}, or use larger images"
+                + (" or a smaller patch_size" if self.cell is not None else "")
+            )
 
     def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> ResizeParams:
         gh, gw = grid_of(image_size, self.cell, "patch_size")
@@ -111,8 +123,10 @@ class ResizeSampler(MixSampler[ResizeParams]):
         y0 = torch.floor(u[:, 1] * (gh - bh + 1)).long().clamp(max=gh - bh)
         x0 = torch.floor(u[:, 2] * (gw - bw + 1)).long().clamp(max=gw - bw)
         boxes = torch.stack([y0, y0 + bh, x0, x0 + bw], dim=1)[pairs.group]
-        boxes = torch.where(pairs.applied[:, None], boxes, torch.zeros_like(boxes))  # empty box: unmixed
-        return ResizeParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, boxes=boxes, grid=(gh, gw))
+        # A draw whose box rounds to nothing mixes nothing: say so in the params (applied False, box zeroed).
+        applied = pairs.applied & ((bh > 0) & (bw > 0))[pairs.group]
+        boxes = torch.where(applied[:, None], boxes, torch.zeros_like(boxes))  # empty box: unmixed
+        return ResizeParams(partner=pairs.partner, applied=applied, image_size=image_size, boxes=boxes, grid=(gh, gw))
 
 
 class ResizeMix(PairMixer[ResizeParams]):

@@ -107,6 +107,8 @@ def spectral_residual_saliency(images: Tensor) -> Tensor:
     # Every f-th pixel, at the window centres: like OpenCV's linear resize it reads a few pixels
     # a window, not all of them (averaging every pixel cost more than the rest of the mixer).
     grey = images[:, :, fh // 2 :: fh, fw // 2 :: fw].float().mean(dim=1)
+    if grey.shape[0] == 0:  # an empty batch has no saliency (and MKL's FFT refuses a batch of 0)
+        return grey
     spectrum = torch.fft.fft2(grey)
     log_amp = torch.log(spectrum.abs() + 1e-8)
     # 3 x 3 mean of the log amplitude, edges replicated

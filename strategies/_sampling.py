@@ -50,10 +50,10 @@ class Pairs:
     applied: Tensor
 
 
-def check_prob(prob: float) -> None:
-    """Raise unless ``prob`` is a probability."""
+def check_prob(prob: float, name: str = "prob", meaning: str = "the probability of mixing a batch, pair or sample") -> None:
+    """Raise unless ``prob`` is a probability; the message names the argument ``name`` and what it means."""
     if not 0.0 <= prob <= 1.0:
-        raise ValueError(f"prob must lie in [0, 1] (the probability of mixing a batch, pair or sample), got {prob}")
+        raise ValueError(f"{name} must lie in [0, 1] ({meaning}), got {prob}")
 
 
 def sample_uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:

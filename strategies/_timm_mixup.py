@@ -25,7 +25,7 @@ from mixlabels.strategies._base import Mixer
 from mixlabels.strategies._cutmix import CutMix
 from mixlabels.strategies._elem_switch import ElemSwitch
 from mixlabels.strategies._mixup import MixUp
-from mixlabels.strategies._sampling import MODES, Mode
+from mixlabels.strategies._sampling import MODES, Mode, check_prob
 from mixlabels.strategies._switch import Switch
 
 __all__ = ["timm_mixup"]
@@ -86,6 +86,7 @@ def timm_mixup(
         extra = " timm's 'half' mode (mixing half the batch while collating) is not supported;" if "half" in mode else ""
         raise ValueError(f"mode must be one of {MODES} (one draw per batch, per pair, per element), got {mode!r};{extra} use 'elem'")
     m: Mode = mode  # type: ignore[assignment]  # checked against MODES above
+    check_prob(switch_prob, "switch_prob", "the probability of CutMix when both MixUp and CutMix are active")
     minmax: tuple[float, float] | None = None
     if cutmix_minmax is not None:
         if len(cutmix_minmax) != 2:

@@ -107,3 +107,34 @@ def test_cuda_bf16_training_step(family: backbones.Family) -> None:
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_cuda_hand_built_map_is_checked_once_with_no_sync_per_step() -> None:
+    """A hand-built map on the GPU is checked at the adapter's first call (one host read), then never again: the
+    check and with_token_targets cause no device sync per step. A mixer's map is never checked."""
+    import dataclasses
+
+    from mixlabels.backbones._timm_face import check_label_map
+
+    family = next(f for f in ALIGNING if f.name == "vit")
+    images, lm = cutmix_batch()
+    images, lm = images.cuda(), lm.to("cuda")
+    hand = dataclasses.replace(lm, validated=False)  # as if built by hand
+    bad = dataclasses.replace(hand, mask=type(hand.mask)(torch.full_like(hand.mask.dense(), 0.7)))  # summing to 1.4
+    with pytest.raises(ValueError, match="label map passed to AdaptedViT is invalid: .*sum to 1"):
+        backbones.adapt(family.example().cuda(), SCHEMES["tl_align"])(images, bad)
+    adapted = backbones.adapt(family.example().cuda(), SCHEMES["tl_align"])
+    adapted(images, hand)  # the first call: checked
+    torch.cuda.synchronize()
+    maps = torch.rand(B, 4, 4, hand.num_classes, device="cuda").softmax(-1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            check_label_map(adapted, images, hand)  # later calls: no host read
+            check_label_map(adapted, images, lm)
+            hand.with_token_targets(maps)  # checked by the adapter, not here: no sync
+        with pytest.raises(RuntimeError):  # the mode does catch a host read: the check itself syncs
+            hand.check()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not lm.with_token_targets(maps).validated  # left to the adapter's (first-call) check

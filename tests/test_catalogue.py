@@ -7,6 +7,7 @@ reference. Tiny sizes throughout: the whole module runs in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import types
@@ -25,6 +26,8 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from mixlabels import (
+    BoxMask,
+    CellMask,
     MixPro,
     NoAlign,
     TLAlign,
@@ -50,12 +53,17 @@ from mixlabels.strategies import (
     BlockwiseMix,
     CutMix,
     CutMixConfig,
+    ElemSwitch,
     MixerConfig,
     MixToken,
     MixUp,
     RandomPatchMix,
+    ResizeMix,
+    SaliencyMix,
     Switch,
     mix_images,
+    timm_collate_mixup,
+    timm_mixup,
 )
 
 C = 5  # classes
@@ -83,8 +91,36 @@ def _vit24() -> nn.Module:
                              depth=1, num_heads=2, num_classes=C)
 
 
+def _eva_avg() -> nn.Module:
+    from timm.models.eva import Eva
+
+    return Eva(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg")
+
+
+def _beit_avg() -> nn.Module:
+    from timm.models.beit import Beit
+
+    return Beit(img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg")
+
+
+def _reference_at(name: str, size: int) -> object:
+    """The float64 reference of a timm model at its default size, on the meta device: refused before allocating."""
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False)
+    lm = TokenLabelMap.unmixed(torch.tensor([0, 1]), 1000, (size, size)).to("meta")
+    return adapt(model, TLAlign(), reference=True)(torch.empty(2, 3, size, size, device="meta"), lm)
+
+
 def cutmix_map(images: Tensor = X) -> TokenLabelMap:
     return CutMix(C, patch_size=4, generator=gen())(images, Y[: images.shape[0]])[1]
+
+
+def hand_map(w0: float | Tensor, w1: float | Tensor) -> TokenLabelMap:
+    """A map built by hand (not by a mixer): source weights ``w0`` and ``w1`` in every 4x4 cell, flip partners."""
+    cells = torch.stack([torch.full((4, 4, 4), 1.0) * w0, torch.full((4, 4, 4), 1.0) * w1], dim=1)
+    lam = cells.mean(dim=(2, 3))
+    return TokenLabelMap(sources=torch.stack([torch.arange(4), FLIP], dim=1), mask=CellMask(cells), image_weights=lam,
+                         labels=Y, num_classes=C, image_size=(16, 16))
 
 
 def soft(rows: list[list[float]]) -> Tensor:
@@ -164,6 +200,9 @@ def _bad() -> list[Bad]:
         ("ratio nan", lambda _: BlockwiseMix(C, ratio=float("nan")), ValueError, r"ratio must lie in \[0, 1\]"),
         ("min_aspect 0", lambda _: BlockwiseMix(C, min_aspect=0.0), ValueError, r"aspect ratios must satisfy"),
         ("min_cells 0", lambda _: BlockwiseMix(C, min_cells=0), ValueError, r"min_cells and max_cells must be >= 1"),
+        ("ElemSwitch switch_prob 1.5", lambda _: ElemSwitch(C, switch_prob=1.5), ValueError, r"switch_prob must lie in \[0, 1\].*got 1.5"),
+        ("timm_mixup switch_prob 1.5", lambda _: timm_mixup(0.8, 1.0, switch_prob=1.5, num_classes=C), ValueError, r"switch_prob must lie in \[0, 1\].*got 1.5"),
+        ("timm_mixup switch_prob -0.2 elem", lambda _: timm_mixup(0.8, 1.0, switch_prob=-0.2, mode="elem", num_classes=C), ValueError, r"switch_prob must lie in \[0, 1\].*got -0.2"),
         ("generator int", lambda _: CutMix(C, generator=0), TypeError, r"generator must be a torch.Generator, got the int 0.*manual_seed\(0\)"),  # type: ignore[arg-type]
         ("generator str", lambda _: MixUp(C, generator="cpu"), TypeError, r"generator must be a torch.Generator or None, got str"),  # type: ignore[arg-type]
         # ---- mixer calls: images
@@ -176,6 +215,8 @@ def _bad() -> list[Bad]:
         ("image not divisible by patch_size", lambda _: CutMix(C, patch_size=5)(X, Y), ValueError, r"patch_size=5 does not divide the image size 16x16"),
         ("image not divisible by cell_size", lambda _: RandomPatchMix(C, cell_size=6)(X, Y), ValueError, r"cell_size=6 does not divide"),
         ("MixToken patch not dividing", lambda _: MixToken(C, patch_size=3)(X, Y), ValueError, r"patch_size=3 does not divide"),
+        ("ResizeMix scale rounding every box to 0 px", lambda _: ResizeMix(C, scale=(0.01, 0.06))(X, Y), ValueError, r"scale=\(0.01, 0.06\) gives only empty boxes on 16x16 images.*nothing would be mixed; raise scale's max above 1/16"),
+        ("ResizeMix scale rounding every box to 0 cells", lambda _: ResizeMix(C, scale=(0.2, 0.5), patch_size=8)(X, Y), ValueError, r"only empty boxes.*2x2 grid of cells.*smaller patch_size"),
         ("blockwise min_cells cannot fit", lambda _: BlockwiseMix(C, cell_size=4, min_cells=10)(X, Y), ValueError, r"min_cells=10 cannot fit on the 4x4 cell grid.*at most 9 cells"),
         ("blockwise one-row grid", lambda _: BlockwiseMix(C, cell_size=4, min_cells=1)(torch.rand(2, 3, 4, 16), Y[:2]), ValueError, r"strictly smaller than the grid"),
         # ---- mixer calls: labels
@@ -211,6 +252,8 @@ def _bad() -> list[Bad]:
         ("Switch probs inf", lambda _: Switch([MixUp(C), CutMix(C)], probs=[float("inf"), 1]), ValueError, r"non-negative number per mixer"),
         ("Switch probs count", lambda _: Switch([MixUp(C), CutMix(C)], probs=[1.0]), ValueError, r"one non-negative number per mixer \(2\)"),
         ("Switch params of a child", lambda _: Switch([MixUp(C), CutMix(C)]).mix(X, Y, MixUp(C).sample(X.shape)), TypeError, r"Switch mixes with SwitchParams"),
+        # ---- collate-time mixing
+        ("collate channels-last uint8 (PIL to numpy)", lambda _: timm_collate_mixup(0.8, 1.0, num_classes=C, seed=0)([(np.zeros((16, 16, 3), np.uint8), 0)] * 4), ValueError, r"channels-last \(16, 16, 3\) uint8 image.*ToNumpy\(\).*np.transpose\(x, \(2, 0, 1\)\)"),
         # ---- mixer configs
         ("config extra field", lambda _: CutMixConfig(num_classes=C, alhpa=1.0), pydantic.ValidationError, r"alhpa"),  # type: ignore[call-arg]
         ("config unknown kind", lambda _: TypeAdapter(MixerConfig).validate_python({"kind": "cutmixx", "num_classes": C}), pydantic.ValidationError, r"cutmixx"),
@@ -231,6 +274,10 @@ def _bad() -> list[Bad]:
         ("token grid not dividing", lambda _: cutmix_map().token_weights((5, 5)), ValueError, r"token grid 5x5 does not divide the image 16x16"),
         ("mix_pixels wrong size", lambda _: cutmix_map().mix_pixels(big), ValueError, r"images must have shape \(batch=4, channels, 16, 16\)"),
         ("targets wrong k", lambda _: cutmix_map().targets(torch.ones(4, 3)), ValueError, r"weights must have shape \(batch=4, \.\.\., k=2\)"),
+        ("BoxMask fractional corners", lambda _: BoxMask(torch.tensor([[0.5, 2.5, 0.0, 3.0]]), (4, 4)), ValueError, r"corners must be whole cells \(an integer tensor\), got torch.float32.*half a cell.*boxes.round\(\).long\(\)"),
+        ("label map to a dtype", lambda _: cutmix_map().to(torch.float16), TypeError, r"TokenLabelMap.to\(\) takes a device, got the dtype torch.float16.*stay float32"),
+        ("token targets as logits", lambda _: cutmix_map().with_token_targets(torch.randn(4, 2, 2, C, generator=gen())), ValueError, r"token_targets must be class probabilities per cell, found negative values.*logits.*softmax"),
+        ("token targets unnormalised scores", lambda _: cutmix_map().with_token_targets(3 * torch.rand(4, 2, 2, C, generator=gen())), ValueError, r"found cells summing to more than 1.*softmax"),
         ("sources int32", lambda _: TokenLabelMap(sources=torch.zeros(4, 1, dtype=torch.int32), mask=torch.ones(4, 1, 1, 1), image_weights=torch.ones(4, 1), labels=Y, num_classes=C, image_size=(16, 16)), ValueError, r"sources must be a \(batch, k\) long tensor"),
         ("check_labels 1-d floats", lambda _: check_labels(torch.tensor([0.5, 0.5]), C), ValueError, r"soft labels must have shape \(batch, num_classes=5\)"),
         # ---- schemes and their configs
@@ -246,7 +293,7 @@ def _bad() -> list[Bad]:
         ("TokenLabeling beta nan", lambda _: TokenLabeling(beta=float("nan")), ValueError, r"beta must be a finite number >= 0"),
         ("TokenLabeling beta negative", lambda _: TokenLabeling(beta=-1.0), ValueError, r"beta must be a finite number >= 0"),
         ("token targets not (b, h, w, c)", lambda _: cutmix_map().with_token_targets(torch.rand(X.shape[0], 16, C)), ValueError, r"token_targets must be float \(batch=\d+, h, w, num_classes=\d+\)"),
-        ("token targets too coarse", lambda _: cutmix_map().with_token_targets(torch.rand(X.shape[0], 3, 3, C)).mixed_token_targets((2, 2)), ValueError, r"cannot serve a 2x2 token grid"),
+        ("token targets too coarse", lambda _: cutmix_map().with_token_targets(torch.rand(X.shape[0], 3, 3, C).softmax(-1)).mixed_token_targets((2, 2)), ValueError, r"cannot serve a 2x2 token grid"),
         ("no token targets to mix", lambda _: cutmix_map().mixed_token_targets((2, 2)), ValueError, r"with_token_targets\(maps\)"),
         ("progress out of range", lambda _: cutmix_map().with_progress(1.5), ValueError, r"progress must lie in \[0, 1\]"),
         ("MixPro without progress", lambda _: adapt(vit(), MixPro())(X, cutmix_map()), ValueError, r"with_progress\(step / total_steps\)"),
@@ -273,6 +320,15 @@ def _bad() -> list[Bad]:
         ("aligned batch differs", lambda _: adapt(vit(), TLAlign())(X[:2], cutmix_map()), ValueError, r"batch size 2 but the label map has 4"),
         ("aligned num_classes differs", lambda _: adapt(vit(), NoAlign())(X, CutMix(3, generator=gen())(X, Y % 3)[1]).loss(), ValueError, r"outputs 5 classes but the label map has num_classes=3"),
         ("TransMix on a pooled ViT", lambda _: adapt(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, class_token=False, global_pool="avg"), TransMix())(X, cutmix_map()), ValueError, r"no class token.*TLAlign\(\) or NoAlign\(\)"),
+        ("hand-built map summing to 1.4", lambda _: adapt(vit(), TLAlign())(X, hand_map(0.7, 0.7)), ValueError, r"label map passed to AdaptedViT is invalid: mask weights must sum to 1 over the sources"),
+        ("hand-built map with negative weights", lambda _: adapt(vit(), NoAlign())(X, hand_map(1.5, -0.5)), ValueError, r"label map passed to AdaptedViT is invalid: mask and image weights must lie in \[0, 1\]"),
+        ("hand-built map into any classifier", lambda _: adapt(nn.Sequential(nn.Flatten(), nn.Linear(768, C)), NoAlign())(X, hand_map(0.7, 0.7)), ValueError, r"passed to AdaptedClassifier is invalid: mask weights must sum to 1"),
+        ("hand-built map with logits as token targets", lambda _: adapt(vit(), TokenLabeling())(X, dataclasses.replace(hand_map(0.5, 0.5), token_targets=torch.randn(4, 2, 2, C))), ValueError, r"invalid: token_targets must be class probabilities.*softmax"),
+        ("TransMix on an EVA that pools by average", lambda _: adapt(_eva_avg(), TransMix())(X, cutmix_map()), ValueError, r"TransMix reads the attention of the class token that the head reads.*averages the tokens.*global_pool='token'"),
+        ("TransMix on a BEiT that pools by average (reference)", lambda _: adapt(_beit_avg(), TransMix(), reference=True)(X, cutmix_map()), ValueError, r"class token that the head reads.*global_pool='token'"),
+        ("MixPro on a ViT with a class token, pooled by average", lambda _: adapt(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=C, global_pool="avg"), MixPro())(X, cutmix_map().with_progress(0.5)), ValueError, r"MixPro reads the attention of the class token.*global_pool='token'"),
+        ("reference of resnet18 at its default size", lambda _: _reference_at("resnet18", 224), ValueError, r"dense reference path would build 38.3 GiB float64 matrices.*use the fast path \(reference=False\), or the reference on smaller images"),
+        ("reference of crossvit_tiny_240 at its default size", lambda _: _reference_at("crossvit_tiny_240", 240), ValueError, r"would build 50.3 GiB.*use the fast path"),
         ("aligned uint8 images", lambda _: adapt(vit(), TLAlign())((X * 255).byte(), cutmix_map()), ValueError, r"images must be floating point, got torch.uint8"),
         ("aligned map on another device", lambda _: adapt(vit(), TLAlign())(X, cutmix_map().to("meta")), ValueError, r"label map on meta.*label_map.to\(images.device\)"),
         ("token-space map not lining up with patches", lambda _: adapt(_vit24(), NoAlign())(torch.rand(2, 3, 24, 24), TokenLabelMap.from_mask(torch.ones(2, 4, 4), torch.tensor([1, 0]), Y[:2], C, image_size=(24, 24), token_space=True)), ValueError, r"4x4 cells, which do not line up with the model's 6x6 patches.*patch_size=4"),
@@ -537,6 +593,105 @@ def _keep_unmixed_routes() -> None:
         got = keep_unmixed(out, own, unmixed, select)
         assert_close(got[unmixed], own[unmixed], rtol=0, atol=0)
         assert torch.isnan(got[~unmixed]).all()
+
+
+@edge("ResizeMix: a draw whose box rounds to 0 px is marked unmixed, and its pixels and targets are untouched")
+def _resizemix_empty_boxes_unmixed() -> None:
+    x = torch.rand(64, 3, 16, 16, generator=gen(9))
+    y = torch.arange(64) % C
+    mixer = ResizeMix(C, scale=(0.01, 0.2), mode="elem", generator=gen(9))  # tau < 1/16 rounds to an empty box
+    out, lm = mixer(x, y)
+    p = mixer.last_params
+    assert p is not None
+    empty = (p.boxes[:, 1] == p.boxes[:, 0]) | (p.boxes[:, 3] == p.boxes[:, 2])
+    assert 0 < int(empty.sum()) < 64  # both kinds of draw happened
+    assert not p.applied[empty].any() and p.applied[~empty].all()
+    assert torch.equal(out[empty], x[empty])
+    assert_close(lm.image_targets()[empty], torch.eye(C)[y[empty]])
+
+
+@edge("SaliencyMix: an empty batch gives an empty batch (no FFT of nothing)")
+def _saliencymix_empty() -> None:
+    for mode in ("batch", "elem"):
+        out, lm = SaliencyMix(C, mode=mode, generator=gen())(torch.rand(0, 3, 16, 16), torch.zeros(0, dtype=torch.long))
+        assert out.shape == (0, 3, 16, 16) and lm.image_targets().shape == (0, C)
+
+
+@edge("hand-built label map: a valid one trains, with the targets it describes")
+def _hand_map_valid() -> None:
+    out = adapt(vit(), NoAlign())(X, hand_map(0.75, 0.25))
+    assert_close(out.target, 0.75 * torch.eye(C)[Y] + 0.25 * torch.eye(C)[Y[FLIP]])
+
+
+@edge("hand-built label map: checked at every call on the CPU, never for a mixer's map")
+def _hand_map_checked_on_cpu() -> None:
+    from unittest import mock
+
+    adapted = adapt(vit(), TLAlign())
+    with mock.patch.object(TokenLabelMap, "check", autospec=True) as check:
+        for _ in range(2):
+            adapted(X, cutmix_map())  # a mixer's map: valid by construction
+        assert check.call_count == 0
+        for _ in range(2):
+            adapted(X, hand_map(0.5, 0.5))
+        assert check.call_count == 2
+        adapted.check_label_values = False  # the opt-out
+        adapted(X, hand_map(0.5, 0.5))
+        assert check.call_count == 2
+
+
+@edge("hand-built label map on an accelerator: checked at the first call only (no device sync per step)")
+def _hand_map_checked_once_off_cpu() -> None:
+    from mixlabels.backbones._timm_face import check_label_map
+
+    adapted = adapt(vit(), TLAlign())
+    gpu = torch.device("cuda")  # only the device is read: stand-ins for a batch and a map on a GPU
+    images = types.SimpleNamespace(device=gpu)
+    calls: list[int] = []
+    lm = types.SimpleNamespace(validated=False, device=gpu, check=lambda: calls.append(1))
+    for _ in range(3):
+        check_label_map(adapted, images, lm)  # type: ignore[arg-type]
+    assert len(calls) == 1
+    adapted.check_label_values = True
+    check_label_map(adapted, images, lm)  # type: ignore[arg-type]
+    assert len(calls) == 2
+
+
+@edge("hand-built label map: torch.compile traces the adapter in one graph (the check is skipped while compiling)")
+def _hand_map_compiles() -> None:
+    adapted = adapt(vit(), TLAlign())
+    lm = hand_map(0.75, 0.25)
+    torch._dynamo.reset()
+    out = torch.compile(adapted, backend="eager", fullgraph=True)(X, lm)
+    assert_close(out.target, adapted(X, lm).target)
+
+
+@edge("token targets on an accelerator: left to the adapter's first-call check (the map is marked unchecked)")
+def _token_targets_off_cpu() -> None:
+    lm = cutmix_map().to("meta")
+    assert lm.validated and not lm.with_token_targets(torch.randn(4, 2, 2, C, device="meta")).validated
+    assert cutmix_map().with_token_targets(torch.rand(4, 2, 2, C).softmax(-1)).validated  # CPU: checked at once
+
+
+@edge("BoxMask: integer corners of any integer dtype are accepted")
+def _box_mask_int32() -> None:
+    m = BoxMask(torch.tensor([[0, 2, 0, 3]], dtype=torch.int32), (4, 4))
+    assert_close(m.token_weights((2, 2)), BoxMask(torch.tensor([[0, 2, 0, 3]]), (4, 4)).token_weights((2, 2)))
+
+
+@edge("distributed refusal: keeps the DDP guidance and promises no FSDP")
+def _distributed_refusal() -> None:
+    from unittest import mock
+
+    from mixlabels.backbones import _timm_face
+
+    adapted = adapt(vit(), TLAlign())
+    with mock.patch.object(_timm_face, "distributed_world", return_value=2):
+        with pytest.raises(RuntimeError, match=r"outside DistributedDataParallel.*prepare_distributed") as err:
+            adapted(X, cutmix_map())
+    message = str(err.value)
+    assert "DistributedDataParallel(adapted" in message and "(FSDP is not)" in message
+    assert "(FSDP), set" not in message  # the old promise: FSDP2 then crashes on mixed Tensor and DTensor
 
 
 @edge("mix_images: weight 1 selects the image's own pixels")

@@ -142,6 +142,11 @@ def test_collate_refusals() -> None:
     collate = CollateMixer(MixUp(10))
     with pytest.raises(ValueError, match="uint8"):
         collate([(torch.rand(3, 8, 8), 0), (torch.rand(3, 8, 8), 1)])
+    hwc = np.asarray(Image.new("RGB", (16, 12)))  # PIL to numpy: (height, width, channels)
+    with pytest.raises(ValueError, match=r"channels-last \(12, 16, 3\).*permute\(2, 0, 1\)"):
+        collate([(hwc, 0), (hwc, 1)])
+    grey = torch.zeros(1, 8, 8, dtype=torch.uint8)  # channels first, one channel: accepted
+    assert collate([(grey, 0), (grey, 1)])[0].shape == (2, 1, 8, 8)
     with pytest.raises(ValueError, match="aug-splits"):
         collate([((torch.zeros(3, 8, 8, dtype=torch.uint8),) * 2, 0)] * 2)
     with pytest.raises(TypeError, match="mixlabels mixer"):
