@@ -23,17 +23,19 @@ matrix anyway: there the labels are mixed by that same matrix (``explicit_attent
 Routes. Where the labels are mixed is a choice per device (``ROUTES``; ``attention_route``
 picks one for a block of code, ``MIXLABELS_ATTENTION_ROUTE`` for a process):
 
-- ``"widened"`` (the default): the widened fused forward above, the ordinary backward.
+- ``"widened"``: the widened fused forward above, the ordinary backward (the CPU's default, and
+  CUDA's with a mask).
 - ``"separate"``: ordinary attention (autograd, whichever kernel SDPA picks) and the labels in
-  a second, no-grad SDPA call whose values are the labels alone (``l`` channels padded to 8).
+  a second, no-grad SDPA call whose values are the labels alone (``l`` channels padded to 8):
+  CUDA's default without a mask, and under ``torch.compile`` on CUDA.
 - ``"explicit"``: ordinary attention, and the labels by the explicit head-mean matrix
   ``mean_h(softmax(q k^T s + mask)) @ Y`` under no grad (short sequences: one small product).
 - ``"widened-autograd"``: autograd through the widened call (devices without a fused kernel).
 
 Every route gives the same ``out`` (the ordinary attention's) and the same labels up to the
-compute dtype's rounding; ``benchmarks/gpu_suite.py`` measures them side by side. The kernel
-choice depends only on dtypes, head dims and the SDPA settings, made once per combination
-outside any ``torch.compile`` trace (a constant of the trace, not a guard per block).
+compute dtype's rounding; ``benchmarks/gpu_suite.py`` measures them side by side. The widened
+route's CUDA kernel choice depends only on dtypes, head dims and the SDPA settings, probed once
+per combination and cached.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import os
 from collections.abc import Callable, Iterator
 import contextlib
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any, Literal, NamedTuple, get_args
 
 import torch
@@ -75,7 +76,9 @@ def _default_route() -> Route | None:
     return name  # type: ignore[return-value]  # checked against ROUTES
 
 
-_route: ContextVar[Route | None] = ContextVar("mixlabels_attention_route", default=_default_route())
+# Module state, not a ContextVar: torch.compile reads (and guards on) a module global on every torch
+# version, where torch 2.11's dynamo breaks the graph at ``ContextVar.get``.
+_chosen: list[Route | None] = [_default_route()]
 
 
 @contextmanager
@@ -84,11 +87,26 @@ def attention_route(route: Route) -> Iterator[None]:
     every device: what the benchmarks and the route tests use. Outside, the device's default."""
     if route not in ROUTES:
         raise ValueError(f"{route!r} is no attention route; choose one of {', '.join(ROUTES)}")
-    token = _route.set(route)
+    before = _chosen[0]
+    _chosen[0] = route
     try:
         yield
     finally:
-        _route.reset(token)
+        _chosen[0] = before
+
+
+def _route_for(q: Tensor, attn_mask: Tensor | None) -> Route:
+    """The route chosen (``attention_route``), else the device's default, by measurement (H100, bf16,
+    forward + backward, ``benchmarks/gpu_suite.py``): on CUDA ``separate`` without a mask (DeiT-S's
+    shape: 0.84 ms against the widened call's 1.09) and ``widened`` with one (Swin's shifted windows:
+    2.95 against 3.89); compiled on CUDA always ``separate``, two plain SDPA calls that every torch
+    version traces (probing the raw kernels is no traceable op); elsewhere ``widened``."""
+    chosen = _chosen[0]
+    if chosen is not None:
+        return chosen
+    if q.device.type == "cuda" and (attn_mask is None or torch.compiler.is_compiling()):
+        return "separate"
+    return "widened"
 
 
 def widened_autograd() -> contextlib.AbstractContextManager[None]:
@@ -208,7 +226,8 @@ def _widen(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, multiple: int) -> tu
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     device = tensors[0].device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):  # what sdpa would run in
+    # what sdpa would run in (not torch.amp.is_autocast_available: torch 2.11's dynamo cannot trace it)
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     dtype = tensors[0].dtype
     for t in tensors[1:]:
@@ -230,19 +249,16 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor |
     if q.shape[-1] % _CUDA_FLASH.multiple:
         return None  # autograd through the widened call instead
     widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), int(q.shape[-1]))
-    settings = (
-        torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(), q.device.index,
-    )
-    name = _cuda_choice(_compute_dtype(q, k, v), widths, q.requires_grad, mask is not None, settings)
+    name = _cuda_choice(_compute_dtype(q, k, v), widths, q.requires_grad, mask is not None, q.device.index)
     return {"flash": _CUDA_FLASH, "efficient": _CUDA_EFFICIENT}.get(name)
 
 
 @torch.compiler.assume_constant_result
-def _cuda_choice(
-    dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, settings: tuple[bool, bool, int | None]
-) -> str:
-    """``"flash"``, ``"efficient"`` or ``""`` for these dtypes, head dims and SDPA settings: a constant of a
-    ``torch.compile`` trace (probing the kernels is no traceable op), cached across calls."""
+def _cuda_choice(dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, index: int | None) -> str:
+    """``"flash"``, ``"efficient"`` or ``""`` for these dtypes, head dims and the SDPA settings in force: a
+    constant of a ``torch.compile`` trace (reading the settings and probing the kernels are no traceable
+    ops: dynamo runs this at trace time), cached across calls."""
+    settings = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(), index)
     return _cuda_probe(dtype, widths, requires_grad, with_mask, settings)
 
 
@@ -385,7 +401,7 @@ def attention_with_labels(
         # No fused kernel returns a mask's gradient, so plain SDPA takes its math path and
         # builds the attention matrix: mix the labels with that same matrix.
         return explicit_attention(q, k, v, labels, scale, attn_mask)
-    elif (route := _route.get()) in ("separate", "explicit"):
+    elif (route := _route_for(q, attn_mask)) in ("separate", "explicit"):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
         mask = None if attn_mask is None else attn_mask.detach()
         with torch.no_grad():
@@ -407,10 +423,10 @@ def attention_with_labels(
 def _label_call(q: Tensor, k: Tensor, labels: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     """``A_h Y`` ``(b, h, n, l)`` by one SDPA call whose values are the labels alone (padded to 8 channels,
     the fused kernels' multiple): q and k at their own head dim, so the call is a narrow one."""
-    dtype = _compute_dtype(q, k)
     ll = labels.shape[-1]
-    y = repeat(F.pad(labels.to(dtype), (0, -ll % 8)), "b m l -> b h m l", h=q.shape[1])
-    return F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), y, attn_mask=None if mask is None else mask.to(dtype), scale=scale)[..., :ll]
+    y = repeat(F.pad(labels.to(q.dtype), (0, -ll % 8)), "b m l -> b h m l", h=q.shape[1])  # autocast casts all alike
+    bias = None if mask is None else mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), y, attn_mask=bias, scale=scale)[..., :ll]
 
 
 def explicit_attention(

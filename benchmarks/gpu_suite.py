@@ -280,6 +280,9 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     from mixlabels.backbones._attention import ROUTES
 
     steps = Steps(args.deit_model, args)
+    if args.deit_compiled_only:
+        into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes)
+        return
     calls: dict[str, Callable[[], object]] = {"none": steps.call("none"), "cutmix": steps.call("cutmix")}
     for route in ROUTES:
         calls[f"tlalign/{route}"] = steps.call("tlalign", route)
@@ -364,6 +367,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--families", nargs="*", default=None, help="families to measure (default: all, speed.py's order)")
     p.add_argument("--family-min-s", type=float, default=40.0, help="start a family only with this much time left")
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
+    p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
     p.add_argument("--test-workers", type=int, default=8)
     p.add_argument("--test-budget-s", type=float, default=150.0)
