@@ -73,7 +73,7 @@ def _default_route() -> Route | None:
         return None
     if name not in ROUTES:
         raise ValueError(f"MIXLABELS_ATTENTION_ROUTE={name!r} is no attention route; choose one of {', '.join(ROUTES)}")
-    return name  # type: ignore[return-value]  # checked against ROUTES
+    return ROUTES[ROUTES.index(name)]  # the Route equal to name, checked above
 
 
 # Module state, not a ContextVar: torch.compile reads (and guards on) a module global on every torch
@@ -231,7 +231,8 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
         return torch.get_autocast_dtype(device)
     dtype = tensors[0].dtype
     for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+        if t.dtype != dtype:  # promote_types is a dispatched operator: only where it decides something
+            dtype = torch.promote_types(dtype, t.dtype)
     return dtype
 
 
@@ -249,23 +250,22 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor |
     if q.shape[-1] % _CUDA_FLASH.multiple:
         return None  # autograd through the widened call instead
     widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), int(q.shape[-1]))
-    name = _cuda_choice(_compute_dtype(q, k, v), widths, q.requires_grad, mask is not None, q.device.index)
+    settings = (
+        bool(torch.backends.cuda.flash_sdp_enabled()),  # type: ignore[no-untyped-call]
+        bool(torch.backends.cuda.mem_efficient_sdp_enabled()),  # type: ignore[no-untyped-call]
+        q.device.index,
+    )
+    # Probing is no traceable op: under torch.compile on CUDA the default route is "separate" and never
+    # comes here; a compiled step forced onto "widened" breaks its graph here.
+    name = _cuda_probe(_compute_dtype(q, k, v), widths, q.requires_grad, mask is not None, settings)
     return {"flash": _CUDA_FLASH, "efficient": _CUDA_EFFICIENT}.get(name)
-
-
-@torch.compiler.assume_constant_result
-def _cuda_choice(dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, index: int | None) -> str:
-    """``"flash"``, ``"efficient"`` or ``""`` for these dtypes, head dims and the SDPA settings in force: a
-    constant of a ``torch.compile`` trace (reading the settings and probing the kernels are no traceable
-    ops: dynamo runs this at trace time), cached across calls."""
-    settings = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(), index)
-    return _cuda_probe(dtype, widths, requires_grad, with_mask, settings)
 
 
 @functools.lru_cache(maxsize=64)
 def _cuda_probe(
     dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, settings: tuple[bool, bool, int | None]
 ) -> str:
+    """``"flash"``, ``"efficient"`` or ``""`` for these dtypes, head dims and SDPA settings, probed once and cached."""
     device = torch.device("cuda", settings[2]) if settings[2] is not None else torch.device("cuda")
 
     def takes(can_use: Callable[[Any, bool], bool], mask: bool) -> bool:

@@ -6,9 +6,13 @@ ratios, ``[min, max]`` their range; a part cut short or failed says so instead o
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["summary_table", "gpu_section"]
+__all__ = ["summary_table", "gpu_section", "summarize_gpu_suite", "render_gpu_suite"]
 
 
 def _ratio(row: dict[str, Any]) -> str:
@@ -33,6 +37,40 @@ def _rows(table: dict[str, Any], memory: bool = False) -> list[str]:
         extra = f" | {row.get('graphs', '-')} | {row.get('graph_breaks', '-')}" if "graphs" in row else (" | - | -" if memory else "")
         lines.append(f"| {name} | {row['ms_median']:.2f} | {_ratio(row)}{mem}{extra} |")
     return lines
+
+
+def summarize_gpu_suite(path: Path, note: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``benchmarks/results/gpu-suite.json`` from one or more suite JSONs: the first run whole, a later run's
+    parts replacing the first's (each keeps its own provenance); ``--out`` shown as a user would type it."""
+    result = json.loads(path.read_text())
+    prov = dict(result.get("provenance", {}))
+    prov["command"] = re.sub(r"--out \S+", "--out runs/gpu", str(prov.get("command", "")))
+    return "gpu-suite", {**result, "provenance": prov, "runs": [{"provenance": prov, "note": note or "",
+                                                                "parts": sorted(result.get("parts", {}))}]}
+
+
+def merge_gpu_suites(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """``first`` with ``later``'s measured parts (and, for DeiT-S, its modes) in their place."""
+    merged = {**first, "parts": dict(first["parts"]), "runs": [*first.get("runs", []), *later.get("runs", [])]}
+    for name, part in later["parts"].items():
+        if name == "deit" and name in merged["parts"]:
+            merged["parts"]["deit"] = {**merged["parts"]["deit"], **{k: v for k, v in part.items() if k != "seconds"}}
+        else:
+            merged["parts"][name] = part
+    return merged
+
+
+def render_gpu_suite(summary: dict[str, Any], provenance_line: Callable[[dict[str, Any]], str]) -> str:
+    """RESULTS' section: every run's provenance (``report.provenance_line``) and note, then the tables."""
+    lines = []
+    for i, run in enumerate(summary.get("runs", []), 1):
+        lines += [f"Run {i} (parts: {', '.join(run['parts'])}): " + provenance_line(run["provenance"]), ""]
+        if run.get("note"):
+            lines += [run["note"], ""]
+    lines += ["Each figure: batch 128 (DeiT-S, the families, the mixers at 224 px), bf16 autocast, the median over "
+              "interleaved rounds timed by CUDA events; a ratio is the median of the paired per-round ratios, "
+              "[min, max] their range.", ""]
+    return "\n".join(lines + gpu_section(summary, heading=False)[2:])
 
 
 def summary_table(result: dict[str, Any]) -> str:

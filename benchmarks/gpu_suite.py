@@ -85,7 +85,8 @@ def timed_rounds(
             raise OutOfTime(f"after {r} of {rounds} rounds")
         for name in order:
             if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 start.record()
                 for _ in range(steps):
                     calls[name]()
@@ -139,13 +140,13 @@ def measure_routes(args: argparse.Namespace, deadline: Deadline, log: Callable[[
 
         def plain() -> None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
-            out.backward(grad)
+            out.backward(grad)  # type: ignore[no-untyped-call]
 
         def routed(route: Any) -> Callable[[], None]:
             def call() -> None:
                 with attention_route(route):
                     out, _ = attention_with_labels(q, k, v, labels, scale=d**-0.5, attn_mask=mask)
-                out.backward(grad)
+                out.backward(grad)  # type: ignore[no-untyped-call]
 
             return call
 
@@ -183,7 +184,7 @@ class Steps:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.05)
         self.amp = self.device.type == "cuda"
 
-    def call(self, variant: str, route: str | None = None, compiled: Any = None) -> Callable[[], None]:
+    def call(self, variant: str, route: Any = None, compiled: Any = None) -> Callable[[], None]:
         """One full training step (mix, forward, loss, backward, AdamW) of ``variant``: ``none`` (no
         mixing), ``cutmix`` or ``tlalign``; by an attention ``route``; through ``compiled`` (the adapter)."""
         from mixlabels.backbones._attention import attention_route
@@ -343,7 +344,8 @@ def run_tests(args: argparse.Namespace, deadline: Deadline, out: Path) -> dict[s
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget)
         text, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as err:
-        text, code = f"{err.stdout or ''}\nTIMED OUT after {budget:.0f} s", -1
+        partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        text, code = f"{partial}\nTIMED OUT after {budget:.0f} s", -1
     (out / "gpu_tests.log").write_text(text if isinstance(text, str) else text.decode())
     last = [line for line in str(text).splitlines() if line.strip()][-1:] or [""]
     return {"command": " ".join(cmd[1:]), "returncode": code, "summary": last[0]}

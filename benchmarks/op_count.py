@@ -33,15 +33,19 @@ from benchmarks._provenance import finish, provenance
 __all__ = ["OpCounter", "count_step", "main"]
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts every ATen operator dispatched inside it, by name (``aten.mm.default`` -> ``mm``)."""
+class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch types its __init_subclass__ loosely
+    """Counts every ATen operator dispatched inside it, by name (``aten.mm.default`` -> ``mm``), and apart
+    the ones that compute (``kernels``): not views (``view``, ``permute``, ``slice``, ``detach`` ... only
+    describe memory that exists), which on a GPU launch nothing."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.ops: Counter[str] = Counter()
+        self.kernels = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[func.overloadpacket.__name__] += 1
+        self.kernels += not getattr(func, "is_view", False)
         return func(*args, **(kwargs or {}))
 
 
@@ -71,9 +75,11 @@ def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
             adapted(mixed, label_map).loss().backward()
         model.zero_grad(set_to_none=True)
         row[name] = sum(counter.ops.values())
+        row[f"{name}_kernels"] = counter.kernels
         row[f"{name}_ops"] = dict(counter.ops)
     row["added"] = row["tlalign"] - row["cutmix"]
     row["ratio"] = row["tlalign"] / row["cutmix"]
+    row["kernel_ratio"] = row["tlalign_kernels"] / row["cutmix_kernels"]
     extra = Counter(row["tlalign_ops"])
     extra.subtract(Counter(row["cutmix_ops"]))
     row["top_added"] = [(op, n) for op, n in extra.most_common(6) if n > 0]
@@ -99,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         model = f"example:{family}" if args.example else FAMILY_MODELS[family]
         row = count_step(model, args.batch_size)
         result["families"][family] = row
-        print(f"{family:20s} {model:30s} {row['cutmix']:6d} -> {row['tlalign']:6d} ops ({row['ratio']:.3f}x)  "
+        print(f"{family:20s} {model:30s} {row['cutmix']:6d} -> {row['tlalign']:6d} ops ({row['ratio']:.3f}x), "
+              f"{row['cutmix_kernels']} -> {row['tlalign_kernels']} computing ({row['kernel_ratio']:.3f}x)  "
               f"added: {', '.join(f'{op} {n}' for op, n in row['top_added'])}", flush=True)
         (args.out / "op_count.json").write_text(json.dumps(result, indent=1))
     result["provenance"] = finish(result["provenance"])

@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # ``python benchmarks/report.py``: make the repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._archive import REPO_ROOT
+from benchmarks.gpu_report import merge_gpu_suites, render_gpu_suite, summarize_gpu_suite
 from benchmarks._provenance import provenance
 
 __all__ = ["RESULTS_DIR", "RESULTS_MD", "SECTIONS", "render", "render_readme", "summarize_ablation", "summarize_speed",
@@ -473,6 +474,31 @@ def _mixers_or_missing(summary: dict[str, Any]) -> str:
     return render_mixers(summary)
 
 
+def render_op_count(summary: dict[str, Any]) -> str:
+    """Operators per training step by family: CutMix + NoAlign, CutMix + TL-Align, their ratio, the top added."""
+    lines = [provenance_line(summary["provenance"]), "",
+             "| family | model | CutMix + NoAlign | CutMix + TL-Align | ratio | computing (no views) | ratio | "
+             "operators TL-Align adds most |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = summary["families"]
+    for family, row in rows.items():
+        top = ", ".join(f"{op} {n}" for op, n in row["top_added"][:4])
+        lines.append(f"| {family} | {row['model']} | {row['cutmix']} | {row['tlalign']} | {row['ratio']:.3f} | "
+                     f"{row['cutmix_kernels']} -> {row['tlalign_kernels']} | {row['kernel_ratio']:.3f} | {top} |")
+    within = sum(1 for r in rows.values() if r["ratio"] <= 1.25)
+    computing = sum(1 for r in rows.values() if r["kernel_ratio"] <= 1.25)
+    lines += ["", f"{within} of {len(rows)} families within the goal (the label path adds at most 25% of the operators); "
+              f"{computing} counting computing operators alone."]
+    return "\n".join(lines)
+
+
+def summarize_op_count(path: Path) -> tuple[str, dict[str, Any]]:
+    """``benchmarks/results/op-count.json`` from ``benchmarks/op_count.py``'s JSON, without the per-operator lists."""
+    result = json.loads(path.read_text())
+    families = {f: {k: v for k, v in row.items() if not k.endswith("_ops")} for f, row in result["families"].items()}
+    return "op-count", {"provenance": result["provenance"], "batch_size": result["batch_size"], "families": families}
+
+
 _SPEED_CPU = ("python benchmarks/speed.py --batch-size 64 --steps 3 --warmup 1 --repeats 4 --variants cutmix "
               "tlalign tlalign-widened tlalign-reference --mixer-batch 64 --mixer-repeats 8 --mixer-calls 3")
 SECTIONS: tuple[Section, ...] = (
@@ -538,6 +564,14 @@ SECTIONS: tuple[Section, ...] = (
             "The families' own small models (`FAMILY_MODELS`) at batch 64, bf16 autocast; each run measured the "
             "families it names, and the table joins the runs (a run stopped by its time limit shows its start date "
             "alone: its rows are the families it finished).", render_families),
+    Section("op-count", "Operators a training step dispatches per backbone family (CPU)", "python benchmarks/op_count.py",
+            "Exact on any machine: the ATen operators one forward + loss + backward dispatches (a counting dispatch "
+            "mode, batch 2, each family's small model at its default size), the mixer and optimizer left out. In "
+            "eager mode on a GPU each is at least one kernel launch; views count too.", render_op_count),
+    Section("gpu-suite", "The GPU suite: attention routes, DeiT-S eager and compiled, mixers, families (GPU)",
+            "python benchmarks/gpu_suite.py --out runs/gpu",
+            "One prepared command for a lent GPU (it ends on its own deadline; a part it did not reach says so).",
+            lambda summary: render_gpu_suite(summary, provenance_line)),
 )
 
 
@@ -553,7 +587,9 @@ def _load(results_dir: Path) -> dict[str, dict[str, Any]]:
 def _section_body(section: Section, found: dict[str, dict[str, Any]]) -> str:
     if section.name in found:
         return section.render(found[section.name])
-    add = ("--add-speed runs/speed/speed-families-cpu-<stamp>.json" if section.name.startswith("speed-families") else
+    add = ("--add-op-count runs/op_count/op_count.json" if section.name == "op-count" else
+           "--add-gpu-suite runs/gpu/gpu_suite.json" if section.name == "gpu-suite" else
+           "--add-speed runs/speed/speed-families-cpu-<stamp>.json" if section.name.startswith("speed-families") else
            "--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else
            "--add-rmse LABEL=<its out dir>/analysis.json ..." if section.name == "analysis-finetune"
            else "--add-analysis <its out dir>/analysis.json" if section.name.startswith("analysis")
@@ -606,6 +642,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--add-analysis", type=Path, metavar="FILE", help="an analysis.py JSON (<out>/analysis.json)")
     p.add_argument("--add-rmse", nargs="+", metavar="LABEL=FILE",
                    help="analysis.py JSONs of trained checkpoints, each with a row label: the RMSE comparison")
+    p.add_argument("--add-op-count", type=Path, metavar="FILE", help="an op_count.py JSON (runs/op_count/op_count.json)")
+    p.add_argument("--add-gpu-suite", type=Path, nargs="+", metavar="FILE",
+                   help="gpu_suite.py JSONs (runs/gpu/gpu_suite.json); a later file's parts replace an earlier one's")
+    p.add_argument("--note", action="append", default=[],
+                   help="--add-gpu-suite: a note on each file's run, in order (what it measured, what it missed)")
     p.add_argument("--command", help="--add-ablation: the command that ran it, when its output does not record it")
     p.add_argument("--same-machine", action="store_true",
                    help="--add-ablation of output without provenance: this machine ran it (take cores, CPU, torch here)")
@@ -626,6 +667,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bad:
                 raise ValueError(f"--add-rmse takes LABEL=FILE pairs, got {', '.join(bad)}")
             added.append(summarize_rmse([(label, Path(file)) for label, file in (i.split("=", 1) for i in args.add_rmse)]))
+        if args.add_op_count is not None:
+            added.append(summarize_op_count(args.add_op_count))
+        if args.add_gpu_suite is not None:
+            notes = args.note + [""] * len(args.add_gpu_suite)
+            suites = [summarize_gpu_suite(path, note)[1] for path, note in zip(args.add_gpu_suite, notes)]
+            merged = suites[0]
+            for later in suites[1:]:
+                merged = merge_gpu_suites(merged, later)
+            added.append(("gpu-suite", merged))
         for name, summary in added:
             args.results_dir.mkdir(parents=True, exist_ok=True)
             (args.results_dir / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -685,7 +685,7 @@ def _distributed_refusal() -> None:
 
     from mixlabels.backbones import _timm_face
 
-    adapted = adapt(vit(), TLAlign())
+    adapted = adapt(vit().train(), TLAlign())  # a training forward (an earlier case may leave timm building in eval)
     with mock.patch.object(_timm_face, "distributed_world", return_value=2):
         with pytest.raises(RuntimeError, match=r"outside DistributedDataParallel.*prepare_distributed") as err:
             adapted(X, cutmix_map())

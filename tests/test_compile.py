@@ -8,9 +8,10 @@ trains on batches from a mixer. For every family's registry model this file chec
 - one compile serves every block and every batch: further batches with other boxes, other
   lambdas, other partners run under ``fail_on_recompile`` (block indices and layer sets are
   constants of the trace, not guards);
-- compiled == eager: logits, targets, the loss and every parameter gradient. ``aot_eager`` for
-  every family (it traces forward and backward as inductor does, and runs the same ATen ops, so
-  the comparison is tight); inductor itself on an attention and a convolutional family, where
+- compiled == eager: logits, targets, the loss and every parameter gradient. Dynamo's trace for
+  every family; ``aot_eager`` (forward and backward traced as inductor traces them, run by the
+  same ATen ops, so the comparison is tight) for a family of each kind of label path, and for
+  every family in the ``slow`` run; inductor itself on an attention and a convolutional family, where
   codegen reorders float sums (``tests/test_compile_cuda.py`` compiles more on a GPU);
 - the route CUDA takes under ``torch.compile`` (``separate``: two plain SDPA calls) traces whole too.
 """
@@ -86,6 +87,25 @@ def check_compiles_whole(family: Any, backend: str, tol: float, device: str = "c
 
 @pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
 def test_training_step_compiles_as_one_graph_once_and_equals_eager(family: Any) -> None:
+    check_compiles_whole(family, "eager", tol=1e-5)  # dynamo's trace: the whole forward and loss, every family
+
+
+AOT_FAMILIES = ["vit", "swin", "resnet", "convnext", "pvt_v2", "maxxvit", "efficientvit_mit", "byobnet"]
+
+
+@pytest.mark.parametrize("name", AOT_FAMILIES)
+def test_aot_traces_forward_and_backward_and_equals_eager(name: str) -> None:
+    """AOT autograd's trace of forward and backward (what inductor compiles) on each kind of label path:
+    attention, windows with a mask, convolutions, a pyramid, grid attention with a bias, linear attention,
+    MobileViT's unfold attention."""
+    check_compiles_whole(next(f for f in ALIGNING if f.name == name), "aot_eager", tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
+def test_aot_traces_every_family(family: Any) -> None:
+    """Every family through AOT autograd (13 minutes on 2 cores: kept out of the default run, which traces every
+    family with dynamo and eight kinds of label path through AOT)."""
     check_compiles_whole(family, "aot_eager", tol=1e-5)
 
 
