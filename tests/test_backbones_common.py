@@ -90,7 +90,10 @@ def check_preservation(model: nn.Module, scheme: Any) -> None:
     model.zero_grad(set_to_none=True)
     assert got.keys() == expected_grads.keys()
     for name in got:
-        assert_close(got[name], expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        # atol scaled by the tensor's largest entry: fp32 rounding of a sum that reaches 20 is ~2e-6, and
+        # the fused attention backward sums in another order than plain SDPA's (CPU kernels vary by CPU)
+        scale = max(1.0, float(expected_grads[name].abs().max()))
+        assert_close(got[name], expected_grads[name], rtol=1e-4, atol=1e-6 * scale, msg=name)
     torch.manual_seed(5)
     plain = model(images)
     torch.manual_seed(5)

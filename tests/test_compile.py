@@ -8,11 +8,11 @@ trains on batches from a mixer. For every family's registry model this file chec
 - one compile serves every block and every batch: further batches with other boxes, other
   lambdas, other partners run under ``fail_on_recompile`` (block indices and layer sets are
   constants of the trace, not guards);
-- compiled == eager: logits, targets, the loss and every parameter gradient. Dynamo's trace for
-  every family; ``aot_eager`` (forward and backward traced as inductor traces them, run by the
-  same ATen ops, so the comparison is tight) for a family of each kind of label path, and for
-  every family in the ``slow`` run; inductor itself on an attention and a convolutional family, where
-  codegen reorders float sums (``tests/test_compile_cuda.py`` compiles more on a GPU);
+- compiled == eager: logits, targets, the loss and every parameter gradient: dynamo's trace, and
+  ``aot_eager`` (forward and backward traced as inductor traces them, run by the same ATen ops, so
+  the comparison is tight), and inductor itself (codegen reorders float sums; on the GPU,
+  ``tests/test_compile_cuda.py``). The default run takes a family of each kind of label path
+  (``KINDS``), the ``slow`` run every family (``pytest -m slow tests/test_compile.py``);
 - the route CUDA takes under ``torch.compile`` (``separate``: two plain SDPA calls) traces whole too.
 """
 
@@ -85,34 +85,32 @@ def check_compiles_whole(family: Any, backend: str, tol: float, device: str = "c
             assert_close(again.target, step(adapted, images, label_map)[0].target, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
+# One family of each kind of label path runs in the default suite (dynamo's trace costs 3-15 s a family on 2 cores);
+# every family runs in the slow suite (``pytest -m slow tests/test_compile.py``): fused attention with a class token,
+# shifted windows with a mask and merging, convolutions on tap matrices with BatchNorm, depthwise convs on a large
+# grid, spatial reduction, grid attention with a bias, linear attention, MobileViT's unfold attention, talking heads,
+# a token-mixing MLP, outlook attention, pooling.
+KINDS = ["vit", "swin", "resnet", "convnext", "pvt_v2", "maxxvit", "efficientvit_mit", "byobnet", "cait", "mlp_mixer",
+         "volo", "metaformer"]
+
+
+def _every(kinds: list[str]) -> list[Any]:
+    """Every family, those outside ``kinds`` marked slow."""
+    return [pytest.param(f, id=f.name, marks=() if f.name in kinds else pytest.mark.slow) for f in ALIGNING]
+
+
+@pytest.mark.parametrize("family", _every(KINDS))
 def test_training_step_compiles_as_one_graph_once_and_equals_eager(family: Any) -> None:
-    check_compiles_whole(family, "eager", tol=1e-5)  # dynamo's trace: the whole forward and loss, every family
+    check_compiles_whole(family, "eager", tol=1e-5)  # dynamo's trace: the whole forward and loss
 
 
-AOT_FAMILIES = ["vit", "swin", "resnet", "convnext", "pvt_v2", "maxxvit", "efficientvit_mit", "byobnet"]
-
-
-@pytest.mark.parametrize("name", AOT_FAMILIES)
-def test_aot_traces_forward_and_backward_and_equals_eager(name: str) -> None:
-    """AOT autograd's trace of forward and backward (what inductor compiles) on each kind of label path:
-    attention, windows with a mask, convolutions, a pyramid, grid attention with a bias, linear attention,
-    MobileViT's unfold attention."""
-    check_compiles_whole(next(f for f in ALIGNING if f.name == name), "aot_eager", tol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
-def test_aot_traces_every_family(family: Any) -> None:
-    """Every family through AOT autograd (13 minutes on 2 cores: kept out of the default run, which traces every
-    family with dynamo and eight kinds of label path through AOT)."""
+@pytest.mark.parametrize("family", _every(["vit", "swin", "resnet"]))
+def test_aot_traces_forward_and_backward_and_equals_eager(family: Any) -> None:
+    """AOT autograd's trace of forward and backward, what inductor compiles (all 38: 13 minutes on 2 cores)."""
     check_compiles_whole(family, "aot_eager", tol=1e-5)
 
 
-INDUCTOR_FAMILIES = ["vit", "resnet"]  # attention, and convolutions with tap matrices
-
-
-@pytest.mark.parametrize("name", INDUCTOR_FAMILIES)
+@pytest.mark.parametrize("name", ["vit", pytest.param("resnet", marks=pytest.mark.slow)])
 def test_inductor_training_step_equals_eager(name: str) -> None:
     import torch._inductor.config as inductor_config
 
