@@ -118,7 +118,9 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
     tests = parts.get("tests", {})
     out += ["### GPU tests", "", _missing(tests) or f"`{tests.get('command', '?')}`: {tests.get('summary', '?')}", ""]
     families = parts.get("families", {})
-    out += ["### Every family's small model, compiled (ratio of CutMix + TL-Align to CutMix + NoAlign)", ""]
+    modes = sorted({str(row.get("mode", "compiled")) for row in families.values() if isinstance(row, dict) and "model" in row})
+    out += [f"### Every family's small model, {' and '.join(modes) or 'compiled'} (ratio of CutMix + TL-Align to "
+            "CutMix + NoAlign)", ""]
     out += ["| family | model | CutMix ms | TL-Align ms | ratio | memory ratio | graphs (TL-Align) | breaks |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for family, row in families.items():

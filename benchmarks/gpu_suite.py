@@ -227,12 +227,26 @@ def dynamo_stats() -> Iterator[dict[str, int]]:
     stats["graph_breaks"] = int(sum(counters["graph_break"].values()))
 
 
+def timed_with_memory(
+    steps: Steps, calls: dict[str, Callable[[], None]], args: argparse.Namespace, deadline: Deadline,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """``calls`` timed side by side (ratios to ``cutmix``), each row with its peak memory and the ratio of that."""
+    summary = summarise(timed_rounds(dict(calls), args.rounds, args.steps, args.warmup, steps.device, deadline, log), "cutmix")
+    for name, row in summary.items():
+        row["peak_mb"] = steps.peak_mb(calls[name])
+    base = summary["cutmix"]["peak_mb"]
+    for row in summary.values():
+        row["memory_ratio"] = row["peak_mb"] / base if base else float("nan")
+    return summary
+
+
 def compiled_pair(
     steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], routes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """CutMix + NoAlign and CutMix + TL-Align (the device's route, then each of ``routes``), each adapter
     compiled, timed side by side. A variant that fails to compile is recorded, the others are timed."""
-    calls: dict[str, Callable[[], object]] = {}
+    calls: dict[str, Callable[[], None]] = {}
     info: dict[str, Any] = {}
     for name in ("cutmix", "tlalign", *(f"tlalign/{r}" for r in routes)):
         variant, _, route = name.partition("/")
@@ -255,25 +269,13 @@ def compiled_pair(
         calls[name] = step
     if "cutmix" not in calls:
         return info
-    times = timed_rounds(calls, args.rounds, args.steps, args.warmup, steps.device, deadline, log)
-    summary = {**info, **summarise(times, "cutmix")}
-    for name in calls:
-        summary[name].update(info[name], peak_mb=steps.peak_mb(calls[name]))  # type: ignore[arg-type]
-    base = summary["cutmix"]["peak_mb"]
-    for name in calls:
-        summary[name]["memory_ratio"] = summary[name]["peak_mb"] / base if base else float("nan")
-    return summary
+    timed = timed_with_memory(steps, calls, args, deadline, log)
+    return {**info, **{name: {**info[name], **row} for name, row in timed.items()}}
 
 
 def eager_pair(steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None]) -> dict[str, Any]:
     """CutMix + NoAlign and CutMix + TL-Align (the device's route), eager, side by side."""
-    calls: dict[str, Callable[[], object]] = {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign")}
-    summary = summarise(timed_rounds(calls, args.rounds, args.steps, args.warmup, steps.device, deadline, log), "cutmix")
-    for name, row in summary.items():
-        row["peak_mb"] = steps.peak_mb(calls[name])  # type: ignore[arg-type]
-    for row in summary.values():
-        row["memory_ratio"] = row["peak_mb"] / summary["cutmix"]["peak_mb"] if summary["cutmix"]["peak_mb"] else float("nan")
-    return summary
+    return timed_with_memory(steps, {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign")}, args, deadline, log)
 
 
 def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], save: Callable[[], None],
@@ -284,16 +286,11 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     if args.deit_compiled_only:
         into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes)
         return
-    calls: dict[str, Callable[[], object]] = {"none": steps.call("none"), "cutmix": steps.call("cutmix")}
+    calls = {"none": steps.call("none"), "cutmix": steps.call("cutmix")}
     for route in ROUTES:
         calls[f"tlalign/{route}"] = steps.call("tlalign", route)
     log(f"deit eager: {args.deit_model} batch {args.batch_size}")
-    eager = summarise(timed_rounds(calls, args.rounds, args.steps, args.warmup, steps.device, deadline, log), "cutmix")
-    for name, row in eager.items():
-        row["peak_mb"] = steps.peak_mb(calls[name])  # type: ignore[arg-type]
-    for row in eager.values():
-        row["memory_ratio"] = row["peak_mb"] / eager["cutmix"]["peak_mb"] if eager["cutmix"]["peak_mb"] else float("nan")
-    into["eager"] = eager
+    into["eager"] = timed_with_memory(steps, calls, args, deadline, log)
     save()
     log("deit compiled")
     into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes)

@@ -1,0 +1,40 @@
+"""The GPU suite's machinery on the CPU (its dry run), and the operator count.
+
+The suite runs where device time is scarce, so what can fail on any machine is checked here: every
+part writes its figures or says why not, the deadline stops it between units of work, and the
+report renders what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import gpu_suite, op_count
+from benchmarks.gpu_report import summary_table
+
+
+def test_dry_run_routes_every_route_against_plain_sdpa(tmp_path: Path) -> None:
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "routes", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert saved["parts"].keys() == {"routes"} and saved["provenance"]["finished"]
+    for table in result["parts"]["routes"].values():
+        if isinstance(table, dict):
+            assert set(table) == {"plain SDPA (no labels)", "widened", "separate", "explicit", "widened-autograd"}
+            assert table["plain SDPA (no labels)"]["ratio"] == 1.0
+            assert all(len(row["ms_per_round"]) == 2 and row["ms_median"] > 0 for row in table.values())
+    assert "| separate |" in summary_table(result)
+
+
+def test_a_spent_deadline_skips_every_part_and_says_so(tmp_path: Path) -> None:
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--budget-s", "0", "--out", str(tmp_path)])
+    assert {name: part.get("skipped") for name, part in result["parts"].items()} == dict.fromkeys(gpu_suite.PARTS, "deadline")
+    assert "skipped: deadline" in summary_table(result)
+
+
+def test_op_count_counts_what_the_label_path_adds() -> None:
+    row = op_count.count_step("example:vit")
+    assert row["tlalign"] > row["cutmix"] > 0 and row["added"] == row["tlalign"] - row["cutmix"]
+    assert row["tlalign_kernels"] < row["tlalign"]  # views are counted apart
+    assert sum(row["tlalign_ops"].values()) == row["tlalign"]
+    assert row["top_added"] and all(n > 0 for _, n in row["top_added"])
