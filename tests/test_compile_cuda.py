@@ -15,7 +15,7 @@ from test_compile import ALIGNING, check_compiles_whole
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-@pytest.mark.parametrize("name", ["vit", "swin", "resnet", "pvt_v2", "maxxvit", "convnext"])
+@pytest.mark.parametrize("name", ["vit", "swin", "resnet"])  # attention, a mask, convolutions: inductor compiles take 30-70 s each
 def test_cuda_inductor_training_step_equals_eager(name: str) -> None:
     import torch._inductor.config as inductor_config
 
