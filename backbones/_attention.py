@@ -16,9 +16,11 @@ the backward is the ordinary kernel's, fed the widened call's log-sum-exp. Elsew
 autograd runs through the widened call.
 
 An additive mask or bias (a shift mask, a relative position bias) takes the same route
-while it needs no gradient. A learnable bias that needs one makes plain SDPA take its
-math path (no fused kernel returns a mask's gradient), which builds the attention
+while it needs no gradient. A learnable bias that needs one makes plain SDPA on the CPU
+take its math path (no CPU kernel returns a mask's gradient), which builds the attention
 matrix anyway: there the labels are mixed by that same matrix (``explicit_attention``).
+On CUDA the memory-efficient kernel returns the bias's gradient, so there such a bias
+takes the ``separate`` route whatever route is chosen.
 
 Routes. Where the labels are mixed is a choice per device (``ROUTES``; ``attention_route``
 picks one for a block of code, ``MIXLABELS_ATTENTION_ROUTE`` for a process):
@@ -101,6 +103,10 @@ def _route_for(q: Tensor, attn_mask: Tensor | None) -> Route:
     shape: 0.84 ms against the widened call's 1.09) and ``widened`` with one (Swin's shifted windows:
     2.95 against 3.89); compiled on CUDA always ``separate``, two plain SDPA calls that every torch
     version traces (probing the raw kernels is no traceable op); elsewhere ``widened``."""
+    if q.device.type == "cuda" and attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        # A learnable bias (MaxViT's, GCViT's relative positions): CUDA's memory-efficient kernel returns its
+        # gradient, where the widened forward would drop it and the explicit matrix would be kept for the backward.
+        return "separate"
     chosen = _chosen[0]
     if chosen is not None:
         return chosen
@@ -397,8 +403,8 @@ def attention_with_labels(
             qw, kw, vw = _widen(q, k, v, labels, 8)
             mask = None if attn_mask is None else attn_mask.detach()
             mixed = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=mask, scale=scale)[..., d : d + labels.shape[-1]]
-    elif attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-        # No fused kernel returns a mask's gradient, so plain SDPA takes its math path and
+    elif attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled() and q.device.type != "cuda":
+        # No CPU kernel returns a mask's gradient, so plain SDPA takes its math path and
         # builds the attention matrix: mix the labels with that same matrix.
         return explicit_attention(q, k, v, labels, scale, attn_mask)
     elif (route := _route_for(q, attn_mask)) in ("separate", "explicit"):
