@@ -22,7 +22,7 @@ Example:
 
 from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
 from mixlabels.backbones._any import AdaptedClassifier
-from mixlabels.backbones._attention import attention_with_labels
+from mixlabels.backbones._attention import ROUTES, attention_route, attention_with_labels
 from mixlabels.backbones._beit import AdaptedBeit
 from mixlabels.backbones._cait import AdaptedCaiT
 from mixlabels.backbones._convnext import AdaptedConvNeXt
@@ -117,4 +117,6 @@ __all__ = [
     "TierCount",
     "reference_forward",
     "attention_with_labels",
+    "attention_route",
+    "ROUTES",
 ]
