@@ -7,6 +7,8 @@ reference. Tiny sizes throughout: the whole module runs in seconds.
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import functools
 import json
@@ -457,7 +459,8 @@ def _timm_distillation_with_a_label_map() -> object:
     from timm.task import LogitDistillationTask
 
     # train.py's --kd-model-name with mixing on: timm's task and loss, mixlabels' mixer
-    task = LogitDistillationTask(vit(), vit(), criterion=SoftTargetCrossEntropy(), verbose=False)
+    # copies: vit() is cached and shared by every case, and the task puts its teacher in eval mode
+    task = LogitDistillationTask(copy.deepcopy(vit()), copy.deepcopy(vit()), criterion=SoftTargetCrossEntropy(), verbose=False)
     return task(*CutMix(C, generator=gen())(X, Y))
 
 
@@ -685,7 +688,7 @@ def _distributed_refusal() -> None:
 
     from mixlabels.backbones import _timm_face
 
-    adapted = adapt(vit().train(), TLAlign())  # a training forward (an earlier case may leave timm building in eval)
+    adapted = adapt(vit(), TLAlign())
     with mock.patch.object(_timm_face, "distributed_world", return_value=2):
         with pytest.raises(RuntimeError, match=r"outside DistributedDataParallel.*prepare_distributed") as err:
             adapted(X, cutmix_map())
@@ -881,7 +884,7 @@ def _task_class_ids() -> None:
 
     from mixlabels.backbones import AlignedClassificationTask
 
-    model = vit()
+    model = copy.deepcopy(vit())  # vit() is cached and shared by every case: change a copy
     model.eval()
     ours = AlignedClassificationTask(model, TLAlign(), criterion=nn.CrossEntropyLoss(), verbose=False)(X, Y)
     theirs = ClassificationTask(model, criterion=nn.CrossEntropyLoss(), verbose=False)(X, Y)
