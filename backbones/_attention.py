@@ -412,7 +412,7 @@ def attention_with_labels(
         mask = None if attn_mask is None else attn_mask.detach()
         with torch.no_grad():
             if route == "explicit":
-                return out, explicit_attention(q, k, v[..., :0], labels, scale, mask)[1]
+                return out, explicit_mix(_attention_matrix(q, k, scale, mask), labels)
             mixed = _label_call(q, k, labels, scale, mask)
     elif route != "widened-autograd" and (kernel := _fused_kernel(q, k, v, labels, attn_mask)) is not None:
         out, mixed = _WidenedForward.apply(q, k, v, labels, scale, kernel, attn_mask)
@@ -444,12 +444,18 @@ def explicit_attention(
     kept for the backward as the math path keeps it, and mixing ``(b, m, l)`` labels adds
     one small product. Returns ``out`` ``(b, h, n, d)`` and ``mixed`` ``(b, n, l)`` fp32, no grad.
     """
+    a = _attention_matrix(q, k, scale, attn_mask)
+    return a @ v, explicit_mix(a, labels)
+
+
+def _attention_matrix(q: Tensor, k: Tensor, scale: float, attn_mask: Tensor | None) -> Tensor:
+    """``softmax(q k^T * scale + attn_mask)`` ``(b, h, n, m)``, as SDPA's math path computes it."""
     root = scale**0.5  # q and k each scaled by sqrt(scale), as the math path does: bit-equal outputs
     scores = (q * root) @ (k * root).transpose(-2, -1)  # b h n m
     if attn_mask is not None:
         scores = scores + attn_mask
-    a = scores.softmax(dim=-1)
-    return a @ v, explicit_mix(a, labels)
+    a: Tensor = scores.softmax(dim=-1)
+    return a
 
 
 def explicit_mix(a: Tensor, labels: Tensor) -> Tensor:
