@@ -1,0 +1,92 @@
+"""Every family's targets are bit-identical to those recorded before the round-3 move.
+
+Issue 30 moved every family into its own declaring file (``backbones/families/``) and
+reorganised the shared machinery. A move must not change one bit of what a user trains on:
+this test runs every registered family's example, with every scheme it supports, on the fast
+path and on the reference path, in training mode on a fixed CutMix-like batch, and compares the
+SHA-256 of the targets' bytes (and of the logits, which a move must not change either) with
+``tests/data/targets_digest.json``, written by ``python tests/test_targets_unchanged.py --write``
+at commit ``edd87de`` (torch 2.14.1, timm 1.0.31, this project's CPU) before the move.
+
+A digest is exact: another torch or timm version, or another CPU's kernels, may change the last
+bit of a float, and then this test fails although nothing is wrong. It says so, and the fix is
+to rewrite the digest from the commit before the change under test on that machine
+(``git stash; python tests/test_targets_unchanged.py --write; git stash pop``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from mixlabels import TokenLabelMap
+from mixlabels import backbones
+from mixlabels.backbones._matrix import SCHEMES
+
+DIGEST = Path(__file__).parent / "data" / "targets_digest.json"
+VERSIONS = {"torch": torch.__version__, "timm": timm.__version__}
+
+
+def _batch() -> tuple[torch.Tensor, TokenLabelMap]:
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(2, 3, 32, 32, generator=g)
+    mask = torch.ones(2, 32, 32)
+    mask[0, 4:20, 6:26] = 0.0  # boxes cutting through patches, a different one per sample
+    mask[1, 10:30, 0:13] = 0.0
+    lm = TokenLabelMap.from_mask(mask, torch.tensor([1, 0]), torch.tensor([3, 7]), num_classes=10)
+    return lm.mix_pixels(images), lm
+
+
+def _sha(t: torch.Tensor | None) -> str | None:
+    if t is None:
+        return None
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()[:24]
+
+
+def digests() -> dict[str, dict[str, str | None]]:
+    """``{"family/scheme/path": {"target": sha, "token_target": sha, "logits": sha}}`` for every supported pair."""
+    images, lm = _batch()
+    out: dict[str, dict[str, str | None]] = {}
+    for family in backbones.FAMILIES:
+        for scheme_name, scheme in SCHEMES.items():
+            for reference in (False, True):
+                model = family.example().train()
+                try:
+                    adapted = backbones.adapt(model, scheme, reference=reference)
+                    torch.manual_seed(0)  # drop path and dropout draw the same in every run
+                    res = adapted(images, lm)
+                except (TypeError, ValueError):
+                    continue  # a refused pair: test_matrix holds its message
+                out[f"{family.name}/{scheme_name}/{'reference' if reference else 'fast'}"] = {
+                    "target": _sha(res.target),
+                    "token_target": _sha(res.token_target),
+                    "logits": _sha(res.logits),
+                }
+    return out
+
+
+def test_targets_bit_identical_to_the_recorded_digest() -> None:
+    recorded = json.loads(DIGEST.read_text())
+    if recorded["versions"] != VERSIONS:
+        pytest.fail(
+            f"the digest was written with {recorded['versions']}, this run has {VERSIONS}: a digest is exact only "
+            "on the versions (and CPU) that wrote it; rewrite it from the commit before your change "
+            "(python tests/test_targets_unchanged.py --write)"
+        )
+    now = digests()
+    assert sorted(now) == sorted(recorded["digests"]), "the set of supported family/scheme pairs changed"
+    changed = [key for key in now if now[key] != recorded["digests"][key]]
+    assert not changed, f"targets or logits changed bits on {len(changed)} pairs: {changed[:10]}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_targets_unchanged.py --write")
+    DIGEST.write_text(json.dumps({"versions": VERSIONS, "digests": digests()}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {DIGEST}")
