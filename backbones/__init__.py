@@ -20,50 +20,35 @@ Example:
     (torch.Size([4, 10]), True)
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
 from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._attention import ROUTES, attention_route, attention_with_labels
-from mixlabels.backbones._beit import AdaptedBeit
-from mixlabels.backbones._cait import AdaptedCaiT
-from mixlabels.backbones._convnext import AdaptedConvNeXt
-from mixlabels.backbones._davit import AdaptedDaViT
-from mixlabels.backbones._gcvit import AdaptedGCViT
-from mixlabels.backbones._efficientnet import AdaptedEfficientNet
 from mixlabels.backbones._count import TierCount, count_timm_names
-from mixlabels.backbones._efficientvit_mit import AdaptedEfficientViTMIT
-from mixlabels.backbones._efficientvit_msra import AdaptedEfficientViTMSRA
-from mixlabels.backbones._levit import AdaptedLeViT
-from mixlabels.backbones._hiera import AdaptedHiera
-from mixlabels.backbones._focalnet import AdaptedFocalNet
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
-from mixlabels.backbones._eva import AdaptedEva
-from mixlabels.backbones._maxxvit import AdaptedMaxxVit
-from mixlabels.backbones._metaformer import AdaptedMetaFormer
-from mixlabels.backbones._mixer import AdaptedMixer
-from mixlabels.backbones._mvitv2 import AdaptedMViTv2
-from mixlabels.backbones._nest import AdaptedNest
-from mixlabels.backbones._pvt import AdaptedPVTv2
-from mixlabels.backbones._relpos import AdaptedRelPosViT
-from mixlabels.backbones._resmlp import AdaptedResMLP
-from mixlabels.backbones._gmlp import AdaptedGMLP
-from mixlabels.backbones._crossvit import AdaptedCrossViT
-from mixlabels.backbones._tnt import AdaptedTNT
-from mixlabels.backbones._efficientformer import AdaptedEfficientFormer
-from mixlabels.backbones._volo import AdaptedVOLO
-from mixlabels.backbones._fastvit import AdaptedFastViT
-from mixlabels.backbones._mobilenetv3 import AdaptedMobileNetV3, AdaptedMobileNetV4
-from mixlabels.backbones._regnet import AdaptedRegNet
-from mixlabels.backbones._mobilevit import AdaptedByobNet
-from mixlabels.backbones._efficientformer_v2 import AdaptedEfficientFormerV2
-from mixlabels.backbones._resnet import AdaptedResNet
-from mixlabels.backbones._swin import AdaptedSwin
-from mixlabels.backbones._swinv2 import AdaptedSwinV2
-from mixlabels.backbones._swinv2_cr import AdaptedSwinV2Cr
-from mixlabels.backbones._twins import AdaptedTwins
-from mixlabels.backbones._xcit import AdaptedXCiT
 from mixlabels.backbones._task import AlignedClassificationTask
-from mixlabels.backbones._vit import AdaptedViT
 from mixlabels.backbones._vit_reference import reference_forward
+
+if TYPE_CHECKING:
+    from mixlabels.backbones._common import AdaptedBase
+
+# Every family's adapter class (``backbones.AdaptedViT``, ``backbones.AdaptedResNet``, ...) comes from the
+# families' declarations, so that adding a family touches no list here.
+_ADAPTERS = {f.build.__name__: f.build for f in FAMILIES if isinstance(f.build, type)}
+
+
+def __getattr__(name: str) -> type[AdaptedBase]:
+    if name in _ADAPTERS:
+        return _ADAPTERS[name]
+    raise AttributeError(f"module 'mixlabels.backbones' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_ADAPTERS])
+
 
 __all__ = [
     "adapt",
@@ -74,45 +59,7 @@ __all__ = [
     "support_matrix",
     "support_markdown",
     "SupportRow",
-    "AdaptedViT",
-    "AdaptedSwin",
-    "AdaptedSwinV2",
-    "AdaptedSwinV2Cr",
-    "AdaptedDaViT",
-    "AdaptedGCViT",
-    "AdaptedPVTv2",
-    "AdaptedCaiT",
-    "AdaptedMixer",
-    "AdaptedConvNeXt",
-    "AdaptedMetaFormer",
-    "AdaptedRelPosViT",
-    "AdaptedBeit",
-    "AdaptedEva",
-    "AdaptedMaxxVit",
-    "AdaptedTwins",
-    "AdaptedNest",
-    "AdaptedFocalNet",
-    "AdaptedXCiT",
-    "AdaptedResNet",
-    "AdaptedEfficientNet",
-    "AdaptedMobileNetV3",
-    "AdaptedMobileNetV4",
-    "AdaptedEfficientFormer",
-    "AdaptedVOLO",
-    "AdaptedFastViT",
-    "AdaptedRegNet",
-    "AdaptedByobNet",
-    "AdaptedEfficientFormerV2",
     "AdaptedClassifier",
-    "AdaptedEfficientViTMIT",
-    "AdaptedMViTv2",
-    "AdaptedEfficientViTMSRA",
-    "AdaptedHiera",
-    "AdaptedResMLP",
-    "AdaptedGMLP",
-    "AdaptedCrossViT",
-    "AdaptedTNT",
-    "AdaptedLeViT",
     "count_timm_names",
     "TierCount",
     "reference_forward",

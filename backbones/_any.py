@@ -26,9 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap, TokenLayout
+from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._timm_face import check_label_map
 
-__all__ = ["AdaptedClassifier", "ANY_FAMILY", "any_refusal", "accepts_any_model"]
+__all__ = ["AdaptedClassifier", "ANY", "ANY_FAMILY", "any_refusal", "accepts_any_model"]
 
 ANY_FAMILY = (
     "any nn.Module mapping images (b, ch, H, W) to logits (b, classes): every timm model, torchvision models, "
@@ -198,3 +199,15 @@ class AdaptedClassifier(nn.Module):
                 "MixToken cannot tell which call embeds the image; use a pixel-space mixer (CutMix) with it"
             )
         return output
+
+
+# The registry's last entry (backbones._adapt): not in families/, since it aligns nothing and is
+# taken only when no declared family accepts the model.
+ANY = Family(
+    name="any",
+    description=ANY_FAMILY,
+    refusal=any_refusal,
+    build=AdaptedClassifier,
+    example=tiny("test_nfnet"),
+    timm_modules=None,
+)

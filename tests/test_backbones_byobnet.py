@@ -23,7 +23,7 @@ from torch.testing import assert_close
 from mixlabels import TLAlign, TokenLabelMap, TransMix, backbones
 from mixlabels.backbones._common import conv_mix, conv_mix_pair
 from mixlabels.backbones._dense import conv_matrix, row_normalise
-from mixlabels.backbones._mobilevit import _linear_attention, _vit_attention, byobnet_refusal, tiny_mobilevit
+from mixlabels.backbones.families.byobnet import _linear_attention, _vit_attention, byobnet_refusal, tiny_mobilevit
 
 
 def make(version: int, drop: float = 0.0) -> nn.Module:

@@ -10,7 +10,7 @@ import torch
 from test_backbones_common import C, IMG, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, set_fused, sharpen
 from torch.testing import assert_close
 
-from mixlabels.backbones._cait import label_matrix, talking_heads_label_mix
+from mixlabels.backbones.families.cait import label_matrix, talking_heads_label_mix
 
 CONFIGS: dict[str, dict[str, Any]] = {"fused": {}, "explicit": {}, "avg": {"global_pool": "avg"}}
 

@@ -13,7 +13,7 @@ from timm.models.crossvit import CrossVit
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabelMap, backbones
-from mixlabels.backbones._crossvit import AdaptedCrossViT, branch_start_matrices
+from mixlabels.backbones.families.crossvit import AdaptedCrossViT, branch_start_matrices
 
 ALL = list(SCHEMES)
 CONFIGS: dict[str, dict[str, Any]] = {

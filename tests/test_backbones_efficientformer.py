@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TransMix, backbones
-from mixlabels.backbones._efficientformer import _attend, tiny_efficientformer
+from mixlabels.backbones.families.efficientformer import _attend, tiny_efficientformer
 
 
 def make(drop: float = 0.0, distilled_training: bool = False) -> nn.Module:

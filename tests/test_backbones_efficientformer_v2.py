@@ -11,7 +11,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TokenLabelMap, TransMix, backbones
-from mixlabels.backbones._efficientformer_v2 import (
+from mixlabels.backbones.families.efficientformer_v2 import (
     _attention2d,
     _attention2d_labels,
     _attention_downsample,

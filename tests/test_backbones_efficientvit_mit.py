@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
 from mixlabels.backbones._common import conv_mix
-from mixlabels.backbones._efficientvit_mit import head_conv_mix, linear_attention_labels
+from mixlabels.backbones.families.efficientvit_mit import head_conv_mix, linear_attention_labels
 
 CONFIGS = {
     # B series on 32 px: stem 16x16, stages 8x8, 4x4, then LiteMLA on 2x2 (on 4x4 with 64 px images)

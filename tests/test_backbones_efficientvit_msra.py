@@ -11,7 +11,7 @@ from timm.models.efficientvit_msra import ResidualDrop
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabeling, TransMix, backbones
-from mixlabels.backbones._efficientvit_msra import _window_attention
+from mixlabels.backbones.families.efficientvit_msra import _window_attention
 
 TINY = {"embed_dim": (16, 32), "key_dim": (4, 4), "depth": (1, 1), "num_heads": (2, 2), "down_ops": (("", 1), ("subsample", 2))}
 # 64 px: a 4x4 patch grid in 2x2 windows, then subsampled to 2x2 (one window) and 1x1.

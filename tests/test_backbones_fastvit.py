@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from mixlabels import TLAlign, TransMix, backbones
 from mixlabels.backbones._common import kernel_labels
-from mixlabels.backbones._fastvit import _repmixer_kernel, fused_kernel, tiny_fastvit
+from mixlabels.backbones.families.fastvit import _repmixer_kernel, fused_kernel, tiny_fastvit
 
 
 def make(drop: float = 0.0, **kwargs: object) -> nn.Module:

@@ -12,7 +12,7 @@ from timm.models.focalnet import FocalNet
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
-from mixlabels.backbones._focalnet import focal_mix, gate_weights
+from mixlabels.backbones.families.focalnet import focal_mix, gate_weights
 
 # Three stages on 32 px: 8x8, 4x4, 2x2 tokens.
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -51,7 +51,7 @@ def test_mixtoken_dropout_and_fused_route_fast_equal_reference() -> None:
 
 def test_global_query_attention_equals_timm_and_mixes_within_windows() -> None:
     """The global query is its image's, shared by that image's windows; each row mixes its window's tokens."""
-    from mixlabels.backbones._gcvit import _window_attention
+    from mixlabels.backbones.families.gcvit import _window_attention
 
     model: Any = make()
     attn = model.stages[0].blocks[1].attn

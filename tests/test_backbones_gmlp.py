@@ -11,7 +11,7 @@ from timm.models.mlp_mixer import MlpMixer, SpatialGatingBlock
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TransMix, backbones
-from mixlabels.backbones._gmlp import gating_mixing_matrix
+from mixlabels.backbones.families.gmlp import gating_mixing_matrix
 
 
 def make(drop_path_rate: float = 0.0, trained: bool = True) -> MlpMixer:

@@ -10,7 +10,7 @@ from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preser
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabelMap, TokenLabeling, TransMix, backbones
-from mixlabels.backbones._levit import _attend
+from mixlabels.backbones.families.levit import _attend
 
 TINY = {"embed_dim": (16, 32), "key_dim": 4, "num_heads": (2, 2), "depth": (1, 2)}
 VARIANTS = ["levit_128s", "levit_conv_128s"]

@@ -13,7 +13,7 @@ from timm.models.metaformer import Attention, LayerNorm2dNoBias, LayerNormNoBias
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
-from mixlabels.backbones._metaformer import _pooling_matrix, pooling_mix
+from mixlabels.backbones.families.metaformer import _pooling_matrix, pooling_mix
 
 # Three stages on 32 px: 8x8, 4x4, 2x2 tokens. "caformer" has all three token mixers.
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -9,7 +9,7 @@ from timm.models.mlp_mixer import MlpMixer
 from torch.testing import assert_close
 
 from mixlabels import backbones
-from mixlabels.backbones._mixer import token_mixing_matrix
+from mixlabels.backbones.families.mlp_mixer import token_mixing_matrix
 from mixlabels import TLAlign, TransMix
 
 

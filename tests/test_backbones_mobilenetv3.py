@@ -10,7 +10,7 @@ from test_backbones_common import POOLED, SCHEMES, check_parity, check_preservat
 from torch import nn
 
 from mixlabels import TLAlign, TransMix, backbones
-from mixlabels.backbones._mobilenetv3 import tiny_mobilenetv3
+from mixlabels.backbones.families.mobilenetv3 import tiny_mobilenetv3
 
 
 def make(drop_path_rate: float = 0.0) -> nn.Module:

@@ -12,7 +12,7 @@ from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TransMix, backbones
-from mixlabels.backbones._mvitv2 import pooled_labels
+from mixlabels.backbones.families.mvitv2 import pooled_labels
 
 # Two stages on 32 px: an 8x8 patch grid, keys/values pooled to 4x4 (stride 2), then query
 # pooling to 4x4 with a stride-1 key/value conv. "cls": class token, token readout.

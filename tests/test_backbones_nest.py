@@ -10,7 +10,7 @@ from timm.models.nest import Nest
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
-from mixlabels.backbones._nest import _pool_matrix, _pool_merge
+from mixlabels.backbones.families.nest import _pool_matrix, _pool_merge
 
 PADS = ["", "same"]  # PyTorch symmetric padding; TF 'same' (the nest_*_jx models): the max pool pads after only
 

@@ -12,7 +12,7 @@ from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from torch.testing import assert_close
 
 from mixlabels import backbones
-from mixlabels.backbones._pvt import reduced_key_labels
+from mixlabels.backbones.families.pvt_v2 import reduced_key_labels
 from mixlabels import TokenLabeling, TransMix
 from mixlabels.strategies import BlockwiseMix, CutMix, RandomPatchMix
 

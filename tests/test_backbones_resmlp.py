@@ -10,7 +10,7 @@ from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
-from mixlabels.backbones._resmlp import linear_mixing_matrix
+from mixlabels.backbones.families.resmlp import linear_mixing_matrix
 
 
 def make(drop_path_rate: float = 0.0) -> MlpMixer:

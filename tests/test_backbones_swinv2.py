@@ -13,7 +13,7 @@ from timm.models.swin_transformer_v2 import WindowAttention
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabeling, TokenLabelMap, TransMix, backbones
-from mixlabels.backbones._swinv2 import cosine_window_attention
+from mixlabels.backbones.families.swinv2 import cosine_window_attention
 
 BASE: dict[str, Any] = dict(img_size=IMG, patch_size=4, window_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 2), num_classes=C)
 FAMILY = next(f for f in backbones.FAMILIES if f.name == "swinv2")

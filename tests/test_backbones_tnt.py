@@ -11,7 +11,7 @@ from timm.models.tnt import TNT
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, backbones
-from mixlabels.backbones._tnt import tnt_start_matrices
+from mixlabels.backbones.families.tnt import tnt_start_matrices
 
 ALL = list(SCHEMES)
 

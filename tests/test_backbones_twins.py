@@ -12,7 +12,7 @@ from timm.models.twins import Twins
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
-from mixlabels.backbones._twins import _lsa_reference
+from mixlabels.backbones.families.twins import _lsa_reference
 
 # 32 px, patch 4 then 2: 8x8 then 4x4 tokens. "svt_padded": 3x3 windows pad the 8x8 grid to 9x9 and
 # the 4x4 grid to 6x6, so padded keys take part in the softmax.

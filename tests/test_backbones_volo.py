@@ -12,7 +12,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabeling, backbones
-from mixlabels.backbones._volo import _outlook, outlook_labels, outlook_matrix
+from mixlabels.backbones.families.volo import _outlook, outlook_labels, outlook_matrix
 
 TINY = dict(img_size=32, patch_size=4, stem_hidden_dim=16, layers=(1, 1), embed_dims=(16, 32), num_heads=(1, 2),
             downsamples=(True, False), outlook_attention=(True, False), mlp_ratio=(2.0, 2.0))  # fmt: skip

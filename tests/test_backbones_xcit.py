@@ -12,7 +12,7 @@ from timm.models.xcit import Xcit
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, backbones
-from mixlabels.backbones._xcit import _lpi_matrix, _lpi_mix
+from mixlabels.backbones.families.xcit import _lpi_matrix, _lpi_mix
 
 # 32 px, patch 8: a 4x4 grid. "avg": mean readout, tokens_norm, no layer scale in class attention.
 CONFIGS: dict[str, dict[str, Any]] = {

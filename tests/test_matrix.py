@@ -37,18 +37,7 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
 # Pooled models have no class token whose attention TransMix could read: refused, with a clear error
 # (a BEiT that pools by average has a class token, but its head does not read it: the error says so).
 NO_CLASS_TOKEN_READ = r"no class token|the class token that the head reads"
-POOLED_FAMILIES = [
-    "swin", "pvt_v2", "mlp_mixer", "convnext", "metaformer",
-    "beit",
-    "swinv2", "swinv2_cr", "davit", "gcvit",
-    "efficientvit_mit", "mvitv2", "efficientvit_msra", "hiera",
-    "resmlp", "gmlp",
-    "twins",
-    "maxxvit", "nest", "focalnet",
-    "resnet", "efficientnet",
-    "levit",
-    "resnet", "efficientnet", "mobilenetv3", "mobilenetv4", "regnet", "efficientformer", "fastvit", "byobnet", "efficientformer_v2",
-]  # fmt: skip
+POOLED_FAMILIES = [f.name for f in backbones.FAMILIES[:-1] if not f.class_token]  # each family declares it
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
 # The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
 # needs a `patch_embed` the NFNet lacks.

@@ -80,8 +80,10 @@ def test_targets_bit_identical_to_the_recorded_digest() -> None:
             "(python tests/test_targets_unchanged.py --write)"
         )
     now = digests()
-    assert sorted(now) == sorted(recorded["digests"]), "the set of supported family/scheme pairs changed"
-    changed = [key for key in now if now[key] != recorded["digests"][key]]
+    lost = sorted(set(recorded["digests"]) - set(now))
+    assert not lost, f"family/scheme pairs supported before no longer run: {lost}"
+    # a family added after the digest has no lines in it (its own tests hold its targets)
+    changed = [key for key in recorded["digests"] if now[key] != recorded["digests"][key]]
     assert not changed, f"targets or logits changed bits on {len(changed)} pairs: {changed[:10]}"
 
 

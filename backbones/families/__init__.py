@@ -1,0 +1,9 @@
+"""The families: one file each, ending with its ``FAMILY = Family(...)`` declaration.
+
+``backbones._family.declared_families`` finds them; ``_``-files are helpers several families
+share. A family that builds on another's helpers imports them from that family's file and
+says so in its docstring (davit, gcvit and swinv2 on ``swin``; swinv2_cr on ``swinv2``;
+efficientformer on ``metaformer``; gmlp and resmlp on ``mlp_mixer``; mobilenetv3 on
+``efficientnet``; mobilenetv4 on ``mobilenetv3``; beit, eva and vit_relpos on ``_prefix_vit``,
+itself built on ``vit``).
+"""

@@ -1,0 +1,508 @@
+"""Adapter for timm's ByobNet: MobileViT v1/v2 and the ResNet-style ByobNets built from basic and bottleneck blocks.
+
+Every position of a feature map is a token (as in ``backbones._convnet``, whose rules the conv
+blocks take). Events per ``layer`` (each conv block is one, each transformer block inside a
+MobileViT block is one):
+
+- ``BasicBlock`` / ``BottleneckBlock`` (MobileViT's inverted residuals): a stride-1 ``kxk``
+  conv mixes labels by its (out, in)-averaged normalised ``|kernel|``, a strided one
+  aggregates; 1x1 convs, norms, activations and SE/ECA are channel ops; an identity or
+  downsampling shortcut joins the branch by the residual rule; a block without a shortcut
+  (timm's ``downsample=''`` where the width or stride changes) ``aggregate``\\ s;
+- ``MobileVitBlock`` (v1), ``conv_fusion(cat(x, proj(fold(T(unfold(conv_kxk(x)))))))``: the
+  block's input ``x`` and its transformer path meet in one ``kxk`` conv, with no residual
+  around the block. The labels carry both states side by side, ``(b, 2n, l)``: the input's
+  labels, then the path's (one ``aggregate`` duplicates them). The path's ``conv_kxk``
+  aggregates (no shortcut around it). ``unfold`` groups the pixels at one offset inside the
+  ``p x p`` patches into a sequence over the patches; each timm ``Block`` is a residual
+  attention over that sequence: its head-mean attention rows mix the path's labels among the
+  pixels of one offset, and the residual rule joins them (``residual`` with the input half
+  unchanged: ``Norm(Y + Y) = Y``). timm's drop-path draws one sample per (image, offset)
+  sequence, so ``keep`` is per token ``(b, 2n)``. ``conv_fusion`` is the rule of a conv over
+  two label states: every (output, input) channel pair's kernel is a distribution over its
+  taps, averaged over all pairs, and a pair reads the labels of its input channel's half,
+  ``Y <- Norm(T(k_x) Y_x + T(k_p) Y_p)`` with ``k_x = sum_{o, i in x} |K_oi| / sum|K_oi| / (O I)``
+  (``k_p`` likewise over the path's channels): the rule of ``_convnet`` when both halves
+  carry the same labels. ``no_fusion`` keeps the path's half;
+- ``MobileVitV2Block``: ``proj(fold(T(unfold(dwconv(x)))))``, no shortcut: the depthwise
+  conv aggregates, each ``LinearTransformerBlock`` is a residual separable self-attention,
+  ``out_n = relu(V_n) * sum_m s_m K_m`` with ``s = softmax(query)`` over the patches at one
+  offset. As for gMLP's gating unit (``backbones.families.gmlp``), the token-local factor gates, as a
+  query does, and the mixed content is ``K_m`` with weight ``s_m``: ``mixed_n = sum_m s_m Y_m``,
+  the same context labels for every pixel of the offset; the residual joins it;
+- stem: its convs and pools aggregate from the pixels (a MixToken map starts on its grid);
+  readout ``pool("mean", 0)`` after the 1x1 ``final_conv`` (global average pooling; TransMix
+  refuses: no class token).
+
+Refused: a map that a MobileViT block would interpolate (its side not a multiple of the patch
+size): the bilinear resize has no label rule here; the error names the image size to use.
+
+Shapes: ``b`` batch, ``c`` channels, ``n`` positions (row-major over ``h w``), ``l`` label
+channels, ``p`` offsets in a patch (``ph pw``), ``m`` patches (``nh nw``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, reduce
+from timm.layers.attention import Attention
+from timm.layers.classifier import ClassifierHead
+from timm.layers.drop import DropPath
+from timm.models.byobnet import BasicBlock, BottleneckBlock, ByoBlockCfg, ByobNet, ByoModelCfg, DownsampleAvg
+from timm.models.mobilevit import LinearSelfAttention, LinearTransformerBlock, MobileVitBlock, MobileVitV2Block
+from timm.models.vision_transformer import Block
+from torch import Tensor, nn
+
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
+from mixlabels.backbones._attention import attention_with_labels, explicit_mix
+from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels
+from mixlabels.backbones._convnet import (
+    Path,
+    apply_path,
+    block_labels,
+    conv_norm_act_ops,
+    run_module_stem,
+    block_labels_reference,
+    path_matrix,
+    path_of,
+    path_refusal,
+    start_on_path,
+)
+from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._family import Family
+
+__all__ = ["AdaptedByobNet", "BYOBNET_FAMILY", "byobnet_refusal", "tiny_mobilevit"]
+
+BYOBNET_FAMILY = (
+    "timm ByobNet built from BasicBlock, BottleneckBlock, MobileVitBlock and MobileVitV2Block (MobileViT v1/v2, "
+    "GENet, the ResNet-*ts with SE/ECA): every position a token; stride-1 kxk convs mix labels by the (out, "
+    "in)-averaged normalised |kernel|, strided convs and pools aggregate, channel ops leave labels alone, shortcuts "
+    "join by the residual rule; MobileViT's attention over the pixels at one patch offset mixes labels by its "
+    "head-mean rows (v2's separable attention by its context scores), and v1's fusion conv over the block's input and "
+    "its transformer path weighs each half's labels by that half's normalised |kernel|; stem from the pixels; global "
+    "average pooling; stochastic depth"
+)
+
+_CONV_BLOCKS = (BasicBlock, BottleneckBlock)
+_MOBILEVIT_BLOCKS = (MobileVitBlock, MobileVitV2Block)
+
+
+def _flat(module: nn.Module | None) -> list[nn.Module]:
+    """A module as the ops its forward runs in order (``DownsampleAvg``: its pool, then its 1x1 conv)."""
+    if type(module) is DownsampleAvg:
+        down: Any = module
+        return conv_norm_act_ops(down.pool) + conv_norm_act_ops(down.conv)
+    return conv_norm_act_ops(module)
+
+
+def _branch_modules(blk: Any) -> list[nn.Module]:
+    """A conv block's branch in timm's ``forward`` order (before drop-path and the sum)."""
+    if type(blk) is BasicBlock:
+        return _flat(blk.conv1_kxk) + [blk.attn] + _flat(blk.conv2_kxk) + [blk.attn_last]
+    return (_flat(blk.conv1_1x1) + _flat(blk.conv2_kxk) + _flat(blk.conv2b_kxk) + [blk.attn]
+            + _flat(blk.conv3_1x1) + [blk.attn_last])
+
+
+def _blocks(m: Any) -> list[Any]:
+    return [blk for stage in m.stages for blk in stage.children()]
+
+
+def _depth(m: Any) -> int:
+    return sum(len(blk.transformer) if isinstance(blk, _MOBILEVIT_BLOCKS) else 1 for blk in _blocks(m))
+
+
+def _plain_conv(conv: Any, where: str) -> str | None:
+    if type(conv) is not nn.Conv2d or isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        return f"{where} is not a plain zero-padded nn.Conv2d"
+    if conv.stride != (1, 1):
+        return f"{where} is strided; only stride 1 keeps the block's input and path on one grid"
+    return None
+
+
+def _mobilevit_refusal(blk: Any, where: str) -> str | None:
+    why = path_refusal(_flat(blk.conv_kxk), f"{where}'s conv_kxk") or _plain_conv(blk.conv_kxk.conv, f"{where}'s conv_kxk")
+    if why is not None:
+        return why
+    if type(blk.conv_1x1) is not nn.Conv2d or blk.conv_1x1.kernel_size != (1, 1) or blk.conv_1x1.stride != (1, 1):
+        return f"{where}'s conv_1x1 is not a 1x1 stride-1 nn.Conv2d"
+    why = path_refusal(_flat(blk.conv_proj), f"{where}'s conv_proj") or path_refusal([blk.norm], f"{where}'s norm")
+    if why is not None:
+        return why
+    if path_of(_flat(blk.conv_proj)):
+        return f"{where}'s conv_proj is not a 1x1 stride-1 convolution"
+    for i, t in enumerate(blk.transformer):
+        tw = f"{where}'s transformer block {i}"
+        if type(blk) is MobileVitBlock:
+            if type(t) is not Block or type(t.attn) is not Attention:
+                return f"{tw} is {type(t).__name__}; only timm's Block with its Attention is supported"
+            if getattr(t.attn, "gate", None) is not None:
+                return f"{tw}'s attention is gated, which has no label rule here"
+        elif type(t) is not LinearTransformerBlock or type(t.attn) is not LinearSelfAttention:
+            return f"{tw} is {type(t).__name__}; only timm's LinearTransformerBlock is supported"
+        if not all(isinstance(d, (DropPath, nn.Identity)) for d in (t.drop_path1, t.drop_path2)):
+            return f"{tw}'s drop_path is not timm's DropPath"
+    fusion: Any = getattr(blk, "conv_fusion", None)
+    if fusion is not None:
+        why = path_refusal(_flat(fusion), f"{where}'s conv_fusion") or _plain_conv(fusion.conv, f"{where}'s conv_fusion")
+        if why is not None:
+            return why
+        if fusion.conv.groups != 1:
+            return f"{where}'s conv_fusion is grouped; only a full conv over the input and the path has a rule here"
+    return None
+
+
+def byobnet_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` is not a timm ByobNet this adapter carries labels through (``None``: it is)."""
+    if type(model) is not ByobNet:
+        return f"{type(model).__name__} is not a timm ByobNet"
+    m: Any = model
+    if type(m.head) is not ClassifierHead or m.head.global_pool.pool_type != "avg" or m.head.use_conv:
+        return f"the head ({type(m.head).__name__}) has no label readout; use ClassifierHead with 'avg' pooling and a linear fc"
+    why = path_refusal(_flat(m.stem), "the stem") or path_refusal(_flat(m.final_conv), "the final_conv")
+    if why is not None:
+        return why
+    if path_of(_flat(m.final_conv)):
+        return "the final_conv is not a 1x1 stride-1 convolution"
+    for i, blk in enumerate(_blocks(m)):
+        where = f"block {i}"
+        if type(blk) in _MOBILEVIT_BLOCKS:
+            why = _mobilevit_refusal(blk, where)
+        elif type(blk) in _CONV_BLOCKS:
+            if not isinstance(blk.drop_path, (DropPath, nn.Identity)):
+                return f"{where}'s drop_path is {type(blk.drop_path).__name__}, not timm's DropPath"
+            why = (path_refusal(_branch_modules(blk) + [blk.act], f"{where}'s branch")
+                   or path_refusal(_flat(blk.shortcut), f"{where}'s shortcut"))
+        else:
+            why = (f"{where} is {type(blk).__name__}; only BasicBlock, BottleneckBlock, MobileVitBlock and "
+                   "MobileVitV2Block have label rules here")
+        if why is not None:
+            return why
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- shared pieces
+def _conv_block(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """timm's conv block forward with the branch's drop-path draw exposed: the output and who kept the branch."""
+    h = x
+    for module in _branch_modules(blk):
+        h = module(h)
+    h, keep = branch(blk.drop_path, h)
+    if blk.shortcut is not None:
+        h = h + blk.shortcut(x)
+    return blk.act(h), keep
+
+
+def _conv_paths(blk: Any) -> tuple[Path, Path | None]:
+    return path_of(_branch_modules(blk)), (None if blk.shortcut is None else path_of(_flat(blk.shortcut)))
+
+
+def _patches(blk: Any, grid: tuple[int, int], images: tuple[int, int]) -> tuple[int, int, int, int]:
+    """``(ph, pw, nh, nw)`` of a MobileViT block on ``grid``; refuses a grid timm would interpolate."""
+    ph, pw = int(blk.patch_size[0]), int(blk.patch_size[1])
+    if grid[0] % ph or grid[1] % pw:
+        raise ValueError(
+            f"a {type(blk).__name__} gets a {grid[0]}x{grid[1]} map, not a multiple of its {ph}x{pw} patches, and timm "
+            f"would resize it bilinearly, which has no label rule here; use an image size for which every MobileViT "
+            f"block's map divides by its patch size (images are {images[0]}x{images[1]}: 256x256 for timm's MobileViTs, "
+            "or any multiple of 32 times the patch size)"
+        )
+    return ph, pw, grid[0] // ph, grid[1] // pw
+
+
+_TO_SEQ = "b (nh ph nw pw) l -> b (ph pw) (nh nw) l"
+_FROM_SEQ = "b (ph pw) (nh nw) l -> b (nh ph nw pw) l"
+
+
+def _local(blk: Any, x: Tensor) -> Tensor:
+    return blk.conv_1x1(blk.conv_kxk(x))  # type: ignore[no-any-return]
+
+
+def _fusion_kernels(blk: Any) -> tuple[Tensor, Tensor]:
+    """``(k_x, k_p)``: the fusion conv's per-pair normalised |kernel| averaged over all pairs, split by the half a pair
+    reads (the block's input channels first, as timm concatenates them); the two sum to 1 over their taps."""
+    weight = blk.conv_fusion.conv.weight
+    c_in, total = int(blk.conv_kxk.conv.in_channels), int(weight.shape[1])
+    k_x = kernel_labels(weight[:, :c_in]) * (c_in / total)
+    k_p = kernel_labels(weight[:, c_in:]) * ((total - c_in) / total)
+    return k_x, k_p
+
+
+def _pad(conv: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    return (int(conv.padding[0]), int(conv.padding[1])), (int(conv.dilation[0]), int(conv.dilation[1]))
+
+
+def _vit_attention(attn: Any, x: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """timm ``Attention`` on ``x`` ``(s, m, c)``; with ``labels`` ``(s, m, l)`` also the head-mean mix of them and,
+    on timm's explicit path, the matrix ``(s, m, m)`` (head mean)."""
+    q, k, v = rearrange(attn.qkv(x), "s m (three h d) -> three s h m d", three=3, h=attn.num_heads)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    mixed, matrix = None, None
+    if not attn.fused_attn:
+        a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        if labels is not None:
+            mixed = explicit_mix(a, labels)
+        matrix = reduce(a.detach(), "s h m k -> s m k", "mean")
+        out = attn.attn_drop(a) @ v
+    else:
+        dropout_p = attn.attn_drop.p if attn.training else 0.0
+        if labels is not None:
+            out, mixed = attention_with_labels(q, k, v, labels, attn.scale, dropout_p)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    out = attn.norm(rearrange(out, "s h m d -> s m (h d)"))
+    return attn.proj_drop(attn.proj(out)), mixed, matrix
+
+
+def _attention_matrix(attn: Any, x: Tensor) -> Tensor:
+    """The head-mean attention matrix ``(s, m, m)`` float64 of a timm ``Attention`` (the reference's)."""
+    q, k, _ = rearrange(attn.qkv(x), "s m (three h d) -> three s h m d", three=3, h=attn.num_heads)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    a = ((q.double() * attn.scale) @ k.double().transpose(-2, -1)).softmax(dim=-1)
+    mean: Tensor = reduce(a, "s h m k -> s m k", "mean")
+    return mean.detach()
+
+
+def _linear_attention(attn: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+    """timm ``LinearSelfAttention`` on ``x`` ``(b, c, p, m)``: its output and the context scores ``(b, p, m)``
+    (the softmax before its dropout: labels see the undropped weights, as for attention)."""
+    query, key, value = attn.qkv_proj(x).split([1, attn.embed_dim, attn.embed_dim], dim=1)
+    scores = F.softmax(query, dim=-1)
+    context = (key * attn.attn_drop(scores)).sum(dim=-1, keepdim=True)
+    out = attn.out_drop(attn.out_proj(F.relu(value) * context.expand_as(value)))
+    return out, scores[:, 0].detach()
+
+
+def _unfold_v2(blk: Any, x: Tensor, ph: int, pw: int, nh: int, nw: int) -> Tensor:
+    b, c = int(x.shape[0]), int(x.shape[1])
+    if blk.coreml_exportable:
+        x = F.unfold(x, kernel_size=(ph, pw), stride=(ph, pw))
+    else:
+        x = x.reshape(b, c, nh, ph, nw, pw).permute(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, c, -1, nh * nw)
+
+
+def _fold_v2(blk: Any, x: Tensor, ph: int, pw: int, nh: int, nw: int) -> Tensor:
+    b, c = int(x.shape[0]), int(x.shape[1])
+    if blk.coreml_exportable:
+        return F.pixel_shuffle(x.reshape(b, c * ph * pw, nh, nw), upscale_factor=ph)
+    x = x.reshape(b, c, ph, pw, nh, nw).permute(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, c, nh * ph, nw * pw)
+
+
+def _unfold_v1(x: Tensor, ph: int, pw: int) -> Tensor:
+    """timm's v1 unfold ``(b, c, h, w) -> (b p, m, c)``, as an einops pattern (the same element order)."""
+    return rearrange(x, "b c (nh ph) (nw pw) -> (b ph pw) (nh nw) c", ph=ph, pw=pw)
+
+
+def _fold_v1(x: Tensor, b: int, ph: int, pw: int, nh: int) -> Tensor:
+    return rearrange(x, "(b ph pw) (nh nw) c -> b c (nh ph) (nw pw)", b=b, ph=ph, pw=pw, nh=nh)
+
+
+def _token_logits(m: Any, x: Tensor) -> Tensor:
+    """The classifier on every final position ``(b, h*w, classes)`` (timm's head without the pooling)."""
+    return m.head.fc(m.head.drop(rearrange(x, "b c h w -> b (h w) c")))  # type: ignore[no-any-return]
+
+
+def _offset_index(ph: int, pw: int, nh: int, nw: int) -> Tensor:
+    """``(p, m)``: the row-major grid position of patch ``m``'s pixel at offset ``p``."""
+    return rearrange(torch.arange(nh * ph * nw * pw), "(nh ph nw pw) -> (ph pw) (nh nw)", nh=nh, ph=ph, nw=nw)
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+class AdaptedByobNet(AdaptedBase):
+    """A timm ByobNet (MobileViT v1/v2, basic and bottleneck blocks) returning the scheme's aligned targets."""
+
+    family = BYOBNET_FAMILY
+    refusal = staticmethod(byobnet_refusal)
+
+    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        m: Any = self.model
+        x, stem, grid, start = run_module_stem(m.stem, images, label_map)
+        tracker = start_on_path(self.scheme, label_map, start, grid, _depth(m), stem)
+        size, layer = (int(images.shape[2]), int(images.shape[3])), 0
+        for blk in _blocks(m):
+            if type(blk) is MobileVitBlock:
+                x, layer = self._v1(blk, x, tracker, layer, grid, size)
+            elif type(blk) is MobileVitV2Block:
+                x, layer = self._v2(blk, x, tracker, layer, grid, size)
+            else:
+                x, keep = _conv_block(blk, x)
+                grid = block_labels(tracker, layer, grid, *_conv_paths(blk), keep)
+                layer += 1
+        x = m.final_conv(x)
+        tracker.pool("mean", 0)
+        output = m.forward_head(x)
+        token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
+        t = tracker.finish()
+        return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    @staticmethod
+    def _v1(blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int]) -> tuple[Tensor, int]:
+        ph, pw, nh, nw = _patches(blk, grid, size)
+        n, b = grid[0] * grid[1], int(x.shape[0])
+        local = path_of(_flat(blk.conv_kxk))
+        # both states side by side: the block's input, then its path (the local conv aggregates: no shortcut)
+        tracker.aggregate(lambda y: torch.cat([y, apply_path(local, y, grid)[0]], dim=1))
+        shortcut, t = x, _unfold_v1(_local(blk, x), ph, pw)  # (b p) m c
+        for tb in blk.transformer:
+            labels = tracker.labels_for(layer)
+            seq = None if labels is None else rearrange(labels[:, n:], _TO_SEQ, ph=ph, pw=pw, nh=nh)
+            seq = None if seq is None else rearrange(seq, "b p m l -> (b p) m l")
+            out, mixed, _ = _vit_attention(tb.attn, tb.norm1(t), seq)
+            out, keep = branch(tb.drop_path1, tb.ls1(out))
+            full = None
+            if labels is not None and mixed is not None:
+                back = rearrange(mixed, "(b p) m l -> b p m l", b=b)
+                full = torch.cat([labels[:, :n], rearrange(back, _FROM_SEQ, ph=ph, pw=pw, nh=nh)], dim=1)
+            tracker.residual(layer, None if keep is None else _token_keep(keep, b, ph, pw, nh, nw), mixed=full)
+            t = t + out
+            out, keep = branch(tb.drop_path2, tb.ls2(tb.mlp(tb.norm2(t))))
+            tracker.residual(layer, None, mixed=None)  # channel mixing: labels unchanged
+            t = t + out
+            layer += 1
+        x = blk.conv_proj(_fold_v1(blk.norm(t), b, ph, pw, nh))
+        if blk.conv_fusion is None:
+            tracker.aggregate(lambda y: y[:, n:])
+            return x, layer
+        k_x, k_p = _fusion_kernels(blk)
+        padding, dilation = _pad(blk.conv_fusion.conv)
+        tracker.aggregate(lambda y: conv_mix_pair(y[:, :n], y[:, n:], grid, k_x, k_p, padding, dilation))
+        return blk.conv_fusion(torch.cat((shortcut, x), dim=1)), layer
+
+    @staticmethod
+    def _v2(blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int]) -> tuple[Tensor, int]:
+        ph, pw, nh, nw = _patches(blk, grid, size)
+        local = path_of(_flat(blk.conv_kxk))
+        tracker.aggregate(lambda y: apply_path(local, y, grid)[0])  # no shortcut around the block
+        t = _unfold_v2(blk, _local(blk, x), ph, pw, nh, nw)  # b c p m
+        for tb in blk.transformer:
+            out, scores = _linear_attention(tb.attn, tb.norm1(t))
+            out, keep = branch(tb.drop_path1, out)
+            labels, mixed = tracker.labels_for(layer), None
+            if labels is not None:
+                seq = rearrange(labels, _TO_SEQ, ph=ph, pw=pw, nh=nh)  # b p m l
+                context = torch.einsum("bpm,bpml->bpl", scores.float(), seq)
+                mixed = rearrange(context.unsqueeze(2).expand_as(seq), _FROM_SEQ, ph=ph, pw=pw, nh=nh)
+            tracker.residual(layer, keep, mixed=mixed)
+            t = t + out
+            out, keep = branch(tb.drop_path2, tb.mlp(tb.norm2(t)))
+            tracker.residual(layer, keep, mixed=None)
+            t = t + out
+            layer += 1
+        return blk.conv_proj(_fold_v2(blk, blk.norm(t), ph, pw, nh, nw)), layer
+
+    # ------------------------------------------------------------------ reference
+    def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        """Explicit float64 matrices of every path, attention and fusion on dense labels."""
+        m: Any = self.model
+        x, stem, grid, start = run_module_stem(m.stem, images, label_map)
+        rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
+        if start != grid:
+            rules.aggregate(path_matrix(stem, start)[0])
+        size, layer = (int(images.shape[2]), int(images.shape[3])), 0
+        for blk in _blocks(m):
+            if isinstance(blk, _MOBILEVIT_BLOCKS):
+                x, layer = _mobilevit_reference(blk, x, rules, layer, grid, size)
+            else:
+                x, keep = _conv_block(blk, x)
+                grid = block_labels_reference(rules, layer, grid, *_conv_paths(blk), keep)
+                layer += 1
+        x = m.final_conv(x)
+        output = m.forward_head(x)
+        token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
+        return rules.result(output, output, "mean", token_logits)
+
+
+def _token_keep(keep: Tensor, b: int, ph: int, pw: int, nh: int, nw: int) -> Tensor:
+    """A drop-path draw over the ``(b p)`` offset sequences as a per-token keep ``(b, 2n)`` (the input half kept)."""
+    path = rearrange(keep.view(b, ph, pw)[:, None, :, None, :].expand(b, nh, ph, nw, pw), "b nh ph nw pw -> b (nh ph nw pw)")
+    return torch.cat([torch.ones_like(path), path], dim=1)
+
+
+def _block_diag(first: Tensor, second: Tensor) -> Tensor:
+    """``(b|1, n, n)`` x2 -> ``(b, 2n, 2n)``: the two halves' matrices side by side."""
+    b = max(first.shape[0], second.shape[0])
+    n = int(first.shape[-1])
+    out = first.new_zeros(b, 2 * n, 2 * n)
+    out[:, :n, :n] = first
+    out[:, n:, n:] = second
+    return out
+
+
+def _mobilevit_reference(blk: Any, x: Tensor, rules: DenseRules, layer: int, grid: tuple[int, int], size: tuple[int, int]) -> tuple[Tensor, int]:
+    """A MobileViT block on dense labels: the offset attention scattered to ``(b, n, n)`` grid matrices."""
+    ph, pw, nh, nw = _patches(blk, grid, size)
+    n, b, v1 = grid[0] * grid[1], int(x.shape[0]), type(blk) is MobileVitBlock
+    index = _offset_index(ph, pw, nh, nw)
+    local, _ = path_matrix(path_of(_flat(blk.conv_kxk)), grid)
+    eye = torch.eye(n, dtype=torch.float64).unsqueeze(0)
+    if v1:
+        rules.aggregate(torch.cat([torch.eye(n, dtype=torch.float64), local], dim=0))  # duplicate, then the local conv
+        shortcut, t = x, _unfold_v1(_local(blk, x), ph, pw)
+    else:
+        rules.aggregate(local)
+        t = _unfold_v2(blk, _local(blk, x), ph, pw, nh, nw)
+    for tb in blk.transformer:
+        if v1:
+            a = _attention_matrix(tb.attn, tb.norm1(t))  # (b p) m m
+            out, _, _ = _vit_attention(tb.attn, tb.norm1(t), None)
+            out, keep = branch(tb.drop_path1, tb.ls1(out))
+            grid_a = window_matrix(rearrange(a, "(b p) m k -> b p m k", b=b), index, n)
+            rules.mix(layer, _block_diag(eye, grid_a), None if keep is None else _token_keep(keep, b, ph, pw, nh, nw))
+            t = t + out
+            t = t + branch(tb.drop_path2, tb.ls2(tb.mlp(tb.norm2(t))))[0]
+        else:
+            out, scores = _linear_attention(tb.attn, tb.norm1(t))  # scores: b p m
+            out, keep = branch(tb.drop_path1, out)
+            rows = scores.double().unsqueeze(2).expand(-1, -1, nh * nw, -1)  # b p m m: every row the context scores
+            rules.mix(layer, window_matrix(rows, index, n), keep)
+            t = t + out
+            t = t + branch(tb.drop_path2, tb.mlp(tb.norm2(t)))[0]
+        layer += 1
+    if not v1:
+        return blk.conv_proj(_fold_v2(blk, blk.norm(t), ph, pw, nh, nw)), layer
+    x = blk.conv_proj(_fold_v1(blk.norm(t), b, ph, pw, nh))
+    if blk.conv_fusion is None:
+        rules.aggregate(torch.cat([torch.zeros(n, n, dtype=torch.float64), torch.eye(n, dtype=torch.float64)], dim=1))
+        return x, layer
+    weight = blk.conv_fusion.conv.weight.detach().double().abs()
+    per_pair = weight / weight.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)  # o i kh kw
+    c_in, pairs = int(blk.conv_kxk.conv.in_channels), per_pair.shape[0] * per_pair.shape[1]
+    padding, dilation = _pad(blk.conv_fusion.conv)
+    halves = [conv_matrix(grid, k.sum(dim=(0, 1)) / pairs, padding=padding, dilation=dilation)[0]
+              for k in (per_pair[:, :c_in], per_pair[:, c_in:])]
+    rules.aggregate(row_normalise(torch.cat(halves, dim=1)))  # n x 2n: each half's taps, rows renormalised together
+    return blk.conv_fusion(torch.cat((shortcut, x), dim=1)), layer
+
+
+def tiny_mobilevit(version: int = 1, num_classes: int = 10, **kwargs: Any) -> ByobNet:
+    """A seeded MobileViT for 32x32 images, built as timm's configs build theirs: a 3x3/2 stem, an inverted residual,
+    a strided inverted residual to 8x8 and a MobileViT block there (2x2 patches: 4 offsets x 16 patches, two
+    transformer blocks); v1 with its fusion conv and a 1x1 final conv, v2 with none."""
+    torch.manual_seed(0)
+    inverted = dict(bottle_in=True, linear_out=True)  # timm's inverted residual: a depthwise bottleneck
+    if version == 1:
+        mobile = ByoBlockCfg(type="mobilevit", d=1, c=16, s=1,
+                             block_kwargs=dict(transformer_dim=16, transformer_depth=2, patch_size=2))
+    else:
+        mobile = ByoBlockCfg(type="mobilevit2", d=1, c=16, s=1, br=0.5, gs=1,
+                             block_kwargs=dict(transformer_depth=2, patch_size=2))
+    blocks = (ByoBlockCfg(type="bottle", d=1, c=8, s=1, gs=1, br=2.0, block_kwargs=inverted),
+              (ByoBlockCfg(type="bottle", d=1, c=16, s=2, gs=1, br=2.0, block_kwargs=inverted), mobile))
+    cfg = ByoModelCfg(blocks=blocks, stem_chs=8, stem_type="3x3", stem_pool="", downsample="", act_layer="silu",
+                      num_features=32 if version == 1 else 0)
+    return ByobNet(cfg, num_classes=num_classes, **kwargs)
+
+
+FAMILY = Family(
+    name="byobnet",
+    description=BYOBNET_FAMILY,
+    refusal=AdaptedByobNet.refusal,
+    build=AdaptedByobNet,
+    example=tiny_mobilevit,
+    timm_modules=("byobnet", "mobilevit"),
+    speed_model="mobilevit_xxs",
+)

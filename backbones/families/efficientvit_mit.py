@@ -1,0 +1,369 @@
+"""Adapter for timm's EfficientViT (MIT): conv blocks and ReLU linear attention (LiteMLA).
+
+TL-Align Table 10 and Appendix D extended by the same reasoning as for ConvNeXt and
+MetaFormer. The model is a CNN with attention in its last stages, no patch tokens and no
+stochastic depth. Events, with ``layer`` counting every residual block (the stem's, the
+stages' and each ``EfficientVitBlock``, whose two residuals share one index):
+
+- convolutions: a 1x1 conv (``inverted_conv``, ``point_conv``, ``qkv``, ``proj``), a batch
+  norm (per-channel statistics shared by every token) and an activation mix channels
+  only. A stride-1 spatial conv (the depthwise ``depth_conv`` of DSConv/MBConv, the full
+  ``spatial_conv`` of FusedMBConv, ``conv1`` then ``conv2`` of ConvBlock) mixes labels by
+  ``Norm(T(K)) Y`` with ``K`` its normalised absolute kernels averaged over channel
+  pairs (``backbones._common.conv_mix``; a ConvBlock applies its two in order), as one
+  ``residual(layer, None, mixed=...)``. Each stage's first block has no shortcut and a
+  strided spatial conv: ``aggregate`` sums the labels under every window, as does the
+  stem's strided ``in_conv`` (labels start on the pixels; a MixToken map starts on the
+  ``in_conv`` grid, where tokens are mixed).
+- ``LiteMLA``: per head ``out_i = sum_j (relu(q_i).relu(k_j)) v_j / (sum_j relu(q_i).relu(k_j) + eps)``.
+  The weights are non-negative, so their normalised absolute values are
+  ``A_ij = relu(q_i).relu(k_j) / sum_j relu(q_i).relu(k_j)`` (eps dropped: the exact row
+  normalisation), computed linearly: ``(relu(q) (relu(k)^T Z)) / (relu(q) sum_j relu(k_j))``,
+  no ``(n, n)`` matrix. The multi-scale heads first pass q, k and v through a depthwise
+  conv (then a grouped 1x1, a channel op within each head's q, k or v). Labels follow the
+  values, which is what the output is made of; q and k only set the weights, so their
+  convs move no label (as a ViT's q and k projections do not). A scale head's values are
+  a depthwise conv of the head's v, so its labels are ``Z_h = Norm(T(K_v,h)) Y`` with
+  ``K_v,h`` the head's v channels' kernels, and the head mixes ``A_h Z_h``; the original
+  heads mix ``A_h Y``. The branch: ``mean_h`` over all heads. A head whose weights are all
+  zero (every ``relu(q_i).relu(k_j) = 0``) adds nothing to the output, and its row is the
+  token's own labels.
+- readout: ``pool("mean", 0)`` (global average pooling; no class token: TransMix refuses).
+
+Shapes: ``b`` batch, ``g`` heads, ``n`` tokens, ``d`` head dim, ``l`` label channels, ``h w`` grid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from timm.models.efficientvit_mit import (
+    ConvBlock,
+    DSConv,
+    EfficientVit,
+    EfficientVitBlock,
+    EfficientVitLarge,
+    FusedMBConv,
+    LiteMLA,
+    MBConv,
+    ResidualBlock,
+)
+from torch import Tensor, nn
+
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import AdaptedBase, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_stem
+from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
+from mixlabels.backbones._family import Family, tiny
+
+__all__ = ["AdaptedEfficientViTMIT", "EFFICIENTVIT_MIT_FAMILY", "linear_attention_labels", "head_conv_mix"]
+
+EFFICIENTVIT_MIT_FAMILY = (
+    "timm EfficientViT (MIT; B and L series): stride-1 spatial convs of DSConv/MBConv/FusedMBConv/ConvBlock as "
+    "normalised-absolute-kernel spatial mixes, strided stem and downsampling convs as aggregation, LiteMLA ReLU "
+    "linear attention mixing labels by its exact normalised weights (multi-scale heads: their values' depthwise "
+    "conv applied to the labels first); 1x1 convs, batch norms as channel ops; global average pooling"
+)
+
+_LOCAL = (DSConv, MBConv, FusedMBConv, ConvBlock)
+
+
+def _spatial_convs(block: Any) -> list[Any]:
+    """A local block's spatial convs, in order; its other convs are 1x1 (checked in the refusal)."""
+    if type(block) in (DSConv, MBConv):
+        return [block.depth_conv.conv]
+    if type(block) is FusedMBConv:
+        return [block.spatial_conv.conv]
+    return [block.conv1.conv, block.conv2.conv]
+
+
+def _pointwise_convs(block: Any) -> list[Any]:
+    names = {DSConv: ("point_conv",), MBConv: ("inverted_conv", "point_conv"), FusedMBConv: ("point_conv",), ConvBlock: ()}
+    return [getattr(block, name).conv for name in names[type(block)]]
+
+
+def _conv_why(conv: Any, what: str) -> str | None:
+    if type(conv) is not nn.Conv2d:
+        return f"{what} is {type(conv).__name__}, not a plain nn.Conv2d"
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        return f"{what} uses padding {conv.padding!r} ({conv.padding_mode}); only static zero padding is supported"
+    return None
+
+
+def _local_why(block: Any, where: str, residual: bool) -> str | None:
+    if type(block) not in _LOCAL:
+        return f"{where} is {type(block).__name__}; only DSConv, MBConv, FusedMBConv and ConvBlock are supported"
+    for conv in _pointwise_convs(block):
+        why = _conv_why(conv, f"{where}'s 1x1 conv")
+        if why is None and (conv.kernel_size != (1, 1) or conv.stride != (1, 1)):
+            why = f"{where}'s pointwise conv is {conv.kernel_size} stride {conv.stride}, not a 1x1 channel op"
+        if why is not None:
+            return why
+    convs = _spatial_convs(block)
+    for conv in convs:
+        why = _conv_why(conv, f"{where}'s spatial conv")
+        if why is not None:
+            return why
+    strides = [tuple(c.stride) for c in convs]
+    if residual and any(s != (1, 1) for s in strides):
+        return f"{where} is a residual block with a strided conv; its output grid would not match the shortcut"
+    if not residual and (len(convs) != 1 or convs[0].dilation != (1, 1)):
+        return f"{where} has no shortcut: only one undilated (strided) spatial conv, an aggregation, is supported there"
+    return None
+
+
+def _mla_why(mla: Any, where: str) -> str | None:
+    if type(mla.kernel_func) is not nn.ReLU:
+        return f"{where}'s LiteMLA kernel_func is {type(mla.kernel_func).__name__}; only ReLU (non-negative weights) is supported"
+    for what, conv in (("qkv", mla.qkv.conv), ("proj", mla.proj.conv)):
+        if _conv_why(conv, f"{where}'s {what}") or conv.kernel_size != (1, 1) or conv.stride != (1, 1):
+            return f"{where}'s LiteMLA {what} must be a 1x1 stride-1 nn.Conv2d"
+    for op in mla.aggreg:
+        dw, pw = op[0], op[1]
+        if _conv_why(dw, "aggreg") or dw.groups != dw.in_channels or dw.stride != (1, 1) or _conv_why(pw, "aggreg") or pw.kernel_size != (1, 1):
+            return f"{where}'s LiteMLA multi-scale aggregation must be a stride-1 depthwise nn.Conv2d then a 1x1 nn.Conv2d"
+    return None
+
+
+def _efficientvit_mit_refusal(model: nn.Module) -> str | None:
+    if type(model) not in (EfficientVit, EfficientVitLarge):
+        return f"{type(model).__name__} is not a timm EfficientVit or EfficientVitLarge (MIT)"
+    m: Any = model
+    if m.head.global_pool.pool_type != "avg":
+        return f"global_pool={m.head.global_pool.pool_type!r} has no label readout; use 'avg'"
+    if not isinstance(m.head.in_conv, nn.Identity) and (_conv_why(m.head.in_conv.conv, "head") or m.head.in_conv.conv.kernel_size != (1, 1)):
+        return "the head's in_conv must be a 1x1 nn.Conv2d (a channel op)"
+    why = _conv_why(m.stem.in_conv.conv, "the stem's in_conv")
+    if why is not None:
+        return why
+    blocks = [(f"stem block {i}", blk) for i, blk in enumerate(list(m.stem)[1:])]
+    blocks += [(f"stage {i} block {j}", blk) for i, stage in enumerate(m.stages) for j, blk in enumerate(stage.blocks)]
+    for where, blk in blocks:
+        if type(blk) is EfficientVitBlock:
+            for sub in (blk.context_module, blk.local_module):
+                if type(sub) is not ResidualBlock or not isinstance(sub.shortcut, nn.Identity) or not isinstance(sub.pre_norm, nn.Identity):
+                    return f"{where}'s context/local modules must be ResidualBlocks with identity shortcut and no pre_norm"
+            why = _mla_why(blk.context_module.main, where) if type(blk.context_module.main) is LiteMLA else f"{where}'s context module is not LiteMLA"
+            why = why or _local_why(blk.local_module.main, f"{where}'s local module", residual=True)
+        elif type(blk) is ResidualBlock and isinstance(blk.pre_norm, nn.Identity) and (blk.shortcut is None or isinstance(blk.shortcut, nn.Identity)):
+            why = _local_why(blk.main, where, residual=blk.shortcut is not None)
+        else:
+            why = f"{where} is {type(blk).__name__}; only ResidualBlock (identity or no shortcut, no pre_norm) and EfficientVitBlock are supported"
+        if why is not None:
+            return why
+    return None
+
+
+def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor) -> Tensor:
+    """``mean_g(A_g Z_g)`` for ReLU linear attention, ``A_g`` its exactly normalised weights, without ``(n, n)``.
+
+    Args:
+        q, k: ``(b, g, n, d)`` non-negative (after the kernel function).
+        values: ``(b, g, n, l)`` each head's value labels ``Z_g``.
+        labels: ``(b, n, l)`` the tokens' own labels: the row of a head whose weights are all zero.
+
+    Returns:
+        ``(b, n, l)`` fp32.
+    """
+    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+        q, k = q.detach().float(), k.detach().float()
+        num = q @ (k.transpose(-1, -2) @ values.float())  # b g n l
+        den = q @ rearrange(k.sum(dim=2), "b g d -> b g d 1")  # b g n 1: the row sums
+        rows = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), labels.float().unsqueeze(1))
+        return rows.mean(dim=1)
+
+
+def _v_kernels(mla: Any, conv: nn.Conv2d, dtype: torch.dtype) -> Tensor:
+    """Each head's value-channel kernels of a multi-scale depthwise conv as one distribution ``(g, kh, kw)``."""
+    w = rearrange(conv.weight.detach().to(dtype).abs(), "(g three d) 1 kh kw -> g three d kh kw", three=3, d=mla.dim)[:, 2]
+    return (w / w.sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(dtype).tiny)).mean(dim=1)
+
+
+def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """``Norm(T(K_g)) Y`` for every head's kernel ``(g, kh, kw)``: ``(b, n, l) -> (b, g, n, l)`` fp32, border-renormalised."""
+    with torch.autocast(device_type=labels.device.type, enabled=False):
+        y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
+        k = rearrange(kernels.float(), "g kh kw -> g 1 kh kw")
+        mass = F.conv2d(torch.ones_like(y[:1]), k, padding=padding, dilation=dilation)  # 1 g h w
+        mixed = F.conv2d(y, k, padding=padding, dilation=dilation) / mass
+        return rearrange(mixed, "(b l) g h w -> b g (h w) l", l=labels.shape[-1])
+
+
+def _mla_qkv(mla: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """timm's multi-scale q, k (after ReLU) and v (padded with ones), all heads ``(b, g, n, d)``."""
+    qkv = mla.qkv(x)
+    multi = torch.cat([qkv] + [op(qkv) for op in mla.aggreg], dim=1)
+    multi = rearrange(multi, "b (g e) h w -> b g (h w) e", e=3 * mla.dim)
+    q, k, v = multi.chunk(3, dim=-1)
+    return mla.kernel_func(q), mla.kernel_func(k), F.pad(v, (0, 1), mode="constant", value=1.0)
+
+
+def _mla_out(mla: Any, q: Tensor, k: Tensor, v: Tensor, grid: tuple[int, int]) -> Tensor:
+    with torch.autocast(device_type=v.device.type, enabled=False):
+        out = mla._attn(q, k, v)  # timm's own linear attention
+    return mla.proj(rearrange(out, "b g (h w) d -> b (g d) h w", h=grid[0]))  # type: ignore[no-any-return]
+
+
+def _mla_values(mla: Any, labels: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Every head's value labels ``(b, g, n, l)``: ``Y`` for the original heads, then each scale's conv of it."""
+    heads = mla.qkv.conv.out_channels // (3 * mla.dim)
+    parts = [labels.float().unsqueeze(1).expand(-1, heads, -1, -1)]
+    for op in mla.aggreg:
+        conv = op[0]
+        parts.append(head_conv_mix(labels, grid, _v_kernels(mla, conv, torch.float32), conv.padding, conv.dilation))
+    return torch.cat(parts, dim=1)
+
+
+def _local_mix(block: Any, labels: Tensor, grid: tuple[int, int]) -> Tensor:
+    for conv in _spatial_convs(block):
+        labels = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
+    return labels
+
+
+def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
+    """The stem's ``in_conv`` output ``(b, c, h, w)``, its grid, and the grid the labels start on."""
+    conv = m.stem.in_conv.conv
+    grid = check_batch(images, label_map, tuple(conv.stride))
+    x = m.stem.in_conv(images)
+    if (int(x.shape[2]), int(x.shape[3])) != grid:
+        raise ValueError(f"the stem made a {tuple(x.shape[2:])} grid, not {grid}; use an even image size")
+    if label_map.token_space:
+        return mix_token_space(x, label_map, channels_last=False), grid, grid
+    return x, grid, (label_map.image_size[0], label_map.image_size[1])
+
+
+def _blocks(m: Any) -> list[Any]:
+    return list(m.stem)[1:] + [blk for stage in m.stages for blk in stage.blocks]
+
+
+def _depth(m: Any) -> int:
+    return sum(1 for blk in _blocks(m) if type(blk) is EfficientVitBlock or blk.shortcut is not None)
+
+
+def _heads(m: Any, x: Tensor) -> Tensor:
+    """The classifier on every final position ``(b, h*w, classes)``: 1x1 conv, then per-token layers."""
+    return m.head.classifier(rearrange(m.head.in_conv(x), "b c h w -> b (h w) c"))  # type: ignore[no-any-return]
+
+
+class AdaptedEfficientViTMIT(AdaptedBase):
+    """A timm EfficientViT (MIT) returning the scheme's aligned targets."""
+
+    family = EFFICIENTVIT_MIT_FAMILY
+    refusal = staticmethod(_efficientvit_mit_refusal)
+
+    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        m: Any = self.model
+        x, grid, start = _embed(m, images, label_map)
+        tracker = start_on_stem(self.scheme, label_map, start, grid, _depth(m), m.stem.in_conv.conv)
+        layer = 0
+        for blk in _blocks(m):
+            if type(blk) is EfficientVitBlock:
+                x = self._attention(blk.context_module.main, x, layer, tracker, grid)
+                x = self._local(blk.local_module.main, x, layer, tracker, grid)
+            elif blk.shortcut is None:  # a stage's first block: strided, no shortcut
+                grid = conv_aggregate(tracker, grid, _spatial_convs(blk.main)[0])
+                x = blk.main(x)
+                continue
+            else:
+                x = self._local(blk.main, x, layer, tracker, grid)
+            layer += 1
+        tracker.pool("mean", 0)
+        output = m.forward_head(x)
+        token_logits = _heads(m, x) if self.scheme.needs_token_logits else None
+        t = tracker.finish()
+        return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    @staticmethod
+    def _local(block: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+        labels = tracker.labels_for(layer)
+        tracker.residual(layer, None, mixed=None if labels is None else _local_mix(block, labels, grid))
+        return block(x) + x  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _attention(mla: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+        q, k, v = _mla_qkv(mla, x)
+        out = _mla_out(mla, q, k, v, grid)
+        labels, mixed = tracker.labels_for(layer), None
+        if labels is not None:
+            mixed = linear_attention_labels(q, k, _mla_values(mla, labels, grid), labels)
+        tracker.residual(layer, None, mixed=mixed)
+        return out + x
+
+    def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        """Explicit ``(n, n)`` attention and convolution matrices and ``(n', n)`` merges on dense labels."""
+        m: Any = self.model
+        x, grid, start = _embed(m, images, label_map)
+        rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
+        if start != grid:
+            stem = m.stem.in_conv.conv
+            rules.aggregate(conv_matrix(start, torch.ones(stem.kernel_size), stem.stride, stem.padding)[0])
+        layer = 0
+        for blk in _blocks(m):
+            if type(blk) is EfficientVitBlock:
+                mla: Any = blk.context_module.main
+                local: Any = blk.local_module.main
+                rules.mix(layer, _mla_matrix(mla, x, grid), None)
+                x = mla(x) + x  # timm's own forward
+                rules.mix(layer, _local_matrix(local, grid).unsqueeze(0), None)
+                x = local(x) + x
+            elif blk.shortcut is None:
+                conv = _spatial_convs(blk.main)[0]
+                merge, grid = conv_matrix(grid, torch.ones(conv.kernel_size), conv.stride, conv.padding)
+                rules.aggregate(merge)
+                x = blk.main(x)
+                continue
+            else:
+                rules.mix(layer, _local_matrix(blk.main, grid).unsqueeze(0), None)
+                x = blk.main(x) + x
+            layer += 1
+        output = m.forward_head(x)
+        token_logits = _heads(m, x) if self.scheme.needs_token_logits else None
+        return rules.result(output, output, "mean", token_logits)
+
+
+def _conv_matrix_normalised(grid: tuple[int, int], weight: Tensor, padding: Any, dilation: Any) -> Tensor:
+    k = weight.detach().double().abs()
+    kernel = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+    return row_normalise(conv_matrix(grid, kernel, padding=padding, dilation=dilation)[0])
+
+
+def _local_matrix(block: Any, grid: tuple[int, int]) -> Tensor:
+    """The local block's spatial convs as one ``(n, n)`` matrix: each normalised, applied in order."""
+    n = grid[0] * grid[1]
+    matrix = torch.eye(n, dtype=torch.float64)
+    for conv in _spatial_convs(block):
+        matrix = _conv_matrix_normalised(grid, conv.weight, conv.padding, conv.dilation) @ matrix
+    return matrix
+
+
+def _mla_matrix(mla: Any, x: Tensor, grid: tuple[int, int]) -> Tensor:
+    """``mean_g`` of every head's normalised weights ``(b, n, n)``, times its value conv's matrix for scale heads."""
+    with torch.no_grad():
+        q, k, _ = _mla_qkv(mla, x)
+    w = q.double() @ k.double().transpose(-1, -2)  # b g n n, non-negative
+    sums = w.sum(dim=-1, keepdim=True)
+    eye = torch.eye(w.shape[-1], dtype=torch.float64)
+    a = torch.where(sums > 0, w / sums.clamp_min(1e-300), eye)
+    heads = mla.qkv.conv.out_channels // (3 * mla.dim)
+    values = [eye.expand(heads, -1, -1)]
+    for op in mla.aggreg:
+        conv = op[0]
+        kernels = _v_kernels(mla, conv, torch.float64)
+        values.append(torch.stack([row_normalise(conv_matrix(grid, kern, padding=conv.padding, dilation=conv.dilation)[0]) for kern in kernels]))
+    # a zero-weight head's row is the token's own label, not its value conv's mix
+    mixed = torch.where(sums > 0, a @ torch.cat(values), eye)
+    return mixed.mean(dim=1)
+
+
+FAMILY = Family(
+    name="efficientvit_mit",
+    description=EFFICIENTVIT_MIT_FAMILY,
+    refusal=AdaptedEfficientViTMIT.refusal,
+    build=AdaptedEfficientViTMIT,
+    example=tiny("efficientvit_b0", widths=(8, 16, 16, 32), depths=(1, 1, 1, 1), head_dim=8, head_widths=(32, 32)),
+    timm_modules=("efficientvit_mit",),
+    speed_model="efficientvit_b0",
+)

@@ -1,0 +1,110 @@
+"""Adapter for timm's gMLP: an ``MlpMixer`` of ``SpatialGatingBlock``s (the spatial gating unit).
+
+A block is ``x + fc2(SGU(act(fc1(LN(x)))))``; the spatial gating unit splits the hidden
+channels of every token into ``u, v``, normalises ``v`` per token and mixes it over the
+tokens with a linear layer ``(W, b)``: ``SGU(z)_i = u_i * (sum_j W_ij v_j + b_i)``
+(elementwise). Written as a linear combination of per-token "values",
+
+    ``SGU(z)_i = sum_j W_ij (u_i * v_j) + b_i u_i``,
+
+it is an attention-like mixer: ``u_i`` gates, as a query does, and the mixed content is
+``v_j`` with weight ``W_ij``, plus token ``i``'s own ``u_i`` with weight ``b_i`` (the bias is
+not a constant here: it multiplies ``u_i``). TL-Align credits an attention output to the
+tokens whose values it mixes, by the normalised absolute weights, not to the query's
+token; the same reading gives the rule
+
+    ``mixed = Norm(|W| + diag(|b|)) Y``.
+
+Why not ``Norm(|W|) Y`` alone or ``(Y + Norm(|W|) Y) / 2``: timm (and the paper)
+initialise ``W ~ 0`` and ``b = 1``, where the unit is ``u_i``, a channel op that keeps
+every token's content; only the bias term sees that (``Norm(|W|)`` would spread labels by
+a 1e-6-scale random matrix, the half/half rule would move half of them). As ``W`` grows
+the labels follow ``W`` in proportion. ``fc1``, ``fc2``, the norms and the activation are
+per token (channel ops). Events per block ``layer``: one
+``residual(layer, keep, mixed=Norm(|W| + diag|b|) Y)``; readout ``pool("mean", 0)``.
+
+Shapes: ``b`` batch, ``n`` tokens, ``c`` channels, ``l`` label channels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.layers.mlp import GatedMlp
+from timm.models.mlp_mixer import SpatialGatingBlock, SpatialGatingUnit
+from torch import Tensor, nn
+
+from mixlabels import LabelTracker
+from mixlabels.backbones._common import branch
+from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
+from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_refusal
+from mixlabels.backbones._family import Family, tiny
+from timm.models.mlp_mixer import MlpMixer
+
+__all__ = ["AdaptedGMLP", "GMLP_FAMILY", "gating_mixing_matrix"]
+
+GMLP_FAMILY = (
+    "timm MlpMixer with SpatialGatingBlock (gMLP: the spatial gating unit u * (W v + b) as the spatial mix "
+    "Norm(|W| + diag|b|), the bias weighting the token's own gate; global average pooling; stochastic depth)"
+)
+
+
+def _gmlp_refusal(model: nn.Module) -> str | None:
+    why = mixer_model_refusal(model, SpatialGatingBlock)
+    if why is not None:
+        return why
+    m: Any = model
+    for i, blk in enumerate(m.blocks):
+        mlp = blk.mlp_channels
+        if type(mlp) is not GatedMlp or type(mlp.gate) is not SpatialGatingUnit:
+            return f"block {i}'s mlp_channels is not timm's GatedMlp with a SpatialGatingUnit gate"
+        if type(mlp.gate.proj) is not nn.Linear or type(mlp.gate.norm) is not nn.LayerNorm:
+            return f"block {i}'s spatial gating unit is not an nn.Linear over tokens after a per-token LayerNorm"
+        if type(mlp.norm) not in (nn.Identity, nn.LayerNorm) or type(blk.norm) is not nn.LayerNorm:
+            return f"block {i}'s norms must be per-token LayerNorms (or none after the gate)"
+    return None
+
+
+def gating_mixing_matrix(proj: nn.Linear) -> Tensor:
+    """``Norm(|W| + diag|b|)`` ``(n, n)`` fp32 of a spatial gating unit's token projection."""
+    w = proj.weight.detach().float().abs()  # n_out n_in
+    if proj.bias is not None:
+        w = w + torch.diag(proj.bias.detach().float().abs())
+    matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return matrix
+
+
+class AdaptedGMLP(AdaptedMixer):
+    """A timm gMLP (``MlpMixer`` of ``SpatialGatingBlock``s) returning the scheme's aligned targets (pooled readout)."""
+
+    family = GMLP_FAMILY
+    refusal = staticmethod(_gmlp_refusal)
+
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        y, mixed = tracker.labels_for(layer), None
+        if y is not None:
+            with torch.autocast(device_type=y.device.type, enabled=False):
+                mixed = gating_mixing_matrix(blk.mlp_channels.gate.proj) @ y
+        out, keep = branch(blk.drop_path, blk.mlp_channels(blk.norm(x)))
+        tracker.residual(layer, keep, mixed=mixed)
+        return x + out
+
+    def _reference_block(self, blk: Any, x: Tensor, layer: int, rules: DenseRules) -> Tensor:
+        proj = blk.mlp_channels.gate.proj
+        weights = proj.weight.detach().double().abs() + torch.diag_embed(proj.bias.detach().double().abs())
+        out, keep = _drop(blk.drop_path, blk.mlp_channels(blk.norm(x)))
+        rules.mix(layer, row_normalise(weights).unsqueeze(0), keep)
+        return x + out
+
+
+FAMILY = Family(
+    name="gmlp",
+    description=GMLP_FAMILY,
+    refusal=AdaptedGMLP.refusal,
+    build=AdaptedGMLP,
+    example=tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2, mlp_ratio=2,
+        block_layer=SpatialGatingBlock, mlp_layer=GatedMlp),
+    timm_modules=("mlp_mixer",),
+    speed_model="gmlp_ti16_224",
+)

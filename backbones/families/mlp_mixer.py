@@ -1,0 +1,160 @@
+"""Adapter for timm's MLP-Mixer: the token-mixing MLP as a spatial mix (TL-Align Appendix D).
+
+Appendix D writes MLP-Mixer's token mixing as ``W^s(Z) = W^s``, a fixed ``N x N``
+matrix. timm's token MLP is two layers, ``fc2(act(fc1(z)))`` over the token axis,
+so there is no single matrix; we use the absolute path weights through the hidden
+units, ``W^s = |W_2| |W_1|`` (``(n, hidden) @ (hidden, n)``: how strongly token ``j``
+can reach token ``i``, whatever the sign or the activation), and Table 10's ``Norm``
+makes every row a distribution: ``mixed = Norm(|W_2| |W_1|) Y``. Biases are point-wise.
+
+Events per block ``layer``: ``residual(layer, keep, mixed=Norm(|W_2| |W_1|) Y)`` (token
+MLP, ``Y = labels_for(layer)``), ``residual(layer, keep, mixed=None)`` (channel MLP);
+readout ``pool("mean", 0)`` (no class token: TransMix refuses).
+
+``AdaptedMixer`` walks the blocks through ``_block`` / ``_reference_block``; ResMLP
+(``_resmlp.py``) and gMLP (``_gmlp.py``) are the same model class with other blocks and
+override only those two.
+
+Shapes: ``b`` batch, ``n m`` tokens, ``c`` channels, ``l`` label channels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from einops import rearrange
+from timm.layers.mlp import Mlp
+from timm.models.mlp_mixer import MixerBlock, MlpMixer
+from torch import Tensor, nn
+
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
+from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels.backbones._family import Family, tiny
+
+__all__ = ["AdaptedMixer", "MIXER_FAMILY", "mixer_model_refusal", "token_mixing_matrix"]
+
+MIXER_FAMILY = (
+    "timm MlpMixer with MixerBlock (token-mixing MLP as the spatial mix Norm(|W2| |W1|); "
+    "global average pooling; stochastic depth)"
+)
+
+
+def mixer_model_refusal(model: nn.Module, block: type[nn.Module]) -> str | None:
+    """Why ``model`` is not a timm ``MlpMixer`` built from ``block`` blocks with the mean readout
+    (``MixerBlock``: family mlp_mixer, ``ResBlock``: resmlp, ``SpatialGatingBlock``: gmlp)."""
+    if type(model) is not MlpMixer:
+        return f"{type(model).__name__} is not a timm MlpMixer"
+    m: Any = model
+    if m.global_pool != "avg":
+        return f"global_pool={m.global_pool!r} has no label readout; use 'avg'"
+    for i, blk in enumerate(m.blocks):
+        if type(blk) is not block:
+            return (
+                f"block {i} is {type(blk).__name__}, not {block.__name__} (MlpMixer blocks adapt by type: MixerBlock "
+                "as mlp_mixer, ResBlock as resmlp, SpatialGatingBlock as gmlp; one type per model)"
+            )
+    return None
+
+
+def _mixer_refusal(model: nn.Module) -> str | None:
+    why = mixer_model_refusal(model, MixerBlock)
+    if why is not None:
+        return why
+    m: Any = model
+    for i, blk in enumerate(m.blocks):
+        mlp = blk.mlp_tokens
+        if type(mlp) is not Mlp or type(mlp.fc1) is not nn.Linear or not isinstance(mlp.norm, nn.Identity):
+            return f"block {i}'s token MLP is not a plain two-layer timm Mlp"
+    return None
+
+
+def token_mixing_matrix(mlp: Any) -> Tensor:
+    """``Norm(|W_2| |W_1|)`` ``(n, n)`` fp32 of a token MLP: row ``i`` is where token ``i`` draws from."""
+    w = mlp.fc2.weight.detach().float().abs() @ mlp.fc1.weight.detach().float().abs()  # n_out n_in
+    matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return matrix
+
+
+def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int]]:
+    grid = check_batch(images, label_map, tuple(m.stem.patch_size))
+    x = m.stem(images)  # b n c
+    return (label_map.mix_tokens(x, grid) if label_map.token_space else x), grid
+
+
+def _token_mlp(blk: Any, x: Tensor) -> Tensor:
+    out: Tensor = rearrange(blk.mlp_tokens(rearrange(blk.norm1(x), "b n c -> b c n")), "b c n -> b n c")
+    return out
+
+
+class AdaptedMixer(AdaptedBase):
+    """A timm MLP-Mixer whose forward also returns the scheme's aligned targets (pooled readout)."""
+
+    family = MIXER_FAMILY
+    refusal = staticmethod(_mixer_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.stem.patch_size))
+
+    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        m: Any = self.model
+        x, grid = _embed(m, images, label_map)
+        tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=len(m.blocks), class_token=False))
+        for layer, blk in enumerate(m.blocks):
+            x = self._block(blk, x, layer, tracker)
+        x = m.norm(x)
+        tracker.pool("mean", 0)
+        output = m.forward_head(x)
+        token_logits = m.head(m.head_drop(x)) if self.scheme.needs_token_logits else None
+        t = tracker.finish()
+        return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        """One ``MixerBlock`` with its events (subclasses: other ``MlpMixer`` block types)."""
+        y, mixed = tracker.labels_for(layer), None
+        if y is not None:
+            with torch.autocast(device_type=y.device.type, enabled=False):
+                mixed = token_mixing_matrix(blk.mlp_tokens) @ y
+        out, keep = branch(blk.drop_path, _token_mlp(blk, x))
+        tracker.residual(layer, keep, mixed=mixed)
+        x = x + out
+        out, keep = branch(blk.drop_path, blk.mlp_channels(blk.norm2(x)))
+        tracker.residual(layer, keep, mixed=None)  # channel mixing
+        return x + out
+
+    def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        """Explicit token-mixing matrices block by block (``_reference_block``), on dense labels."""
+        m: Any = self.model
+        x, grid = _embed(m, images, label_map)
+        rules = DenseRules(self.scheme, label_map, grid, 0, len(m.blocks))
+        for layer, blk in enumerate(m.blocks):
+            x = self._reference_block(blk, x, layer, rules)
+        x = m.norm(x)
+        output = m.forward_head(x)
+        token_logits = m.head(m.head_drop(x)) if self.scheme.needs_token_logits else None
+        return rules.result(output, output, "mean", token_logits)
+
+    def _reference_block(self, blk: Any, x: Tensor, layer: int, rules: DenseRules) -> Tensor:
+        """The path-weight matrix summed hidden unit by hidden unit."""
+        w1 = blk.mlp_tokens.fc1.weight.detach().double().abs()  # hidden n
+        w2 = blk.mlp_tokens.fc2.weight.detach().double().abs()  # n hidden
+        paths = torch.einsum("ik,kj->ij", w2, w1)
+        out, keep = _drop(blk.drop_path, _token_mlp(blk, x))
+        rules.mix(layer, (paths / paths.sum(dim=1, keepdim=True)).unsqueeze(0), keep)
+        x = x + out
+        return x + _drop(blk.drop_path, blk.mlp_channels(blk.norm2(x)))[0]
+
+
+FAMILY = Family(
+    name="mlp_mixer",
+    description=MIXER_FAMILY,
+    refusal=AdaptedMixer.refusal,
+    build=AdaptedMixer,
+    example=tiny(MlpMixer, img_size=32, patch_size=8, embed_dim=32, num_blocks=2),
+    timm_modules=("mlp_mixer",),
+    speed_model="mixer_s32_224",
+)

@@ -1,0 +1,174 @@
+"""Adapter for timm's VisionTransformer family: runs timm's own modules and emits alignment events.
+
+Shapes: ``b`` batch, ``n`` tokens (prefix + patches), ``p`` prefix tokens, ``h`` heads,
+``d`` head dim, ``k`` sources, ``c`` classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from einops import rearrange
+from timm.layers.attention import Attention
+from timm.layers.patch_embed import PatchEmbed
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import Tensor, nn
+
+from mixlabels.backbones._attention import attention_with_labels, class_attention, explicit_mix
+from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
+from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._vit_reference import reference_forward
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels.backbones._family import Family, tiny
+
+__all__ = ["AdaptedViT", "VIT_FAMILY", "attend", "vit_refusal"]
+
+VIT_FAMILY = (
+    "timm VisionTransformer (ViT/DeiT with a class token; VisionTransformerDistilled with its distillation "
+    "token; register tokens; class_token=False with global_pool='avg'; qk_norm; layer scale (init_values); "
+    "stochastic depth (drop_path_rate)) built from timm Block + Attention"
+)
+
+
+def vit_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be adapted as a ViT (``None`` if it can)."""
+    if not isinstance(model, VisionTransformer):
+        return f"{type(model).__name__} is not a timm VisionTransformer"
+    for i, blk in enumerate(model.blocks):
+        if type(blk) is not Block or type(blk.attn) is not Attention:
+            return (
+                f"block {i} is {type(blk).__name__} with {type(getattr(blk, 'attn', None)).__name__}; "
+                "only timm's pre-norm Block with its Attention is supported"
+            )
+    if model.attn_pool is not None or model.global_pool not in ("token", "avg"):
+        return f"global_pool={model.global_pool!r} has no label readout; use 'token' or 'avg'"
+    if not isinstance(model.patch_drop, nn.Identity):
+        return "patch dropout (patch_drop_rate > 0) drops tokens the labels cannot follow; set patch_drop_rate=0"
+    if type(model.patch_embed) is not PatchEmbed:
+        # Hybrid (ResNet stem) and ViTamin (MBConv stages) embeddings: their token grid is not
+        # patch_embed.patch_size, so the labels would not follow the tokens.
+        return f"patch_embed is {type(model.patch_embed).__name__}, not timm's PatchEmbed (a conv stem's token grid has no label rule here)"
+    if getattr(model.patch_embed, "dynamic_img_pad", False):
+        return "dynamic_img_pad pads images, so patches no longer tile the label map; disable it"
+    return None
+
+
+class AdaptedViT(AdaptedBase):
+    """A timm ViT/DeiT whose forward also returns the scheme's aligned targets.
+
+    ``adapted(images)`` is exactly ``model(images)``. ``adapted(images, label_map)``
+    runs the same modules block by block, emits the alignment events, and returns an
+    ``AlignedOutput``. Parameters are the model's own (``adapted.model is model``).
+    A label map is accepted in eval mode too (targets without stochastic depth).
+    """
+
+    family = VIT_FAMILY
+    refusal = staticmethod(vit_refusal)
+
+    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
+        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        m: Any = self.model
+        return stride_grid(label_map, tuple(m.patch_embed.patch_size))
+
+    def _grid(self, images: Tensor, label_map: TokenLabelMap) -> tuple[int, int]:
+        m: Any = self.model
+        return check_batch(images, label_map, tuple(m.patch_embed.patch_size))
+
+    def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        self._grid(images, label_map)  # the same input checks as the fast path
+        return reference_forward(self.model, self.scheme, images, label_map)
+
+    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        return self._aligned_forward(images, label_map, self._grid(images, label_map))
+
+    # ------------------------------------------------------------------ fast path
+    def _aligned_forward(self, images: Tensor, label_map: TokenLabelMap, grid: tuple[int, int]) -> AlignedOutput:
+        m: Any = self.model  # timm is untyped
+        x = m.patch_embed(images)  # b n d (or b h w d with dynamic_img_size)
+        if label_map.token_space:  # MixToken: mix the patch embeddings, not the pixels
+            if x.ndim == 4:
+                flat = label_map.mix_tokens(rearrange(x, "b h w d -> b (h w) d"), grid)
+                x = rearrange(flat, "b (h w) d -> b h w d", h=grid[0])
+            else:
+                x = label_map.mix_tokens(x, grid)
+        x = m._pos_embed(x)  # b n d, prefix tokens first
+        x = m.norm_pre(m.patch_drop(x))
+        p = m.num_prefix_tokens
+        head_reads_token = m.global_pool == "token"
+        layout = TokenLayout(grid=grid, num_prefix=p, depth=len(m.blocks), class_token=head_reads_token)
+        tracker = self.scheme.start(label_map, layout)
+        for layer, blk in enumerate(m.blocks):
+            x = self._block(blk, x, layer, tracker)
+        x = m.norm(x)
+        tracker.pool("token", 0) if head_reads_token else tracker.pool("mean", 0 if m.pool_include_prefix else p)
+        output = m.forward_head(x)  # timm's own head: a tensor, or (cls, dist) when training distilled
+        logits = output[0] if isinstance(output, tuple) else output
+        token_logits = None
+        if self.scheme.needs_token_logits:  # LV-ViT: the classifier on every normalised patch token
+            token_logits = m.head(m.head_drop(m.fc_norm(x[:, p:])))  # b n c
+        t = tracker.finish()
+        return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        out, mixed = self._attention(blk.attn, blk.norm1(x), layer, tracker)
+        out, keep = branch(blk.drop_path1, blk.ls1(out))
+        tracker.residual(layer, keep, mixed=mixed)
+        x = x + out
+        out, keep = branch(blk.drop_path2, blk.ls2(blk.mlp(blk.norm2(x))))
+        tracker.residual(layer, keep, mixed=None)  # channel mixing: labels unchanged
+        return x + out
+
+    def _attention(self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker) -> tuple[Tensor, Tensor | None]:
+        """The attention branch's output and, when the scheme aligns ``layer``, its mixed labels ``(b, n, l)``."""
+        gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
+        q, k, v = rearrange(attn.qkv(x), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        out, mixed = attend(attn, q, k, v, layer, tracker)
+        out = rearrange(out, "b h n d -> b n (h d)")
+        out = attn.norm(out) if hasattr(attn, "norm") else out
+        if gate is not None:
+            out = out * gate
+        return attn.proj_drop(attn.proj(out)), mixed
+
+
+def attend(
+    attn: Any, q: Tensor, k: Tensor, v: Tensor, layer: int, tracker: LabelTracker, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Self-attention of a timm attention module (``scale``, ``attn_drop``, ``fused_attn``) with its events.
+
+    Args:
+        q, k, v: ``(b, h, n, d)``, after any q/k norm or rotary embedding (the mixing weights are
+            the attention rows whatever made q and k).
+        bias: an additive bias broadcastable to ``(b, h, n, n)`` (a relative position bias), or ``None``.
+
+    Returns:
+        The output ``(b, h, n, d)`` as timm computes it (its explicit path when ``fused_attn`` is off)
+        and, when the scheme aligns ``layer``, the mixed labels ``(b, n, l)``.
+    """
+    if tracker.wants_class_attention(layer):
+        tracker.class_attention(layer, class_attention(q, k, attn.scale, bias=bias))  # b n, from q_cls only
+    labels, mixed = tracker.labels_for(layer), None
+    if not attn.fused_attn:
+        # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
+        scores = (q * attn.scale) @ k.transpose(-2, -1)  # b h n n
+        a = (scores if bias is None else scores + bias).softmax(dim=-1)
+        if labels is not None:
+            mixed = explicit_mix(a, labels)
+        return attn.attn_drop(a) @ v, mixed
+    dropout_p = attn.attn_drop.p if attn.training else 0.0
+    if labels is not None:
+        return attention_with_labels(q, k, v, labels, attn.scale, dropout_p, attn_mask=bias)  # mixed: b n l
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p), None
+
+
+FAMILY = Family(
+    name="vit",
+    description=VIT_FAMILY,
+    refusal=vit_refusal,
+    build=AdaptedViT,
+    example=tiny("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+    timm_modules=("vision_transformer", "deit"),
+    speed_model="deit_tiny_patch16_224",
+    class_token=True,
+)
