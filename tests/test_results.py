@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import ablation, report
 from benchmarks._config import AblationConfig
+from benchmarks._provenance import current_command
 
 TINY = ["--rows", "cutmix", "--seeds", "0,1", "--embed-dim", "16", "--depth", "2", "--heads", "2", "--max-steps", "2"]
 PROVENANCE = {"date": "2030-01-02 03:04 UTC", "command": "python benchmarks/ablation.py --rows cutmix", "cores": 7,
@@ -31,7 +32,14 @@ def test_every_committed_summary_states_command_date_machine_and_torch() -> None
         prov = json.loads(path.read_text())["provenance"]
         for field in ("command", "date", "cores", "cpu", "torch"):
             assert prov.get(field), f"{path.name}: provenance lacks {field}"
-        assert f"Command: `{prov['command']}`" in report.RESULTS_MD.read_text()
+        assert f"Command: `{current_command(prov['command'])}`" in report.RESULTS_MD.read_text()
+
+
+def test_a_renamed_script_is_shown_by_its_present_name_and_its_recorded_one() -> None:
+    line = report.provenance_line({**PROVENANCE, "command": "python benchmarks/analysis.py --sharpen 30"})
+    assert line.startswith("Command: `python benchmarks/alignment_analysis.py --sharpen 30`")
+    assert "run as `benchmarks/analysis.py`, the script's name then" in line
+    assert "run as" not in report.provenance_line(PROVENANCE)
 
 
 def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float]) -> AblationConfig:
