@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,7 +129,7 @@ def test_a_summary_no_section_shows_is_refused(tmp_path: Path) -> None:
 
 def test_add_analysis_keeps_the_errors_and_the_rmse(tmp_path: Path) -> None:
     errors = {"cutmix": [0.1, 0.2, 0.3, 0.4], "tl_align": [0.05, 0.1, 0.15, 0.2]}
-    numbers = {"config": {"sharpen": 30.0, "checkpoint": None}, "model": {"name": "deit_small_patch16_224"},
+    numbers: dict[str, Any] = {"config": {"sharpen": 30.0, "checkpoint": None}, "model": {"name": "deit_small_patch16_224"},
                "initialisation": "random init", "grid": [14, 14], "classes": ["a", "b"], "rmse": 0.25,
                "per_block_sample0": {"mean_abs_error_vs_similarity": errors, "class_token": {"cutmix": [0.5] * 4}},
                "rmse_by_size": [{"label": "tiny-like", "kind": "size", "rmse": 0.125, "dim": 192}],
