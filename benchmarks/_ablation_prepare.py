@@ -37,7 +37,7 @@ def prepare_base(cfg: AblationConfig, planned: Sequence[Planned], num_classes: i
     key = run_key(run)
     assert all(p.run.base == key for p in planned)
     cell = Cell("base", "base model", MixerFlags(cutmix=True), False, run.mixer, run.scheme)
-    ckpt = out / "base" / f"{key}.pth"  # <out>/runs/<key>.json beside it: benchmarks/analysis.py reads its heads
+    ckpt = out / "base" / f"{key}.pth"  # <out>/runs/<key>.json beside it: benchmarks/alignment_analysis.py reads its heads
     found = read_done(out / "runs", [Planned(cell, run.seed, run, key)]) if shard.rank == 0 else {}
     done = broadcast_from_zero(found if ckpt.is_file() or not needed else {})
     if key not in done:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["provenance", "finish", "cpu_model"]
+__all__ = ["provenance", "finish", "cpu_model", "current_command", "provenance_line"]
 
 
 def cpu_model() -> str:
@@ -76,3 +76,43 @@ def _script(path: str) -> str:
     """``benchmarks/speed.py`` for a script under the repository, else the path as given."""
     p = Path(path)
     return f"benchmarks/{p.name}" if p.parent.name == "benchmarks" else path
+
+
+# A script renamed since a summary recorded its command: RESULTS shows the command under the present name.
+RENAMED_SCRIPTS = {"benchmarks/analysis.py": "benchmarks/alignment_analysis.py"}
+
+
+def current_command(command: str) -> str:
+    """``command`` with every renamed script (``RENAMED_SCRIPTS``) under its present name, so it can be run again."""
+    for old, new in RENAMED_SCRIPTS.items():
+        command = command.replace(old, new)
+    return command
+
+
+def _when(p: dict[str, Any]) -> str:
+    return str(p.get("date") or "unknown")
+
+
+def provenance_line(p: dict[str, Any]) -> str:
+    """Command, date, machine and torch version of one measurement, as one markdown paragraph.
+
+    ``p`` is a record of ``provenance`` (finished by ``finish``), as a benchmark's JSON keeps it.
+    """
+    gpu = p.get("gpu") or "no GPU"
+    machine = f"{p.get('cores', '?')} CPU cores ({p.get('cpu', 'unknown CPU')}), {gpu}"
+    load, end = p.get("load_average"), p.get("load_average_end")
+    extra = (f"; load average {load[0]:.2f} at the start" if load else "") + (
+        f"{',' if load else '; load average'} {end[0]:.2f} at the end" if end else "")
+    recorded = f" ({p['recorded']})" if p.get("recorded") else ""
+    busy = max([*(load or [0.0])[:1], *(end or [0.0])[:1]])
+    if busy > float(p.get("cores") or 1):
+        recorded += (". The load average exceeded the core count: other work shared the cores, so times are slower "
+                     "and noisier than on an idle machine")
+    command = str(p.get("command", "unknown"))
+    renamed = [old for old in RENAMED_SCRIPTS if old in command]
+    if renamed:
+        recorded += f"; run as `{'`, `'.join(renamed)}`, the script's name then"
+    return (f"Command: `{current_command(command)}`  \n"
+            f"Date: {_when(p)}{' to ' + str(p['finished']) if p.get('finished') else ''}; machine: {machine}; "
+            f"torch {p.get('torch', '?')}{extra}{recorded}")
+

@@ -13,7 +13,7 @@ table last:
    ``--torchcompile`` does), each against its own baseline, with the graphs and breaks dynamo saw.
 3. ``mixers``: every mixer at batch 128 x 224 px against timm's ``Mixup`` on the same device.
 4. ``tests``: the GPU-only tests (``pytest -m 'not slow'`` over the CUDA test files).
-5. ``families``: every aligning family's small model (``benchmarks/speed.py``'s list) at batch
+5. ``families``: every aligning family's small model (``benchmarks/_families.py``'s list) at batch
    128, CutMix + NoAlign against CutMix + TL-Align, compiled, as long as the deadline allows.
 
 Every step figure is the median over ``--rounds`` interleaved rounds of ``--steps`` steps after
@@ -29,14 +29,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,73 +44,14 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
+from benchmarks import _families
+from benchmarks._gpu_steps import Steps, compiled_pair, eager_pair, timed_with_memory
+from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds
+from benchmarks._mixer_timing import measure_mixers as time_mixers
 from benchmarks._provenance import finish, provenance
 
 PARTS = ("routes", "deit", "mixers", "tests", "families")
 CUDA_TESTS = ("tests/test_attention.py", "tests/test_backbones_cuda.py", "tests/test_compile_cuda.py")
-
-
-class Deadline:
-    """Seconds left of the suite's budget; a part asks before each unit of work."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-class OutOfTime(Exception):
-    """The suite's deadline came before a unit of work could start."""
-
-
-def timed_rounds(
-    calls: dict[str, Callable[[], object]], rounds: int, steps: int, warmup: int, device: torch.device,
-    deadline: Deadline, log: Callable[[str], None],
-) -> dict[str, list[float]]:
-    """Milliseconds per call of every entry in each round: rounds rotate the order, each entry runs
-    ``steps`` calls back to back between two CUDA events (a host clock and a sync on the CPU)."""
-    cuda = device.type == "cuda"
-    for name, call in calls.items():
-        for _ in range(warmup):
-            call()
-    if cuda:
-        torch.cuda.synchronize(device)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    order = list(calls)
-    for r in range(rounds):
-        if deadline.left() < 0:
-            raise OutOfTime(f"after {r} of {rounds} rounds")
-        for name in order:
-            if cuda:
-                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                start.record()
-                for _ in range(steps):
-                    calls[name]()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / steps)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    calls[name]()
-                times[name].append(1000 * (time.perf_counter() - t0) / steps)
-        order = order[1:] + order[:1]
-        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.2f} ms" for n in calls))
-    return times
-
-
-def summarise(times: dict[str, list[float]], baseline: str | None) -> dict[str, Any]:
-    """Median and range of each entry's ms, and its paired per-round ratio to ``baseline``."""
-    out: dict[str, Any] = {}
-    for name, ts in times.items():
-        row: dict[str, Any] = {"ms_median": statistics.median(ts), "ms_min": min(ts), "ms_max": max(ts), "ms_per_round": ts}
-        if baseline is not None and baseline in times:
-            ratios = [t / b for t, b in zip(ts, times[baseline])]
-            row.update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
-        out[name] = row
-    return out
 
 
 # --------------------------------------------------------------------------- 1. routes
@@ -157,125 +96,8 @@ def measure_routes(args: argparse.Namespace, deadline: Deadline, log: Callable[[
     return result
 
 
+
 # --------------------------------------------------------------------------- 2. DeiT-S, 5. families
-
-
-class Steps:
-    """Training steps of one model by several variants (the adapters share its parameters)."""
-
-    def __init__(self, model_name: str, args: argparse.Namespace) -> None:
-        import mixlabels
-        from mixlabels.backbones import adapt
-        from mixlabels.strategies import CutMix
-
-        from benchmarks.speed import build_model, token_stride
-
-        torch.manual_seed(0)
-        self.device = torch.device(args.device)
-        num_classes = 10 if model_name.startswith("example:") else args.num_classes
-        model, size = build_model(model_name, num_classes)
-        self.model = model.to(self.device).train()
-        gen = torch.Generator().manual_seed(0)
-        self.images = torch.randn(args.batch_size, 3, size, size, generator=gen).to(self.device)
-        self.labels = torch.randint(0, num_classes, (args.batch_size,), generator=gen).to(self.device)
-        self.mixer = CutMix(num_classes=num_classes, label_smoothing=0.1, patch_size=token_stride(model))
-        self.schemes: dict[str, Any] = {"cutmix": mixlabels.NoAlign(), "tlalign": mixlabels.TLAlign()}
-        self.adapted = {name: adapt(self.model, scheme) for name, scheme in self.schemes.items()}
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.05)
-        self.amp = self.device.type == "cuda"
-
-    def call(self, variant: str, route: Any = None, compiled: Any = None) -> Callable[[], None]:
-        """One full training step (mix, forward, loss, backward, AdamW) of ``variant``: ``none`` (no
-        mixing), ``cutmix`` or ``tlalign``; by an attention ``route``; through ``compiled`` (the adapter)."""
-        from mixlabels.backbones._attention import attention_route
-
-        def step() -> None:
-            with (attention_route(route) if route else contextlib.nullcontext()), \
-                    torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):  # fmt: skip
-                if variant == "none":
-                    loss = F.cross_entropy(self.model(self.images), self.labels, label_smoothing=0.1)
-                else:
-                    mixed, label_map = self.mixer(self.images, self.labels)
-                    model = compiled if compiled is not None else self.adapted[variant]
-                    loss = model(mixed, label_map).loss()
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
-            self.opt.step()
-
-        return step
-
-    def peak_mb(self, step: Callable[[], None]) -> float:
-        """Peak allocated memory of one more step (CUDA), 0 on the CPU."""
-        if self.device.type != "cuda":
-            return 0.0
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**20
-
-
-@contextlib.contextmanager
-def dynamo_stats() -> Iterator[dict[str, int]]:
-    """Graphs and graph breaks dynamo made inside the block (its counters, read at exit)."""
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    stats: dict[str, int] = {}
-    yield stats
-    stats["graphs"] = int(counters["stats"]["unique_graphs"])
-    stats["graph_breaks"] = int(sum(counters["graph_break"].values()))
-
-
-def timed_with_memory(
-    steps: Steps, calls: dict[str, Callable[[], None]], args: argparse.Namespace, deadline: Deadline,
-    log: Callable[[str], None],
-) -> dict[str, Any]:
-    """``calls`` timed side by side (ratios to ``cutmix``), each row with its peak memory and the ratio of that."""
-    summary = summarise(timed_rounds(dict(calls), args.rounds, args.steps, args.warmup, steps.device, deadline, log), "cutmix")
-    for name, row in summary.items():
-        row["peak_mb"] = steps.peak_mb(calls[name])
-    base = summary["cutmix"]["peak_mb"]
-    for row in summary.values():
-        row["memory_ratio"] = row["peak_mb"] / base if base else float("nan")
-    return summary
-
-
-def compiled_pair(
-    steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], routes: Sequence[str] = (),
-) -> dict[str, Any]:
-    """CutMix + NoAlign and CutMix + TL-Align (the device's route, then each of ``routes``), each adapter
-    compiled, timed side by side. A variant that fails to compile is recorded, the others are timed."""
-    calls: dict[str, Callable[[], None]] = {}
-    info: dict[str, Any] = {}
-    for name in ("cutmix", "tlalign", *(f"tlalign/{r}" for r in routes)):
-        variant, _, route = name.partition("/")
-        if deadline.left() < 0:
-            raise OutOfTime("while compiling")
-        torch._dynamo.reset()
-        compiled = torch.compile(steps.adapted[variant])
-        t0 = time.perf_counter()
-        try:
-            with dynamo_stats() as stats:
-                step = steps.call(variant, route or None, compiled=compiled)
-                step()
-                step()  # a second step: a recompile would show here
-        except Exception as err:
-            info[name] = {"error": f"{type(err).__name__}: {str(err)[:1500]}"}
-            log(f"  compiled {name}: {info[name]['error'][:300]}")
-            continue
-        info[name] = {"compile_s": time.perf_counter() - t0, **stats}
-        log(f"  compiled {name}: {info[name]}")
-        calls[name] = step
-    if "cutmix" not in calls:
-        return info
-    timed = timed_with_memory(steps, calls, args, deadline, log)
-    return {**info, **{name: {**info[name], **row} for name, row in timed.items()}}
-
-
-def eager_pair(steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None]) -> dict[str, Any]:
-    """CutMix + NoAlign and CutMix + TL-Align (the device's route), eager, side by side."""
-    return timed_with_memory(steps, {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign")}, args, deadline, log)
 
 
 def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], save: Callable[[], None],
@@ -298,14 +120,13 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
 
 def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], save: Callable[[], None],
                      into: dict[str, Any]) -> None:
-    from benchmarks.speed import FAMILY_MODELS
-
-    names = args.families or list(FAMILY_MODELS)
+    models = _families.family_models()
+    names = args.families or list(models)
     for family in names:
         if deadline.left() < args.family_min_s:
             into[family] = {"skipped": f"deadline: {deadline.left():.0f} s left, a family needs {args.family_min_s:.0f}"}
             continue
-        model = f"example:{family}" if args.dry_run else FAMILY_MODELS[family]
+        model = f"example:{family}" if args.dry_run else models[family]
         log(f"family {family}: {model}")
         try:
             pair = compiled_pair if args.family_mode == "compiled" else eager_pair
@@ -321,13 +142,11 @@ def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable
 
 
 def measure_mixers(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    from benchmarks.speed import measure_mixers as speed_mixers
-
     mixer_args = argparse.Namespace(
         device=args.device, mixer_batch=args.batch_size, mixer_size=64 if args.dry_run else 224, mixer_patch=16,
         num_classes=args.num_classes, mixers=None, mixer_repeats=args.rounds, mixer_calls=args.steps,
     )
-    return speed_mixers(mixer_args, log)
+    return time_mixers(mixer_args, log)
 
 
 def run_tests(args: argparse.Namespace, deadline: Deadline, out: Path) -> dict[str, Any]:
@@ -363,7 +182,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="steps (or calls) per round")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--deit-model", default="deit_small_patch16_224")
-    p.add_argument("--families", nargs="*", default=None, help="families to measure (default: all, speed.py's order)")
+    p.add_argument("--families", nargs="*", default=None,
+                   help="families to measure (default: all, in benchmarks/_families.py's order)")
     p.add_argument("--family-min-s", type=float, default=40.0, help="start a family only with this much time left")
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
     p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")

@@ -8,7 +8,7 @@ are the same on both sides and left out), on the CPU, at batch 2 and each model'
 
 Usage::
 
-    python benchmarks/op_count.py                       # every family's small model (speed.py's list)
+    python benchmarks/op_count.py                       # every family's small model (benchmarks/_families.py)
     python benchmarks/op_count.py --families vit resnet --out runs/op_count
 """
 
@@ -25,12 +25,15 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import _families
 from benchmarks._provenance import finish, provenance
+from benchmarks._training_step import TrainingSteps
 
 __all__ = ["OpCounter", "count_step", "main"]
+
+VARIANTS = ("cutmix", "tlalign")  # CutMix + NoAlign, CutMix + TL-Align
 
 
 class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch types its __init_subclass__ loosely
@@ -50,30 +53,23 @@ class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch ty
 
 
 def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
-    """Operators of one forward + loss + backward with CutMix + NoAlign and with CutMix + TL-Align."""
-    import mixlabels
-    from mixlabels.backbones import adapt
-    from mixlabels.strategies import CutMix
+    """Operators of one forward + loss + backward with CutMix + NoAlign and with CutMix + TL-Align.
 
-    from benchmarks.speed import build_model, token_stride
-
-    torch.manual_seed(0)
+    The model, batch, mixer and adapters are ``TrainingSteps``' (what ``speed.py`` and the GPU suite time);
+    one CutMix sample, drawn from its generator, serves both variants.
+    """
     num_classes = 10 if model_name.startswith("example:") else 1000
-    model, size = build_model(model_name, num_classes)
-    model.train()
-    gen = torch.Generator().manual_seed(0)
-    images = torch.randn(batch_size, 3, size, size, generator=gen)
-    labels = torch.randint(0, num_classes, (batch_size,), generator=gen)
-    mixer = CutMix(num_classes, label_smoothing=0.1, patch_size=token_stride(model))
-    mixed, label_map = mixer.mix(images, labels, mixer.sample(images.shape, generator=gen))
+    steps = TrainingSteps(model_name, num_classes=num_classes, batch_size=batch_size, device="cpu",
+                          variants=VARIANTS, strict=True)
+    mixer, images = steps.mixer, steps.images
+    mixed, label_map = mixer.mix(images, steps.labels, mixer.sample(images.shape, generator=steps.generator))
     row: dict[str, Any] = {"model": model_name}
-    for name, scheme in (("cutmix", mixlabels.NoAlign()), ("tlalign", mixlabels.TLAlign())):
-        adapted = adapt(model, scheme)
-        adapted(mixed, label_map).loss().backward()  # warm-up: caches (tap matrices, probes) filled
-        model.zero_grad(set_to_none=True)
+    for name in VARIANTS:
+        steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]  # warm-up: caches filled
+        steps.model.zero_grad(set_to_none=True)
         with OpCounter() as counter:
-            adapted(mixed, label_map).loss().backward()
-        model.zero_grad(set_to_none=True)
+            steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]
+        steps.model.zero_grad(set_to_none=True)
         row[name] = sum(counter.ops.values())
         row[f"{name}_kernels"] = counter.kernels
         row[f"{name}_ops"] = dict(counter.ops)
@@ -87,22 +83,21 @@ def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from benchmarks.speed import FAMILY_MODELS
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--families", nargs="*", default=None, help="default: every aligning family")
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--example", action="store_true", help="the registry's tiny 32 px models instead of speed.py's")
+    p.add_argument("--example", action="store_true", help="the registry's tiny 32 px models instead of benchmarks/_families.py's")
     p.add_argument("--out", type=Path, default=Path("runs/op_count"))
     args = p.parse_args(argv)
-    names = args.families or list(FAMILY_MODELS)
-    unknown = [n for n in names if n not in FAMILY_MODELS]
+    models = _families.family_models()
+    names = args.families or list(models)
+    unknown = [n for n in names if n not in models]
     if unknown:
-        raise SystemExit(f"--families: no such family {unknown}; choose from {', '.join(FAMILY_MODELS)}")
+        raise SystemExit(f"--families: no such family {unknown}; choose from {', '.join(models)}")
     result: dict[str, Any] = {"provenance": provenance(), "batch_size": args.batch_size, "families": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for family in names:
-        model = f"example:{family}" if args.example else FAMILY_MODELS[family]
+        model = f"example:{family}" if args.example else models[family]
         row = count_step(model, args.batch_size)
         result["families"][family] = row
         print(f"{family:20s} {model:30s} {row['cutmix']:6d} -> {row['tlalign']:6d} ops ({row['ratio']:.3f}x), "

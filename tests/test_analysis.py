@@ -194,19 +194,19 @@ def _check_outputs(out: Path) -> dict[str, Any]:
 
 @pytest.mark.skipif(not CIFAR.is_file(), reason="needs ../shared/data/cifar10-jpg.tar.gz")
 def test_command_runs_as_a_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # `python benchmarks/analysis.py ...` from the repo root, in this process (a fresh
+    # `python benchmarks/alignment_analysis.py ...` from the repo root, in this process (a fresh
     # interpreter would spend most of the test importing torch).
     out = tmp_path / "script"
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "argv", ["benchmarks/analysis.py", *TINY, "--out", str(out)])
-    runpy.run_path("benchmarks/analysis.py", run_name="__main__")
+    monkeypatch.setattr(sys, "argv", ["benchmarks/alignment_analysis.py", *TINY, "--out", str(out)])
+    runpy.run_path("benchmarks/alignment_analysis.py", run_name="__main__")
     numbers = _check_outputs(out)
     assert "RANDOM INIT" in numbers["initialisation"]
 
 
 @pytest.mark.skipif(not CIFAR.is_file(), reason="needs ../shared/data/cifar10-jpg.tar.gz")
 def test_command_on_a_checkpoint(tmp_path: Path) -> None:
-    from benchmarks.analysis import main
+    from benchmarks.alignment_analysis import main
 
     model = timm.create_model(
         "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
@@ -228,7 +228,7 @@ def test_command_on_a_checkpoint(tmp_path: Path) -> None:
 def test_ablation_checkpoints_by_size(tmp_path: Path) -> None:
     # the layout of `ablation.py --save-checkpoints`: <out>/checkpoints/<key>.pth and <out>/runs/<key>.json,
     # whose num_heads a state dict cannot tell (4 heads of width 8, not embed_dim // 64)
-    from benchmarks.analysis import main
+    from benchmarks.alignment_analysis import main
 
     paths = []
     for dim, heads in ((48, 6), (32, 4)):

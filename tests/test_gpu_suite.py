@@ -7,10 +7,15 @@ report renders what it wrote.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Any
 
-from benchmarks import gpu_suite, op_count
+import pytest
+
+from benchmarks import _training_step, gpu_suite, op_count
+from benchmarks._gpu_steps import Steps
 from benchmarks.gpu_report import summary_table
 
 
@@ -38,3 +43,21 @@ def test_op_count_counts_what_the_label_path_adds() -> None:
     assert row["tlalign_kernels"] < row["tlalign"]  # views are counted apart
     assert sum(row["tlalign_ops"].values()) == row["tlalign"]
     assert row["top_added"] and all(n > 0 for _, n in row["top_added"])
+
+
+def test_speed_gpu_suite_and_op_count_build_their_steps_with_one_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """speed.py's step timing, the GPU suite's Steps and op_count's count_step all set up ``TrainingSteps``."""
+    built: list[str] = []
+    init = _training_step.TrainingSteps.__init__
+
+    def recording(self: _training_step.TrainingSteps, model_name: str, **kw: Any) -> None:
+        built.append(model_name)
+        init(self, model_name, **kw)
+
+    monkeypatch.setattr(_training_step.TrainingSteps, "__init__", recording)
+    speed_args = argparse.Namespace(device="cpu", model="example:vit", num_classes=10, batch_size=2, amp=False)
+    assert isinstance(_training_step.TrainingSteps.for_args(speed_args, ["cutmix"]), _training_step.TrainingSteps)
+    suite_steps = Steps("example:vit", argparse.Namespace(device="cpu", num_classes=1000, batch_size=2))
+    assert isinstance(suite_steps, _training_step.TrainingSteps) and set(suite_steps.adapted) == {"cutmix", "tlalign"}
+    op_count.count_step("example:vit")
+    assert built == ["example:vit"] * 3

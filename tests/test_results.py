@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks import ablation, report
 from benchmarks._config import AblationConfig
+from benchmarks._provenance import current_command
 
 TINY = ["--rows", "cutmix", "--seeds", "0,1", "--embed-dim", "16", "--depth", "2", "--heads", "2", "--max-steps", "2"]
 PROVENANCE = {"date": "2030-01-02 03:04 UTC", "command": "python benchmarks/ablation.py --rows cutmix", "cores": 7,
@@ -31,7 +33,14 @@ def test_every_committed_summary_states_command_date_machine_and_torch() -> None
         prov = json.loads(path.read_text())["provenance"]
         for field in ("command", "date", "cores", "cpu", "torch"):
             assert prov.get(field), f"{path.name}: provenance lacks {field}"
-        assert f"Command: `{prov['command']}`" in report.RESULTS_MD.read_text()
+        assert f"Command: `{current_command(prov['command'])}`" in report.RESULTS_MD.read_text()
+
+
+def test_a_renamed_script_is_shown_by_its_present_name_and_its_recorded_one() -> None:
+    line = report.provenance_line({**PROVENANCE, "command": "python benchmarks/analysis.py --sharpen 30"})
+    assert line.startswith("Command: `python benchmarks/alignment_analysis.py --sharpen 30`")
+    assert "run as `benchmarks/analysis.py`, the script's name then" in line
+    assert "run as" not in report.provenance_line(PROVENANCE)
 
 
 def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float]) -> AblationConfig:
@@ -120,7 +129,7 @@ def test_a_summary_no_section_shows_is_refused(tmp_path: Path) -> None:
 
 def test_add_analysis_keeps_the_errors_and_the_rmse(tmp_path: Path) -> None:
     errors = {"cutmix": [0.1, 0.2, 0.3, 0.4], "tl_align": [0.05, 0.1, 0.15, 0.2]}
-    numbers = {"config": {"sharpen": 30.0, "checkpoint": None}, "model": {"name": "deit_small_patch16_224"},
+    numbers: dict[str, Any] = {"config": {"sharpen": 30.0, "checkpoint": None}, "model": {"name": "deit_small_patch16_224"},
                "initialisation": "random init", "grid": [14, 14], "classes": ["a", "b"], "rmse": 0.25,
                "per_block_sample0": {"mean_abs_error_vs_similarity": errors, "class_token": {"cutmix": [0.5] * 4}},
                "rmse_by_size": [{"label": "tiny-like", "kind": "size", "rmse": 0.125, "dim": 192}],

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import speed
+from benchmarks import _families, speed
+from benchmarks._mixer_timing import select_mixers
+from benchmarks._step_memory import allocator_peak
+from benchmarks._training_step import TrainingSteps, build_model, token_stride
 
 
 def test_speed_benchmark_end_to_end(tmp_path: Path) -> None:
@@ -60,7 +63,7 @@ def test_allocator_peak_counts_live_bytes_not_allocated_bytes() -> None:
         del big
         held.append(torch.empty(4 * MB, dtype=torch.uint8))
 
-    peak = speed.allocator_peak(window)
+    peak = allocator_peak(window)
     assert (peak.start_bytes, peak.peak_bytes, peak.step_bytes) == (0, 10 * MB, 10 * MB)  # not 14 MB
     assert peak.top == {"aten::ones > aten::empty": 10 * MB}  # who holds the bytes at the peak
 
@@ -77,20 +80,20 @@ def test_allocator_peak_counts_frees_of_what_before_allocated() -> None:
         del big
         held.append(torch.empty(4 * MB, dtype=torch.uint8))
 
-    peak = speed.allocator_peak(window, before)
+    peak = allocator_peak(window, before)
     # Live bytes: 6 at the start, 0, 10, 0, 4: the peak is 10 MB, 4 MB above the start (10 if the free were missed).
     assert (peak.start_bytes, peak.peak_bytes, peak.step_bytes) == (6 * MB, 10 * MB, 4 * MB)
 
 
 def test_mixer_selection_keeps_the_timm_references() -> None:
     names = ["ours CutMix", "ours MixUp (elem)", "timm CutMix (batch)", "timm MixUp (batch)", "kornia RandomCutMixV2"]
-    assert speed.select_mixers(names, None) == names
-    assert speed.select_mixers(names, ["OURS cutmix"]) == ["ours CutMix", "timm CutMix (batch)"]
-    assert speed.select_mixers(names, ["mixup (elem)", "kornia"]) == [
+    assert select_mixers(names, None) == names
+    assert select_mixers(names, ["OURS cutmix"]) == ["ours CutMix", "timm CutMix (batch)"]
+    assert select_mixers(names, ["mixup (elem)", "kornia"]) == [
         "ours MixUp (elem)", "timm CutMix (batch)", "timm MixUp (batch)", "kornia RandomCutMixV2",
     ]
     with pytest.raises(SystemExit, match="matches none"):
-        speed.select_mixers(names, ["nothing"])
+        select_mixers(names, ["nothing"])
 
 
 def test_only_the_selected_mixers_are_timed(tmp_path: Path) -> None:
@@ -128,15 +131,15 @@ def test_speed_runs_every_family(tmp_path: Path, family: str) -> None:
 
 def test_build_model_takes_timm_names_without_patch_embed_img_size() -> None:
     for name, stride in [("pvt_v2_b0", 4), ("convnext_atto", 4), ("mixer_s32_224", 32), ("resnet18", None)]:
-        model, size = speed.build_model(name, 10)
-        assert size == 224 and speed.token_stride(model) == stride
+        model, size = build_model(name, 10)
+        assert size == 224 and token_stride(model) == stride
     with pytest.raises(SystemExit, match="example:NAME with NAME one of vit, swin"):
-        speed.build_model("example:nope", 10)
+        build_model("example:nope", 10)
 
 
 def test_per_family_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--families`` runs the step variants per family and writes one row each (tiny models here)."""
-    monkeypatch.setattr(speed, "FAMILY_MODELS", {"convnext": "example:convnext"})
+    monkeypatch.setattr(_families, "family_models", lambda: {"convnext": "example:convnext"})
     result = speed.main(
         [
             "--families", "convnext", "--num-classes", "10", "--batch-size", "2", "--steps", "1", "--warmup", "1",
@@ -154,7 +157,7 @@ def test_label_profile_per_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     TL-Align refuses the model says so; the report renders it as its own RESULTS section."""
     from benchmarks import report
 
-    monkeypatch.setattr(speed, "FAMILY_MODELS", {"byobnet": "example:byobnet", "any": "example:any"})
+    monkeypatch.setattr(_families, "family_models", lambda: {"byobnet": "example:byobnet", "any": "example:any"})
     result = speed.main(
         [
             "--families", "--label-profile", "--num-classes", "10", "--batch-size", "2", "--steps", "1", "--warmup",
@@ -181,7 +184,7 @@ def test_cells_variant_is_the_same_step_on_a_densified_mask(tmp_path: Path) -> N
     import argparse
 
     args = argparse.Namespace(device="cpu", model="example:vit", num_classes=10, batch_size=4, amp=False, pixel_boxes=True)
-    bench = speed.StepBench(args, ["tlalign", "tlalign-cells"])
+    bench = TrainingSteps.for_args(args, ["tlalign", "tlalign-cells"])
     losses = {}
     for v in ("tlalign", "tlalign-cells"):
         torch.manual_seed(3)

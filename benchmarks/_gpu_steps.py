@@ -1,0 +1,113 @@
+"""The GPU suite's training steps: the shared step set-up, eager and compiled, timed side by side with peak memory.
+
+``Steps`` is ``_training_step.TrainingSteps`` (the set-up ``speed.py`` and ``op_count.py`` use too)
+for CutMix + NoAlign and CutMix + TL-Align, with a step per variant, attention route and compiled
+adapter; ``compiled_pair`` and ``eager_pair`` time the two side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds
+from benchmarks._training_step import TrainingSteps
+
+__all__ = ["Steps", "compiled_pair", "dynamo_stats", "eager_pair", "timed_with_memory"]
+
+
+class Steps(TrainingSteps):
+    """Training steps of one model by CutMix + NoAlign and CutMix + TL-Align (the adapters share its parameters)."""
+
+    def __init__(self, model_name: str, args: argparse.Namespace) -> None:
+        device = torch.device(args.device)
+        super().__init__(
+            model_name, num_classes=10 if model_name.startswith("example:") else args.num_classes,
+            batch_size=args.batch_size, device=device, variants=("cutmix", "tlalign"), amp=device.type == "cuda",
+            strict=True,
+        )  # fmt: skip
+
+    def call(self, variant: str, route: Any = None, compiled: Any = None) -> Callable[[], None]:
+        """One full training step (mix, forward, loss, backward, AdamW) of ``variant``: ``none`` (no
+        mixing), ``cutmix`` or ``tlalign``; by an attention ``route``; through ``compiled`` (the adapter)."""
+        return partial(self.step, variant, route, compiled)
+
+    def peak_mb(self, step: Callable[[], None]) -> float:
+        """Peak allocated memory of one more step (CUDA), 0 on the CPU."""
+        if self.device.type != "cuda":
+            return 0.0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**20
+
+
+@contextlib.contextmanager
+def dynamo_stats() -> Iterator[dict[str, int]]:
+    """Graphs and graph breaks dynamo made inside the block (its counters, read at exit)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    stats: dict[str, int] = {}
+    yield stats
+    stats["graphs"] = int(counters["stats"]["unique_graphs"])
+    stats["graph_breaks"] = int(sum(counters["graph_break"].values()))
+
+
+def timed_with_memory(
+    steps: Steps, calls: dict[str, Callable[[], None]], args: argparse.Namespace, deadline: Deadline,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """``calls`` timed side by side (ratios to ``cutmix``), each row with its peak memory and the ratio of that."""
+    summary = summarise(timed_rounds(dict(calls), args.rounds, args.steps, args.warmup, steps.device, deadline, log), "cutmix")
+    for name, row in summary.items():
+        row["peak_mb"] = steps.peak_mb(calls[name])
+    base = summary["cutmix"]["peak_mb"]
+    for row in summary.values():
+        row["memory_ratio"] = row["peak_mb"] / base if base else float("nan")
+    return summary
+
+
+def compiled_pair(
+    steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], routes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """CutMix + NoAlign and CutMix + TL-Align (the device's route, then each of ``routes``), each adapter
+    compiled, timed side by side. A variant that fails to compile is recorded, the others are timed."""
+    calls: dict[str, Callable[[], None]] = {}
+    info: dict[str, Any] = {}
+    for name in ("cutmix", "tlalign", *(f"tlalign/{r}" for r in routes)):
+        variant, _, route = name.partition("/")
+        if deadline.left() < 0:
+            raise OutOfTime("while compiling")
+        torch._dynamo.reset()
+        compiled = torch.compile(steps.adapted[variant])
+        t0 = time.perf_counter()
+        try:
+            with dynamo_stats() as stats:
+                step = steps.call(variant, route or None, compiled=compiled)
+                step()
+                step()  # a second step: a recompile would show here
+        except Exception as err:
+            info[name] = {"error": f"{type(err).__name__}: {str(err)[:1500]}"}
+            log(f"  compiled {name}: {info[name]['error'][:300]}")
+            continue
+        info[name] = {"compile_s": time.perf_counter() - t0, **stats}
+        log(f"  compiled {name}: {info[name]}")
+        calls[name] = step
+    if "cutmix" not in calls:
+        return info
+    timed = timed_with_memory(steps, calls, args, deadline, log)
+    return {**info, **{name: {**info[name], **row} for name, row in timed.items()}}
+
+
+def eager_pair(steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None]) -> dict[str, Any]:
+    """CutMix + NoAlign and CutMix + TL-Align (the device's route), eager, side by side."""
+    return timed_with_memory(steps, {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign")}, args, deadline, log)
+

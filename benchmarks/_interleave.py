@@ -1,0 +1,51 @@
+"""Step and mixer timing, interleaved: every entry runs in rounds, in an order rotated each round.
+
+The machine is noisy: load that comes and goes hits every entry of a round alike, so ratios are
+taken per round (paired) and reported as median [min, max].
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+__all__ = ["interleaved_times", "paired"]
+
+
+def interleaved_times(
+    calls: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    per_block: int,
+    warmup: int,
+    sync: Callable[[], None],
+    progress: Callable[[str], None],
+    label: str,
+) -> dict[str, list[float]]:
+    """Seconds per call of every entry, per round: each round runs every entry's block of
+    ``per_block`` calls back to back, in an order rotated by one each round, so that load
+    that comes and goes hits every entry alike (pair the rounds for ratios)."""
+    for call in calls.values():  # warm-up: kernels, allocator, autotuning
+        for _ in range(warmup):
+            call()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        progress(f"{label} {r + 1}/{rounds}")
+        for name in order:
+            t0 = time.perf_counter()
+            for _ in range(per_block):
+                calls[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) / per_block)
+        order = order[1:] + order[:1]
+    return times
+
+
+def paired(times: Sequence[float], reference: Sequence[float]) -> tuple[float, float, float]:
+    """Median, min and max of the per-round ratios ``times / reference`` (same round: same machine load)."""
+    ratios = [t / r for t, r in zip(times, reference)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+

@@ -1,0 +1,177 @@
+"""One training set-up for every benchmark that runs a step: model, batch, mixer, adapters, optimizer.
+
+``speed.py``'s step timing, the GPU suite's steps and ``op_count.py``'s operator count all build
+their step here, so what they time or count cannot drift apart: the same random-init model, the
+same batch, CutMix boxes snapped to the token grid, one adapter per scheme over the same model
+(the adapters share its parameters) and AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from mixlabels.backbones._attention import Route
+
+__all__ = ["TrainingSteps", "build_model", "token_stride"]
+
+
+def build_model(name: str, num_classes: int) -> tuple[torch.nn.Module, int]:
+    """A random-init timm model and its input size: ``tiny``, ``example:FAMILY`` (the registry's tiny
+    32 px test model of a family, 10 classes) or any timm name at its default input size."""
+    import timm
+
+    if name == "tiny":  # DeiT-Ti's widths (192 dims, 3 heads, 12 blocks) on 32 px images, patch 4: 64 tokens
+        model = timm.create_model(
+            "deit_tiny_patch16_224", pretrained=False, num_classes=num_classes, img_size=32, patch_size=4
+        )
+        return model, 32
+    if name.startswith("example:"):
+        from mixlabels.backbones import FAMILIES
+
+        families = {f.name: f for f in FAMILIES}
+        family = families.get(name.removeprefix("example:"))
+        if family is None:
+            raise SystemExit(f"--model {name}: no such family; choose example:NAME with NAME one of {', '.join(families)}")
+        if num_classes != 10:
+            raise SystemExit(f"--model {name} is built with 10 classes (the registry's example); pass --num-classes 10")
+        return family.example(), 32
+    model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    # Every timm model states its default input in its pretrained config (not every family has patch_embed.img_size).
+    cfg: Any = getattr(model, "pretrained_cfg", None)
+    size = cfg.get("input_size") if isinstance(cfg, dict) else None
+    if not size:
+        raise SystemExit(f"timm model {name} states no default input_size in its pretrained_cfg")
+    return model, int(size[-1])
+
+
+def token_stride(model: torch.nn.Module) -> int | None:
+    """Pixels per token of the first token grid (to snap CutMix boxes to it, as the official TL-Align
+    code does): the stride of the patch-embedding or stem convolution; ``None`` (pixel boxes) when there is none."""
+    for attr in ("patch_embed", "stem"):
+        first = getattr(model, attr, None)
+        if isinstance(first, torch.nn.Module):
+            convs = [mod for mod in first.modules() if isinstance(mod, torch.nn.Conv2d)]
+            if convs:
+                return int(convs[0].stride[0])
+    return None
+
+
+def _scheme(variant: str) -> Any:
+    """The scheme a mixing variant adapts the model with (``speed``'s ``STEP_VARIANTS`` but ``none``)."""
+    import mixlabels
+
+    if variant == "cutmix":
+        return mixlabels.NoAlign()
+    if variant == "transmix":
+        return mixlabels.TransMix()
+    if variant.startswith("tlalign"):  # tlalign, -widened, -reference, -cells: one scheme, other routes
+        return mixlabels.TLAlign()
+    raise ValueError(f"no scheme for the step variant {variant!r}")
+
+
+class TrainingSteps:
+    """Every asked-for step variant over ONE model and optimizer, so variants can be interleaved step by step.
+
+    Variants: ``none`` (no mixing), ``cutmix`` (CutMix + NoAlign), ``transmix``, ``tlalign`` (the fast
+    path), ``tlalign-widened`` (autograd through the widened attention call), ``tlalign-reference``
+    (explicit attention matrices), ``tlalign-cells`` (the box mask densified to cells).
+
+    Args:
+        model_name: what ``build_model`` takes.
+        num_classes: classes of the model and the labels (10 for ``example:`` models).
+        batch_size: images in the one batch every step reuses.
+        device: where the model and batch live.
+        variants: the variants ``step`` will be asked for.
+        amp: bf16 autocast (meant for CUDA).
+        pixel_boxes: CutMix boxes on pixels (timm's CutMix) instead of snapped to the token grid.
+        strict: raise ``adapt``'s ``TypeError`` when a scheme refuses the model; else record it in ``refused``.
+
+    The adapters share the model's parameters, so switching variant between steps changes
+    nothing about the work a step does.
+    """
+
+    def __init__(
+        self, model_name: str, *, num_classes: int, batch_size: int, device: str | torch.device,
+        variants: Sequence[str], amp: bool = False, pixel_boxes: bool = False, strict: bool = False,
+    ) -> None:  # fmt: skip
+        from mixlabels.backbones import adapt
+        from mixlabels.strategies import CutMix
+
+        torch.manual_seed(0)
+        self.device = torch.device(device)
+        model, size = build_model(model_name, num_classes)
+        self.model = model.to(self.device).train()
+        # drawn from in this order: images, labels, then whatever a caller samples with it (op_count's mix)
+        self.generator = torch.Generator(device="cpu").manual_seed(0)
+        self.images = torch.randn(batch_size, 3, size, size, generator=self.generator).to(self.device)
+        self.labels = torch.randint(0, num_classes, (batch_size,), generator=self.generator).to(self.device)
+        # Boxes snapped to the token grid, as the official TL-Align code does, or on pixels (timm's CutMix).
+        patch = None if pixel_boxes else token_stride(model)
+        self.mixer = CutMix(num_classes=num_classes, label_smoothing=0.1, patch_size=patch)
+        self.adapted: dict[str, Any] = {}
+        self.refused: dict[str, str] = {}  # variant -> why adapt refuses the model (the 'any' family: NoAlign only)
+        for v in variants:
+            if v == "none":
+                continue
+            try:
+                self.adapted[v] = adapt(self.model, _scheme(v), reference=v == "tlalign-reference")
+            except TypeError as err:
+                if strict:
+                    raise
+                self.refused[v] = str(err).splitlines()[0]
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.05)
+        self.amp = amp
+
+    @classmethod
+    def for_args(cls, args: argparse.Namespace, variants: Sequence[str]) -> TrainingSteps:
+        """The set-up ``speed.py``'s flags ask for: ``--model``, ``--num-classes``, ``--batch-size``, ``--device``,
+        ``--no-amp`` (bf16 autocast on CUDA otherwise) and ``--pixel-boxes``; a refusing scheme is recorded."""
+        device = torch.device(args.device)
+        return cls(args.model, num_classes=args.num_classes, batch_size=args.batch_size, device=device,
+                   variants=variants, amp=device.type == "cuda" and bool(args.amp),
+                   pixel_boxes=bool(getattr(args, "pixel_boxes", False)))
+
+    def loss(self, variant: str, mixed: torch.Tensor, label_map: Any, adapter: Any = None) -> torch.Tensor:
+        """The loss of a mixing variant on a mixed batch, through ``adapter`` (e.g. compiled) or the variant's own."""
+        import mixlabels
+
+        if variant == "tlalign-cells":  # the route before mask types: token weights from a cell mask
+            label_map = dataclasses.replace(label_map, mask=mixlabels.CellMask(label_map.mask.dense()))
+        loss: torch.Tensor = (adapter if adapter is not None else self.adapted[variant])(mixed, label_map).loss()
+        return loss
+
+    def step(self, variant: str, route: Route | None = None, adapter: Any = None) -> None:
+        """One full training step: mix, forward, loss, backward, AdamW.
+
+        Args:
+            variant: one of the variants built.
+            route: the attention route (``backbones._attention.ROUTES``); ``tlalign-widened`` implies its own.
+            adapter: run the mixed batch through this (e.g. ``torch.compile`` of ``adapted[variant]``).
+        """
+        from mixlabels.backbones._attention import attention_route
+
+        if route is None and variant == "tlalign-widened":
+            route = "widened-autograd"
+        with (attention_route(route) if route else contextlib.nullcontext()), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):  # fmt: skip
+            if variant == "none":
+                loss = F.cross_entropy(self.model(self.images), self.labels, label_smoothing=0.1)
+            else:
+                mixed, label_map = self.mixer(self.images, self.labels)
+                loss = self.loss(variant, mixed, label_map, adapter)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+
+    def sync(self) -> None:
+        """Wait for the device (timings end here)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,22 @@
+"""The training-step variants the speed benchmark times, their names in tables, and the one the others are divided by.
+
+Kept apart from the code that runs them (no torch here): the reports import the names without
+importing the benchmark.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BASELINE", "DEFAULT_VARIANTS", "LABELS", "STEP_VARIANTS"]
+
+STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference", "tlalign-cells")
+DEFAULT_VARIANTS = STEP_VARIANTS[:-1]  # tlalign-cells measures a past route: asked for by name
+BASELINE = "cutmix"
+LABELS = {
+    "none": "no mixing",
+    "cutmix": "CutMix + NoAlign",
+    "transmix": "CutMix + TransMix",
+    "tlalign": "CutMix + TL-Align (fast)",
+    "tlalign-widened": "CutMix + TL-Align (widened autograd)",
+    "tlalign-reference": "CutMix + TL-Align (reference)",
+    "tlalign-cells": "CutMix + TL-Align (box mask densified to cells)",
+}
