@@ -16,6 +16,7 @@ from torch import nn
 
 from mixlabels import Scheme
 from mixlabels.backbones._any import ANY, accepts_any_model
+from mixlabels.backbones._fsdp import is_sharded, order
 from mixlabels.backbones._family import Family, declared_families
 
 __all__ = ["adapt", "SUPPORTED", "Family", "FAMILIES"]
@@ -46,6 +47,13 @@ def _check_model(model: object) -> None:
             f"adapt cannot adapt a {type(model).__name__} wrapper: adapt the timm model inside it "
             f"(adapt({wrapper}.module, scheme)), "
             f"or better adapt first and wrap the adapted module ({type(model).__name__}(adapt(model, scheme)))"
+        )
+    sharded = [name or "the model" for name, m in model.named_modules() if is_sharded(m)] if isinstance(model, nn.Module) else []
+    if sharded:
+        raise TypeError(
+            f"adapt cannot adapt a model already sharded by FSDP2's fully_shard ({', '.join(sharded[:4])}"
+            f"{' ...' if len(sharded) > 4 else ''}): adapt first, then shard: "
+            + order("the adapter's blocks (adapted.fsdp_units())")
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"adapt takes a torch.nn.Module (a timm model, a torchvision model, your own classifier), got {type(model).__name__}")
@@ -85,8 +93,8 @@ def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Modul
 
     Raises:
         TypeError: the scheme needs a family this model is not of (the message lists those that
-            exist), the model is already adapted, compiled or wrapped (DDP, DataParallel), or the
-            scheme is not a scheme instance.
+            exist), the model is already adapted, compiled, wrapped (DDP, DataParallel) or sharded
+            (``fully_shard``: adapt first, docs/distributed.md), or the scheme is not a scheme instance.
     """
     _check_model(model)
     check_scheme(scheme)

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
+from mixlabels.backbones._fsdp import sharding_refusal
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_windows, chain_matrices, window_sums
 
@@ -128,6 +129,10 @@ class AdaptedBase(TimmFace):
                 "gradient checkpointing re-runs block forwards, which would update the labels twice; "
                 "call model.set_grad_checkpointing(False) before training with a label map"
             )
+        if not torch.compiler.is_compiling():
+            why = sharding_refusal(self, self.fsdp_units, self.reference)
+            if why is not None:
+                raise RuntimeError(why)
         check_distributed(self)
         check_label_map(self, images, label_map)
         if self.reference:
@@ -140,6 +145,13 @@ class AdaptedBase(TimmFace):
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         raise NotImplementedError
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        """The modules to ``fully_shard`` (FSDP2) before the adapted root: those whose forward hooks the aligned
+        forward passes through (``backbones._fsdp.through_hooks``), a transformer's blocks. Empty where the family's
+        walk enters none yet: shard only the adapted module (docs/distributed.md).
+        """
+        return ()
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         raise NotImplementedError

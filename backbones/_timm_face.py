@@ -9,8 +9,8 @@ dict the model's own (it loads one too) and forwards ``no_weight_decay`` and
 ``group_matcher`` with the prefix, as timm's ``FeatureDistillationTrainableModule`` does.
 
 It also refuses the one silent failure of distributed training: a training forward
-under a process group of several ranks that does not run inside
-``DistributedDataParallel``, whose gradients would never be all-reduced; and it checks
+under a process group of several ranks that runs neither inside ``DistributedDataParallel``
+nor as FSDP2's root (``fully_shard(adapted)``), whose gradients would never be reduced; and it checks
 the values of a hand-built label map where it enters the model (``check_label_map``).
 """
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from timm.models import group_parameters
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from mixlabels import TokenLabelMap
@@ -56,8 +57,9 @@ class TimmFace(nn.Module):
     """Base of the adapters: the state dict of ``self.model`` without prefix, timm's parameter-group hooks.
 
     Attributes:
-        check_distributed: refuse a training forward under a multi-rank process group that does not
-            run inside ``DistributedDataParallel`` (``False`` turns the check off; only DDP is supported).
+        check_distributed: refuse a training forward under a multi-rank process group that runs neither
+            inside ``DistributedDataParallel`` nor sharded by FSDP2's ``fully_shard(adapted)`` (``False``
+            turns the check off).
         check_label_values: check the values of a label map not made by a mixer (``label_map.check()``,
             a host read). ``None`` (default): every call for maps on the CPU, the first call for maps
             on an accelerator (no device sync per step); ``True``: every call; ``False``: never.
@@ -129,11 +131,11 @@ def check_distributed(adapter: TimmFace) -> None:
     """Refuse a training forward that would leave gradients un-reduced across ranks.
 
     Skipped while compiling (the task checks its structure instead), without grad, in eval
-    mode and in a single process.
+    mode and in a single process. FSDP2's root (``fully_shard(adapted)``) reduces them.
     """
     if torch.compiler.is_compiling() or not adapter.check_distributed or not torch.is_grad_enabled():
         return
-    if not adapter.model.training or distributed_world() == 1:
+    if not adapter.model.training or distributed_world() == 1 or isinstance(adapter, FSDPModule):
         return
     if not any(p.requires_grad for p in adapter.model.parameters()):
         return
@@ -142,12 +144,13 @@ def check_distributed(adapter: TimmFace) -> None:
         return
     raise RuntimeError(
         f"{type(adapter).__name__} ran a training forward under a torch.distributed process group of "
-        f"{distributed_world()} ranks, outside DistributedDataParallel: its gradients would never be all-reduced "
-        "and the ranks would drift apart silently. With timm's tasks: "
+        f"{distributed_world()} ranks, outside DistributedDataParallel and not sharded by FSDP2: its gradients would "
+        "never be reduced and the ranks would drift apart silently. With timm's tasks: "
         "task = AlignedClassificationTask(model, scheme); task.prepare_distributed(device_ids=[local_rank]); "
         "result = task(images, label_map). By hand: ddp = DistributedDataParallel(adapted, device_ids=[local_rank]) "
         "and call ddp(images, label_map), not the adapter (a DistributedDataParallel of the bare model does not "
-        "see the adapter's forward). Only DistributedDataParallel is supported for training an adapted model "
-        "across ranks (FSDP is not). If this forward really needs no gradient reduction (each rank trains "
-        "its own model on purpose), set adapted.check_distributed = False."
+        "see the adapter's forward); or FSDP2 (torch.distributed.fsdp.fully_shard): adapted = adapt(model, scheme), "
+        "fully_shard each block, then fully_shard(adapted) and call adapted(images, label_map) (docs/distributed.md). "
+        "FSDP1's FullyShardedDataParallel wrapper is not supported. If this forward really needs no gradient "
+        "reduction (each rank trains its own model on purpose), set adapted.check_distributed = False."
     )

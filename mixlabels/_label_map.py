@@ -217,7 +217,10 @@ class TokenLabelMap:
         if cells_dtype != torch.float32 or self.image_weights.dtype != torch.float32:
             _fail(
                 f"mask and image_weights must be float32 (labels are kept in fp32 whatever the image dtype), "
-                f"got {cells_dtype} and {self.image_weights.dtype}"
+                f"got {cells_dtype} and {self.image_weights.dtype}. (Under FSDP2, a MixedPrecisionPolicy with "
+                "cast_forward_inputs=True casts every float tensor of the forward's arguments, a label map's too: "
+                "shard the adapted module with cast_forward_inputs=False and pass the images in param_dtype, "
+                "adapted(images.to(param_dtype), label_map); docs/distributed.md)"
             )
         if self.image_weights.shape != (b, k):
             _fail(f"image_weights must have shape (batch={b}, k={k}), got {tuple(self.image_weights.shape)}")

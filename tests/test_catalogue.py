@@ -682,7 +682,7 @@ def _box_mask_int32() -> None:
     assert_close(m.token_weights((2, 2)), BoxMask(torch.tensor([[0, 2, 0, 3]]), (4, 4)).token_weights((2, 2)))
 
 
-@edge("distributed refusal: keeps the DDP guidance and promises no FSDP")
+@edge("distributed refusal: keeps the DDP guidance, names FSDP2's order and refuses FSDP1")
 def _distributed_refusal() -> None:
     from unittest import mock
 
@@ -693,8 +693,9 @@ def _distributed_refusal() -> None:
         with pytest.raises(RuntimeError, match=r"outside DistributedDataParallel.*prepare_distributed") as err:
             adapted(X, cutmix_map())
     message = str(err.value)
-    assert "DistributedDataParallel(adapted" in message and "(FSDP is not)" in message
-    assert "(FSDP), set" not in message  # the old promise: FSDP2 then crashes on mixed Tensor and DTensor
+    assert "DistributedDataParallel(adapted" in message
+    assert "fully_shard each block, then fully_shard(adapted)" in message  # FSDP2: tests/test_fsdp.py trains it
+    assert "FSDP1's FullyShardedDataParallel wrapper is not supported" in message
 
 
 @edge("mix_images: weight 1 selects the image's own pixels")

@@ -26,6 +26,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` positions, ``l`` label 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from timm.layers.drop import DropPath
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet
 from torch import Tensor, nn
 
-from mixlabels import AlignedOutput, TokenLabelMap
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._convnet import (
     Path,
@@ -48,6 +49,7 @@ from mixlabels.backbones._convnet import (
 )
 from mixlabels.backbones._dense import DenseRules
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedResNet", "RESNET_FAMILY", "resnet_refusal"]
 
@@ -73,7 +75,7 @@ def _stem_modules(m: Any) -> list[nn.Module]:
 
 def _branch_modules(blk: Any) -> list[nn.Module]:
     """The branch's modules in the order of timm's ``forward`` (before drop-path and the sum)."""
-    if type(blk) is BasicBlock:
+    if isinstance(blk, BasicBlock):
         mods = [blk.conv1, blk.bn1, blk.drop_block, blk.act1, *_flat(blk.aa), blk.conv2, blk.bn2]
     else:
         mods = [blk.conv1, blk.bn1, blk.act1, blk.conv2, blk.bn2, blk.drop_block, blk.act2, *_flat(blk.aa), blk.conv3, blk.bn3]
@@ -81,7 +83,7 @@ def _branch_modules(blk: Any) -> list[nn.Module]:
 
 
 def _last_act(blk: Any) -> nn.Module:
-    act: nn.Module = blk.act2 if type(blk) is BasicBlock else blk.act3
+    act: nn.Module = blk.act2 if isinstance(blk, BasicBlock) else blk.act3
     return act
 
 
@@ -130,6 +132,12 @@ def _block(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
     return _last_act(blk)(h + shortcut), keep
 
 
+def _aligned_block(blk: Any, layer: int, grid: tuple[int, int], tracker: LabelTracker, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    """One block and its label events (the kernels read while the block's parameters are gathered)."""
+    x, keep = _block(blk, x)
+    return x, block_labels(tracker, layer, grid, *_paths(blk), keep)
+
+
 def _paths(blk: Any) -> tuple[Path, Path]:
     return path_of(_branch_modules(blk)), path_of(_flat(blk.downsample))
 
@@ -154,13 +162,15 @@ class AdaptedResNet(AdaptedBase):
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
         for layer, blk in enumerate(blocks):
-            x, keep = _block(blk, x)
-            grid = block_labels(tracker, layer, grid, *_paths(blk), keep)
+            x, grid = through_hooks(blk, functools.partial(_aligned_block, blk, layer, grid, tracker), x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        return tuple(_blocks(self.model))
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         """Explicit matrices of every path on dense labels."""

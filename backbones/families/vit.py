@@ -6,6 +6,7 @@ Shapes: ``b`` batch, ``n`` tokens (prefix + patches), ``p`` prefix tokens, ``h``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from mixlabels.backbones._attention import attention_with_labels, class_attention, explicit_mix
 from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._fsdp import through_hooks
 from mixlabels.backbones._vit_reference import reference_forward
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -75,6 +77,9 @@ class AdaptedViT(AdaptedBase):
         m: Any = self.model
         return check_batch(images, label_map, tuple(m.patch_embed.patch_size))
 
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        return tuple(self.model.blocks)  # type: ignore[arg-type]  # timm is untyped
+
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         self._grid(images, label_map)  # the same input checks as the fast path
         return reference_forward(self.model, self.scheme, images, label_map)
@@ -99,7 +104,7 @@ class AdaptedViT(AdaptedBase):
         layout = TokenLayout(grid=grid, num_prefix=p, depth=len(m.blocks), class_token=head_reads_token)
         tracker = self.scheme.start(label_map, layout)
         for layer, blk in enumerate(m.blocks):
-            x = self._block(blk, x, layer, tracker)
+            x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
         x = m.norm(x)
         tracker.pool("token", 0) if head_reads_token else tracker.pool("mean", 0 if m.pool_include_prefix else p)
         output = m.forward_head(x)  # timm's own head: a tensor, or (cls, dist) when training distilled

@@ -1,0 +1,208 @@
+"""Run by ``test_fsdp.py`` under ``torchrun --nproc-per-node 2`` (gloo, CPU); prints rank 0's findings as JSON.
+
+Every run splits a CutMix batch of 4 in two: rank ``r`` takes samples ``2r, 2r+1`` (partners
+paired inside each half, so each half is a batch of its own) and compares, after each step,
+the gathered gradients and parameters with one process that trains a copy on the whole batch
+(mean loss: FSDP averages the ranks' gradients, so the two agree). Then the orders and
+combinations that cannot work, each caught with its message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import mixlabels
+from mixlabels import TokenLabelMap
+from mixlabels.backbones import FAMILIES, _vit, adapt
+
+B, C = 4, 10
+
+
+def example(name: str) -> nn.Module:
+    return next(f for f in FAMILIES if f.name == name).example()
+
+
+def cutmix(seed: int, rank: int) -> tuple[Tensor, TokenLabelMap, Tensor, TokenLabelMap]:
+    """The whole mixed batch and its map, then this rank's half and the half's own map."""
+    g = torch.Generator().manual_seed(seed)
+    images, labels = torch.randn(B, 3, 32, 32, generator=g), torch.randint(0, C, (B,), generator=g)
+    mask = torch.ones(B, 32, 32)
+    for i in range(B):  # one box of 4 to 19 pixels a side per sample, from its partner
+        y, x, h, w = (int(v) for v in torch.randint(0, 16, (4,), generator=g))
+        mask[i, y : y + h + 4, x : x + w + 4] = 0.0
+    whole = TokenLabelMap.from_mask(mask, torch.tensor([1, 0, 3, 2]), labels, num_classes=C)
+    mixed = whole.mix_pixels(images)
+    half = slice(2 * rank, 2 * rank + 2)
+    part = TokenLabelMap.from_mask(mask[half], torch.tensor([1, 0]), labels[half], num_classes=C)
+    return mixed, whole, mixed[half], part
+
+
+def full(t: Tensor) -> Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def spread(adapted: nn.Module) -> float:
+    """Largest difference of any (gathered) parameter between the two ranks."""
+    flat = torch.cat([full(p).detach().flatten() for p in adapted.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return float((gathered[0] - gathered[1]).abs().max())
+
+
+def rel_error(adapted: nn.Module, ref: nn.Module, grads: bool) -> float:
+    """``max |a - r| / max |r|`` over every gathered gradient (or parameter) against one process's."""
+    worst = 0.0
+    for (name, p), (ref_name, q) in zip(adapted.named_parameters(), ref.named_parameters(), strict=True):
+        assert name == ref_name, (name, ref_name)
+        if grads:
+            assert p.grad is not None and q.grad is not None, name
+            a, r = full(p.grad), q.grad
+        else:
+            a, r = full(p).detach(), q.detach()
+        worst = max(worst, float((a.float() - r).abs().max() / r.abs().max().clamp_min(1e-12)))
+    return worst
+
+
+def train(
+    family: str, shard: Callable[[nn.Module], None], rank: int, steps: int, bf16: bool = False, halves: bool = False
+) -> dict[str, Any]:
+    """``steps`` SGD steps of an adapted model sharded by ``shard`` beside one process on the whole batch.
+
+    ``halves``: the one process runs the two halves separately and averages (BatchNorm normalises by
+    each rank's own half, so one forward of the whole batch is not the same computation).
+    """
+    torch.manual_seed(0)
+    ref: Any = adapt(example(family), mixlabels.TLAlign())
+    ref.check_distributed = False  # one process, its own model on purpose
+    adapted: Any = adapt(example(family), mixlabels.TLAlign())
+    shard(adapted)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(adapted.parameters(), lr=0.5)
+    grads, params, losses = [], [], []
+    for step in range(steps):
+        images, whole, mine, part = cutmix(step, rank)
+        opt_ref.zero_grad()
+        if halves:
+            for r in range(2):
+                _, _, x, lm = cutmix(step, r)
+                (ref(x, lm).loss() / 2).backward()
+        else:
+            ref(images, whole).loss().backward()
+        opt.zero_grad()
+        out = adapted(mine.bfloat16() if bf16 else mine, part)
+        # the blocks' forward hooks ran: their parameters are freed (sharded again) before the backward
+        units = adapted.fsdp_units()
+        resharded = bool(units) and all(isinstance(p, DTensor) for u in units for p in u.parameters())
+        out.loss().backward()
+        losses.append(float(out.loss().detach()))
+        grads.append(rel_error(adapted, ref, grads=True))
+        opt_ref.step()
+        opt.step()
+        params.append(rel_error(adapted, ref, grads=False))
+    kinds = sorted({type(m).__name__ for m in adapted.modules() if type(m).__name__.startswith("FSDP")})
+    return {
+        "grads": grads, "params": params, "spread": spread(adapted), "losses": losses, "sharded": kinds,
+        "resharded_after_forward": resharded,
+        "logits": str(out.logits.dtype), "target": str(out.target.dtype),
+        "param_dtype": str(next(adapted.parameters()).dtype),
+    }  # fmt: skip
+
+
+def per_block(policy: MixedPrecisionPolicy, root: MixedPrecisionPolicy) -> Callable[[nn.Module], None]:
+    def shard(adapted: nn.Module) -> None:
+        for unit in adapted.fsdp_units():  # type: ignore[operator]  # adapt returns an nn.Module
+            fully_shard(unit, mp_policy=policy)
+        fully_shard(adapted, mp_policy=root)
+
+    return shard
+
+
+def root_only(adapted: nn.Module) -> None:
+    fully_shard(adapted)
+
+
+def refusal(run: Callable[[], object]) -> str | None:
+    try:
+        run()
+    except (RuntimeError, TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def refusals(rank: int) -> dict[str, str | None]:
+    _, _, x, lm = cutmix(0, rank)
+    out: dict[str, str | None] = {}
+    adapted: Any  # timm is untyped: .model.blocks
+
+    model: Any = example("vit")  # fully_shard before adapt
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+    out["shard_then_adapt"] = refusal(lambda: adapt(model, mixlabels.TLAlign()))
+
+    adapted = adapt(example("vit"), mixlabels.TLAlign())  # the timm model as the root, not the adapter
+    for blk in adapted.model.blocks:
+        fully_shard(blk)
+    fully_shard(adapted.model)
+    out["model_as_root"] = refusal(lambda: adapted(x, lm))
+
+    adapted = adapt(example("vit"), mixlabels.TLAlign())  # a module inside a block: its hooks never run
+    for blk in adapted.model.blocks:
+        fully_shard(blk.attn)
+    fully_shard(adapted)
+    out["inside_block"] = refusal(lambda: adapted(x, lm))
+
+    adapted = adapt(example("swin"), mixlabels.TLAlign())  # a family whose walk enters no block's hooks
+    for layer in adapted.model.layers:
+        fully_shard(layer)
+    fully_shard(adapted)
+    out["family_without_units"] = refusal(lambda: adapted(x, lm))
+
+    adapted = adapt(example("vit"), mixlabels.TLAlign(), reference=True)  # the reference walks blocks too
+    per_block(MixedPrecisionPolicy(), MixedPrecisionPolicy())(adapted)
+    out["reference"] = refusal(lambda: adapted(x, lm))
+
+    adapted = adapt(example("vit"), mixlabels.TLAlign())  # the root's input cast would round the label map
+    per_block(MixedPrecisionPolicy(param_dtype=torch.bfloat16), MixedPrecisionPolicy(param_dtype=torch.bfloat16))(adapted)
+    out["root_casts_map"] = refusal(lambda: adapted(x, lm))
+
+    adapted = adapt(example("vit"), mixlabels.TLAlign())  # not sharded, not DDP: the distributed guard
+    out["unsharded"] = refusal(lambda: adapted(x, lm))
+
+    # negative control: the same sharding, the blocks walked without their hooks (what the adapter did before)
+    adapted = adapt(example("vit"), mixlabels.TLAlign())
+    per_block(MixedPrecisionPolicy(), MixedPrecisionPolicy())(adapted)
+    with mock.patch.object(_vit, "through_hooks", lambda module, fn, *tensors: fn(*tensors)):
+        out["control_no_hooks"] = refusal(lambda: adapted(x, lm))
+    return out
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    fp32 = MixedPrecisionPolicy()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16_root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    report: dict[str, Any] = {
+        "vit_blocks": train("vit", per_block(fp32, fp32), rank, steps=3),
+        "vit_root": train("vit", root_only, rank, steps=2),
+        "vit_bf16": train("vit", per_block(bf16, bf16_root), rank, steps=2, bf16=True),
+        "resnet_blocks": train("resnet", per_block(fp32, fp32), rank, steps=2, halves=True),
+        "refusals": refusals(rank),
+    }
+    if rank == 0:
+        print("REPORT " + json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""FSDP2 (``fully_shard``) on 2 gloo ranks on the CPU: an adapted model trains as one process on the whole batch.
+
+One ``torchrun`` of ``_fsdp_worker.py`` (about 30 s) runs every case; the tests read its report.
+Rank ``r`` takes half ``r`` of a CutMix batch of 4; one process trains a copy on the whole batch.
+A second ``torchrun`` runs docs/distributed.md's loop as written (about 20 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_readme import python_block
+
+from mixlabels.backbones import FAMILIES
+from mixlabels.backbones._common import AdaptedBase
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCS = REPO_ROOT / "docs" / "distributed.md"
+FP32 = 1e-5  # relative to each gradient's largest entry: float32 sums in another order
+BF16 = 0.1  # bf16 compute (8 bits of mantissa) against the float32 process
+
+
+def torchrun(script: Path) -> str:
+    """``script``'s standard output under ``torchrun --nproc-per-node 2`` (gloo on the CPU)."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    stdout = torchrun(REPO_ROOT / "tests" / "_fsdp_worker.py")
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))
+    result: dict[str, Any] = json.loads(line[len("REPORT ") :])
+    return result
+
+
+def test_per_block_sharding_equals_one_process_on_the_whole_batch(report: dict[str, Any]) -> None:
+    run = report["vit_blocks"]
+    assert run["sharded"] == ["FSDPAdaptedViT", "FSDPBlock"]  # each block, then the adapter as the root
+    assert run["resharded_after_forward"]  # the blocks' hooks ran: gathered for their forward, freed after it
+    assert max(run["grads"]) < FP32  # gathered gradients == one process's, at every step
+    assert max(run["params"]) < FP32  # and the parameters after every SGD step
+    assert run["spread"] == 0.0  # the ranks hold the same model
+    assert run["losses"][0] != run["losses"][1]  # the steps saw different batches
+
+
+def test_root_only_sharding_equals_one_process(report: dict[str, Any]) -> None:
+    run = report["vit_root"]
+    assert run["sharded"] == ["FSDPAdaptedViT"]
+    assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
+
+
+def test_bf16_mixed_precision_trains_within_bf16_of_one_float32_process(report: dict[str, Any]) -> None:
+    run = report["vit_bf16"]
+    assert run["resharded_after_forward"]
+    assert run["logits"] == "torch.bfloat16"  # the blocks computed in bf16...
+    assert run["target"] == "torch.float32"  # ...the labels stayed fp32...
+    assert run["param_dtype"] == "torch.float32"  # ...and the sharded parameters the optimiser steps
+    assert max(run["grads"]) < BF16 and max(run["params"]) < BF16
+    assert run["spread"] == 0.0
+
+
+def test_cnn_family_per_block(report: dict[str, Any]) -> None:
+    # BatchNorm normalises by each rank's own half: the one process runs the two halves and averages
+    run = report["resnet_blocks"]
+    assert run["sharded"] == ["FSDPAdaptedResNet", "FSDPBasicBlock"]
+    assert run["resharded_after_forward"]
+    assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
+
+
+def test_negative_control_blocks_walked_without_their_hooks_crash(report: dict[str, Any]) -> None:
+    assert "mixed torch.Tensor and DTensor" in report["refusals"]["control_no_hooks"]
+
+
+ORDER = "adapted = adapt(model, scheme); fully_shard each of adapted.model.blocks; then fully_shard(adapted), last"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("shard_then_adapt", ["TypeError: adapt cannot adapt a model already sharded by FSDP2's fully_shard", "adapt first"]),
+        ("model_as_root", ["not to the adapted module", ORDER]),
+        ("inside_block", ["model.blocks.0.attn, model.blocks.1.attn, whose hooks it never runs", ORDER]),
+        ("family_without_units", ["model.layers.0", "adapted = adapt(model, scheme); fully_shard(adapted), last"]),
+        ("reference", ["reference=True", "use the fast path"]),
+        ("root_casts_map", ["cast_forward_inputs=False", "adapted(images.to(param_dtype), label_map)"]),
+        ("unsharded", ["outside DistributedDataParallel and not sharded by FSDP2", "then fully_shard(adapted)",
+                       "FSDP1's FullyShardedDataParallel wrapper is not supported"]),
+    ],
+)  # fmt: skip
+def test_what_cannot_work_refuses_with_the_order(report: dict[str, Any], case: str, expected: list[str]) -> None:
+    message = report["refusals"][case]
+    assert message is not None, case
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_the_docs_loop_trains_as_written(tmp_path: Path) -> None:
+    (tmp_path / "train_fsdp.py").write_text(python_block("## The loop", DOCS.read_text()))
+    losses = [float(ln.split()[-1]) for ln in torchrun(tmp_path / "train_fsdp.py").splitlines() if ln.startswith("step ")]
+    assert len(losses) == 3 and all(0.0 < loss < 10.0 for loss in losses)
+
+
+def test_the_docs_list_the_families_that_shard_per_block() -> None:
+    """docs/distributed.md's list is the families whose adapter overrides ``fsdp_units``."""
+    listed = DOCS.read_text().split("<!-- fsdp-units -->")[1].split("<!-- /fsdp-units -->")[0]
+    adapters = [(f.name, f.build) for f in FAMILIES if isinstance(f.build, type) and issubclass(f.build, AdaptedBase)]
+    per_block = [name for name, cls in adapters if cls.fsdp_units is not AdaptedBase.fsdp_units]
+    assert listed.split(", ") == per_block
