@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 import mixlabels
 from mixlabels import TokenLabelMap
-from mixlabels.backbones import FAMILIES, _vit, adapt
+from mixlabels.backbones import FAMILIES, adapt
+from mixlabels.backbones.families import vit as _vit
 
 B, C = 4, 10
 
