@@ -38,3 +38,14 @@ def test_op_count_counts_what_the_label_path_adds() -> None:
     assert row["tlalign_kernels"] < row["tlalign"]  # views are counted apart
     assert sum(row["tlalign_ops"].values()) == row["tlalign"]
     assert row["top_added"] and all(n > 0 for _, n in row["top_added"])
+
+
+def test_mixers_on_the_cuda_path_launch_no_more_kernels_than_timm_and_never_sync() -> None:
+    """Issue 28, counted on fake CUDA tensors: params drawn on the host, sent in at most two copies (pixels, map)."""
+    ours = ["ours CutMix", "ours MixUp", "ours RandomPatchMix", "ours BlockwiseMix", "ours MixToken", "ours TokenMix"]
+    rows = op_count.count_mixers(batch_size=8, size=32, num_classes=10, patch=4, names=ours)
+    for name in ours:
+        row = rows[name]
+        assert row["cuda_error"] is None and row["cuda_syncs"] == 0, (name, row["cuda_sync_sites"], row["cuda_error"])
+        assert row["cuda_h2d"] <= 2 and row["cuda_kernel_ratio"] <= 1.0, (name, row["cuda_ops"])
+    assert rows["timm CutMix (batch)"]["cuda_kernels"] > 0 and "| ours CutMix |" in op_count.format_mixers(rows)
