@@ -730,13 +730,13 @@ class PairMixer(Mixer[PP]):
         if params.token_space:
             return images  # the backbone mixes the patch embeddings instead
         box = params.shared_box()
-        unmixed = bool((params.source_weight() == 1.0).any()) if box is None and host_params(params) else None
         moved = params.to(images.device)
         if box is not None:
             return paste_box(images, moved.partner, box)
         keep = moved.keep_cells()
         if keep is not None:
             return select_images(images, moved.partner, keep)
+        unmixed = bool((params.source_weight() == 1.0).any()) if host_params(params) else None
         return mix_images(images, moved.partner, moved.source_weight(), unmixed=unmixed)
 
     def label_map_from(self, params: PP, labels: Tensor) -> TokenLabelMap:
