@@ -6,10 +6,19 @@ launch: what the label path's many small operations cost there. A dispatch mode 
 operator the step runs below autograd (forward, loss and backward; the mixer and the optimizer
 are the same on both sides and left out), on the CPU, at batch 2 and each model's default size.
 
+With ``--mixers``, the mixers instead: every mixer of ``speed.py``'s list (ours, timm's ``Mixup``)
+called once on a 128 x 3 x 224 x 224 batch, counted twice in one run: on the CPU (every operator,
+views apart), and on the path a CUDA batch takes, replayed on fake CUDA tensors (no GPU needed):
+the kernels it would launch, the operators left on the host, the host-to-device copies and the
+host syncs (a value read back: ``.item()``, ``.tolist()``, ``bool()``, ``nonzero``), each with
+the line that asks for it.
+
 Usage::
 
     python benchmarks/op_count.py                       # every family's small model (benchmarks/_families.py)
     python benchmarks/op_count.py --families vit resnet --out runs/op_count
+    python -m benchmarks.op_count --mixers              # every mixer against timm's Mixup
+    python -m benchmarks.op_count --mixers CutMix MixUp --batch-size 128
 """
 
 from __future__ import annotations
@@ -25,31 +34,15 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import _families
+from benchmarks._op_counter import OpCounter
 from benchmarks._provenance import finish, provenance
 from benchmarks._training_step import TrainingSteps
 
-__all__ = ["OpCounter", "count_step", "main"]
+__all__ = ["OpCounter", "count_step", "main"]  # OpCounter: re-exported from benchmarks._op_counter
 
 VARIANTS = ("cutmix", "tlalign")  # CutMix + NoAlign, CutMix + TL-Align
-
-
-class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch types its __init_subclass__ loosely
-    """Counts every ATen operator dispatched inside it, by name (``aten.mm.default`` -> ``mm``), and apart
-    the ones that compute (``kernels``): not views (``view``, ``permute``, ``slice``, ``detach`` ... only
-    describe memory that exists), which on a GPU launch nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.ops: Counter[str] = Counter()
-        self.kernels = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
-        self.kernels += not getattr(func, "is_view", False)
-        return func(*args, **(kwargs or {}))
 
 
 def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
@@ -85,10 +78,16 @@ def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--families", nargs="*", default=None, help="default: every aligning family")
-    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--mixers", nargs="*", default=None,
+                   help="count the mixers instead (names containing one of these; none: all) against timm's Mixup")
+    p.add_argument("--batch-size", type=int, default=None, help="default: 2 (families), 128 (mixers)")
+    p.add_argument("--size", type=int, default=224, help="mixers: image side in pixels")
     p.add_argument("--example", action="store_true", help="the registry's tiny 32 px models instead of benchmarks/_families.py's")
     p.add_argument("--out", type=Path, default=Path("runs/op_count"))
     args = p.parse_args(argv)
+    if args.mixers is not None:
+        return _count_mixers(args)
+    args.batch_size = args.batch_size or 2
     models = _families.family_models()
     names = args.families or list(models)
     unknown = [n for n in names if n not in models]
@@ -107,6 +106,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result["provenance"] = finish(result["provenance"])
     (args.out / "op_count.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _count_mixers(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks._mixer_ops import count_mixers, format_mixers
+
+    rows = count_mixers(args.batch_size or 128, args.size, names=args.mixers)
+    print(format_mixers(rows), flush=True)
+    mixers: dict[str, Any] = {"provenance": finish(provenance()), "batch_size": args.batch_size or 128, "mixers": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "op_count_mixers.json").write_text(json.dumps(mixers, indent=1))
+    return mixers
 
 
 if __name__ == "__main__":

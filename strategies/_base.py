@@ -23,9 +23,11 @@ from kornia.constants import DataKey
 from torch import Tensor
 
 from mixlabels import CellMask, TokenLabelMap, check_labels
+from mixlabels._mask import BoxMask, Mask
 from mixlabels.strategies._sampling import MixSampler
+from mixlabels.strategies._transfer import to_device
 
-__all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "select_images", "paste_box", "pair_label_map"]
+__all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "select_images", "paste_box", "pair_label_map", "host_params"]
 
 P = TypeVar("P")
 PP = TypeVar("PP", bound="MixParams")
@@ -94,12 +96,18 @@ class MixParams:
         return self.source_weight().mean(dim=(1, 2))
 
     def to(self: D, device: torch.device | str) -> D:
-        """The same params with every tensor on ``device``."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        """The same params with every tensor on ``device`` (from the host to CUDA: in one asynchronous copy)."""
+        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        moved: dict[str, Any] = dict(zip(names, to_device([getattr(self, n) for n in names], device)))
         return dataclasses.replace(self, **moved)
 
 
-def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
+def host_params(params: MixParams) -> bool:
+    """The params live on the host (their values can be read for free) and no tracing is under way."""
+    return params.partner.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def mix_images(images: Tensor, partner: Tensor, weight: Tensor, *, unmixed: bool | None = None) -> Tensor:
     """Mix every image with its partner cell by cell: ``w * x + (1 - w) * x[partner]``.
 
     Where ``w`` is exactly 1 the image's own pixels are selected (an unmixed sample comes
@@ -111,6 +119,8 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
         images: ``(b, c, H, W)`` floating point.
         partner: ``(b,)`` long batch indices.
         weight: ``(b, mh, mw)`` fp32 weight of the image itself; ``mh | H``, ``mw | W``.
+        unmixed: whether a weight is exactly 1, when the caller knows it on the host: ``False``
+            skips selecting the image's own pixels there (a pass over the batch). ``None``: unknown.
 
     Returns:
         ``(b, c, H, W)`` in the images' dtype.
@@ -132,7 +142,6 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
     # Where a weight is exactly 1 (0) the pixel is the image's own (the partner's), selected, not
     # computed: ``1 * x + 0 * y`` is NaN when y holds NaN or inf, and an unmixed sample must come
     # back bit-identical whatever its partner holds.
-    own_only, other_only = w0 == 1.0, w0 == 0.0  # (b, mh, mw) bool
     w1 = (1.0 - w0).to(compute)  # in fp32 first, as TokenLabelMap does, so both paths agree bit for bit
     w0 = w0.to(compute)
     mh, mw = int(weight.shape[1]), int(weight.shape[2])
@@ -148,8 +157,11 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor) -> Tensor:
         out.add_(other.mul_(rearrange(w1, "b 1 1 -> b 1 1 1")))
         # Unmixed samples (lam = 1) are their own pixels, selected (no host sync: no branch on values).
         # A sample with lam = 0 is a full mix: 0 * its own NaN stays NaN, as in timm.
+        if unmixed is False:
+            return out.to(images.dtype)
         select = images.device.type != "cpu" or torch.compiler.is_compiling()
-        return keep_unmixed(out, own, own_only.view(-1), select).to(images.dtype)
+        return keep_unmixed(out, own, (w0 == 1.0).view(-1), select).to(images.dtype)
+    own_only, other_only = w0 == 1.0, w0 == 0.0  # (b, mh, mw) bool
     cells = "b c (mh ph) (mw pw) -> b c mh ph mw pw"
     own6 = rearrange(own, cells, mh=mh, mw=mw)
     other6 = rearrange(other, cells, mh=mh, mw=mw)
@@ -258,6 +270,10 @@ def pair_label_map(
 ) -> TokenLabelMap:
     """The ``k = 2`` label map of pairwise params, on the labels' device (no host sync).
 
+    The map's small tensors (sources, image weights, the mask's boxes or cells) are computed
+    where the params were drawn (the host, for a call without a generator) and reach the
+    labels' device in one copy: the same bits on every device.
+
     Args:
         params: sampled params; ``source_weight`` gives the mask, ``image_weight`` lambda.
         labels: ``(b,)`` ids or ``(b, c)`` probabilities of the un-mixed batch.
@@ -268,40 +284,36 @@ def pair_label_map(
         A map whose mask is the params' cell mask (kept as boxes for box params) and whose
         image weights are ``[lam, 1 - lam]``.
     """
-    p = params.to(labels.device)
+    p = params if host_params(params) else params.to(labels.device)
+    own = torch.arange(p.batch_size, device=p.partner.device)
+    sources = torch.stack([own, p.partner.long()], dim=1)
     boxes = p.cell_boxes()
     if boxes is not None:
         # Four numbers a sample instead of a (b, 2, H, W) fp32 mask that the image targets never
         # read: building it cost as much as the pixels (24 of 55 ms at 64x3x224x224, issue 7).
         cells, grid = boxes
-        return TokenLabelMap.from_boxes(
-            cells,
-            grid,
-            p.partner,
-            labels,
-            num_classes,
-            label_smoothing=label_smoothing,
-            image_size=p.image_size,
-            token_space=p.token_space,
-            lam=None if p.lambda_is_mask_mean else p.image_weight().float(),
-            validated=True,  # a sampler's boxes and lambdas
-        )
-    w0 = p.source_weight().float()
-    lam = w0.mean(dim=(1, 2)) if p.lambda_is_mask_mean else p.image_weight().float()  # the mask once, not twice
-    own = torch.arange(p.batch_size, device=labels.device)
-    mask = torch.empty((p.batch_size, 2, *w0.shape[1:]), dtype=torch.float32, device=w0.device)
-    mask[:, 0] = w0
-    mask[:, 1].fill_(1.0).sub_(w0)  # written in place: no stacked copy of a per-pixel mask
+        box_mask = BoxMask(cells, (int(grid[0]), int(grid[1])))
+        lam = box_mask.source_mean() if p.lambda_is_mask_mean else p.image_weight().float()
+        sources, weights, cells = to_device([sources, torch.stack([lam, 1.0 - lam], dim=1), cells], labels.device)
+        mask: Mask = BoxMask(cells, box_mask.grid)
+    else:
+        w0 = p.source_weight().float()
+        lam = w0.mean(dim=(1, 2)) if p.lambda_is_mask_mean else p.image_weight().float()  # the mask once, not twice
+        dense = torch.empty((p.batch_size, 2, *w0.shape[1:]), dtype=torch.float32, device=w0.device)
+        dense[:, 0] = w0
+        dense[:, 1].fill_(1.0).sub_(w0)  # written in place: no stacked copy of a per-pixel mask
+        sources, weights, dense = to_device([sources, torch.stack([lam, 1.0 - lam], dim=1), dense], labels.device)
+        mask = CellMask(dense)
     return TokenLabelMap(
-        sources=torch.stack([own, p.partner.long()], dim=1),
-        mask=CellMask(mask),
-        image_weights=torch.stack([lam, 1.0 - lam], dim=1),
+        sources=sources,
+        mask=mask,
+        image_weights=weights,
         labels=labels,
         num_classes=num_classes,
         image_size=p.image_size,
         label_smoothing=label_smoothing,
         token_space=p.token_space,
-        validated=True,  # [w0, 1 - w0] of a sampler's weights in [0, 1]
+        validated=True,  # a sampler's boxes, lambdas and weights in [0, 1]; [w0, 1 - w0] sums to 1
     )
 
 
@@ -415,6 +427,10 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
     def apply_images(self, images: Tensor, params: P) -> Tensor:
         """Mix ``(b, c, H, W)`` images with ``params``; pure."""
         raise NotImplementedError
+
+    def draw_device(self, images_device: torch.device) -> torch.device:
+        """Where a call without a generator draws its params: the images' device, unless the kind draws on the host."""
+        return images_device
 
     def label_map_from(self, params: P, labels: Tensor) -> TokenLabelMap:
         """The label map of ``params`` for ``labels``; pure, no host sync."""
@@ -618,7 +634,7 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             if generator is None:  # the mixer's own generator: a copy of one state in every worker
                 check_worker_generator(self, self.generator)
             gen = generator if generator is not None else self.generator
-            typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else images.device)
+            typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else self.draw_device(images.device))
         else:
             typed = self._unwrap(params)
         if typed is None:  # mixing switched off (now, or when kornia recorded these params)
@@ -691,6 +707,9 @@ class PairMixer(Mixer[PP]):
         params: PP = self.sampler(tuple(int(s) for s in batch_shape), generator=generator, device=dev)
         return params
 
+    def draw_device(self, images_device: torch.device) -> torch.device:
+        return torch.device("cpu") if self.sampler.host_draws else images_device
+
     def params_batch_size(self, params: PP) -> tuple[int, tuple[int, int]]:
         return params.batch_size, params.image_size
 
@@ -703,16 +722,22 @@ class PairMixer(Mixer[PP]):
             )
 
     def apply_images(self, images: Tensor, params: PP) -> Tensor:
-        """Mix ``(b, c, H, W)`` images cell by cell with the params' mask; pure."""
+        """Mix ``(b, c, H, W)`` images cell by cell with the params' mask; pure.
+
+        What params drawn on the host tell for free (the shared box, whether any sample is
+        unmixed) is read there; the params then reach the images' device in one copy.
+        """
         if params.token_space:
             return images  # the backbone mixes the patch embeddings instead
         box = params.shared_box()
+        moved = params.to(images.device)
         if box is not None:
-            return paste_box(images, params.partner, box)
-        keep = params.keep_cells()
+            return paste_box(images, moved.partner, box)
+        keep = moved.keep_cells()
         if keep is not None:
-            return select_images(images, params.partner, keep)
-        return mix_images(images, params.partner, params.source_weight())
+            return select_images(images, moved.partner, keep)
+        unmixed = bool((params.source_weight() == 1.0).any()) if host_params(params) else None
+        return mix_images(images, moved.partner, moved.source_weight(), unmixed=unmixed)
 
     def label_map_from(self, params: PP, labels: Tensor) -> TokenLabelMap:
         """The ``k = 2`` label map of ``params`` for ``labels``; pure."""

@@ -171,6 +171,7 @@ class BoxSampler(MixSampler[BoxParams]):
     """
 
     params_type = BoxParams
+    host_draws = True
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ class MixUpSampler(MixSampler[MixUpParams]):
     """
 
     params_type = MixUpParams
+    host_draws = True
 
     def __init__(self, alpha: float = 0.8, mode: Mode = "batch", pairing: Pairing = "flip", prob: float = 1.0) -> None:
         check_alpha(alpha)

@@ -50,6 +50,7 @@ class _CellSampler(MixSampler[CellParams]):
     """Shared part: the cell grid and the number of partner cells per group."""
 
     params_type = CellParams
+    host_draws = True
 
     def __init__(self, cell_size: int, alpha: float, ratio: float | None, mode: Mode, pairing: Pairing, prob: float) -> None:
         check_alpha(alpha)

@@ -156,6 +156,11 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
     """
 
     params_type: ClassVar[type[Any]]  # the MixParams subclass ``draw`` returns (checked on replay)
+    # The draws are a few numbers a group (partners, lambdas, boxes, cell grids): a call without a
+    # generator draws them on the host, where they launch no kernels and read no device values,
+    # and the mixer sends them to the images' device in one copy. Kinds that draw per pixel (FMix's
+    # spectra) stay on the images' device.
+    host_draws: ClassVar[bool] = False
 
     def __init__(self, mode: Mode = "batch", pairing: Pairing = "flip", prob: float = 1.0) -> None:
         super().__init__()

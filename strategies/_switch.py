@@ -85,6 +85,11 @@ class Switch(Mixer[SwitchParams]):
         assert isinstance(child, Mixer)
         return child
 
+    def draw_device(self, images_device: torch.device) -> torch.device:
+        """The children's draw device when they agree (the choice is read on it); else the images' device."""
+        devices = {self._child(i).draw_device(images_device) for i in range(len(self.mixers))}
+        return devices.pop() if len(devices) == 1 else images_device
+
     def sample(
         self,
         batch_shape: Sequence[int],

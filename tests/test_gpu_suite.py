@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import _training_step, gpu_suite, op_count
+from benchmarks import _mixer_ops, _training_step, gpu_suite, op_count
 from benchmarks._gpu_steps import Steps
 from benchmarks.gpu_report import summary_table
 
@@ -61,3 +61,14 @@ def test_speed_gpu_suite_and_op_count_build_their_steps_with_one_builder(monkeyp
     assert isinstance(suite_steps, _training_step.TrainingSteps) and set(suite_steps.adapted) == {"cutmix", "tlalign"}
     op_count.count_step("example:vit")
     assert built == ["example:vit"] * 3
+
+
+def test_mixers_on_the_cuda_path_launch_no_more_kernels_than_timm_and_never_sync() -> None:
+    """Issue 28, counted on fake CUDA tensors: params drawn on the host, sent in at most two copies (pixels, map)."""
+    ours = ["ours CutMix", "ours MixUp", "ours RandomPatchMix", "ours BlockwiseMix", "ours MixToken", "ours TokenMix"]
+    rows = _mixer_ops.count_mixers(batch_size=8, size=32, num_classes=10, patch=4, names=ours)
+    for name in ours:
+        row = rows[name]
+        assert row["cuda_error"] is None and row["cuda_syncs"] == 0, (name, row["cuda_sync_sites"], row["cuda_error"])
+        assert row["cuda_h2d"] <= 2 and row["cuda_kernel_ratio"] <= 1.0, (name, row["cuda_ops"])
+    assert rows["timm CutMix (batch)"]["cuda_kernels"] > 0 and "| ours CutMix |" in _mixer_ops.format_mixers(rows)

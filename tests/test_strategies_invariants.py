@@ -22,8 +22,9 @@ import mixlabels.strategies._patch as patch_module
 from mixlabels import TokenLabelMap
 from mixlabels import BoxMask
 from mixlabels.strategies import BlockwiseMix, BoxParams, CellParams, CutMix, MixToken, MixUp, RandomPatchMix
-from mixlabels.strategies._base import paste_box, select_images
-from test_strategies_kornia import CELL, KINDS, H, W, batch, make
+from mixlabels.strategies._base import mix_images, paste_box, select_images
+from mixlabels.strategies._transfer import pack, unpack
+from test_strategies_kornia import CELL, KINDS, NC, H, W, batch, make, maps_equal
 
 PAIR_KINDS = [k for k in KINDS if k != "switch"]
 BINARY = ("cutmix", "cutmix_patch", "random_patch", "blockwise")
@@ -87,6 +88,47 @@ def test_image_weight_is_the_mask_mean_and_the_pixel_fraction(kind: str, b: int,
     if kind == "mixup":  # channel 0 = lam * own id + (1 - lam) * partner id, on every pixel
         ids = lm.image_weights[:, 0] * torch.arange(b) + lm.image_weights[:, 1] * lm.sources[:, 1].float()
         assert_close(out[:, 0], ids[:, None, None].expand(b, H, W), rtol=1e-6, atol=1e-5)
+
+
+@given(st.sampled_from(PAIR_KINDS), st.integers(1, 6), modes, pairings, st.sampled_from([0.5, 1.0]), seeds)
+def test_the_map_built_where_the_params_were_drawn_equals_the_constructors(
+    kind: str, b: int, mode: str, pairing: str, prob: float, seed: int
+) -> None:
+    """The mixers build the map's sources, weights and mask from the params where they were drawn (the host)
+    and send them in one copy: the map ``from_boxes`` or ``from_mask`` builds from the same params, bit for bit."""
+    x, y = batch(b, seed=seed % 1000)
+    mixer = make(kind, mode=mode, pairing=pairing, prob=prob, label_smoothing=0.1)
+    _, lm = mixer(x, y, generator=torch.Generator().manual_seed(seed))
+    params = mixer.last_params
+    boxes = params.cell_boxes()
+    if boxes is not None:
+        ref = TokenLabelMap.from_boxes(boxes[0], boxes[1], params.partner, y, NC, 0.1, (H, W), lm.token_space)
+    else:
+        ref = TokenLabelMap.from_mask(params.source_weight(), params.partner, y, NC, 0.1, (H, W), lm.token_space)
+    assert maps_equal(lm, ref) and type(lm.mask) is type(ref.mask) and lm.validated
+
+
+@given(st.integers(1, 6), modes, pairings, st.sampled_from([0.5, 1.0]), seeds)
+def test_mixup_leaves_out_the_select_only_when_no_sample_is_unmixed(b: int, mode: str, pairing: str, prob: float, seed: int) -> None:
+    """Params drawn on the host say whether a sample keeps weight 1; the pixels equal the always-selecting mix."""
+    x, y = batch(b, seed=seed % 1000)
+    x[-1, 0, 0, 0] = float("nan")  # a partner's NaN must not reach an unmixed sample
+    mixer = MixUp(NC, mode=mode, pairing=pairing, prob=prob)  # type: ignore[arg-type]
+    out, _ = mixer(x, y, generator=torch.Generator().manual_seed(seed))
+    params = mixer.last_params
+    assert params is not None
+    ref = mix_images(x, params.partner, params.source_weight())  # unmixed=None: selects wherever a weight is 1
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
+def test_packed_params_come_back_with_their_dtypes_shapes_and_values() -> None:
+    """``to_device`` sends params to CUDA as one buffer: its packing is checked here, where no GPU is needed."""
+    tensors = [torch.tensor([True, False, True]), torch.arange(5), torch.rand(2, 3), torch.tensor(3.5, dtype=torch.float64),
+               torch.empty(0, 4, dtype=torch.long), torch.tensor([1, -2], dtype=torch.int8), torch.arange(6).view(2, 3).t()]
+    buffer = pack(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.numel() % 8 == 0
+    for got, want in zip(unpack(buffer, tensors), tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
 @given(st.integers(1, 6), seeds)
