@@ -23,7 +23,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 from benchmarks._rows import EXTENSION_ROWS, ROW_IDS
 
 __all__ = ["Flag", "config_flags", "build_parser", "resolve_config", "resolve", "load_config_file"]

@@ -23,7 +23,7 @@ from benchmarks._archive import (
     train_split,
 )
 from benchmarks._cifar_batches import TorchvisionCIFAR10, read_split
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 from benchmarks._data import Batches, FolderBatches, Shard, TensorBatches, subset_indices
 
 __all__ = ["Data", "Sizes", "default_out", "locate_data", "data_origin", "load_data", "peek_sizes", "check_subsets",

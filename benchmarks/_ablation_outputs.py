@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks._ablation_plan import Planned
 from benchmarks._ablation_plots import plot
 from benchmarks._ablation_stats import cell_stat, summarise, table_deltas
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 from benchmarks._rows import Cell
 from benchmarks._stats import NO_DIFFERENCE
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._config import AblationConfig, AnnotatorConfig, DataConfig, RunConfig, keyed_dump, run_key
+from benchmarks._ablation_config import AblationConfig, AnnotatorConfig, DataConfig, RunConfig, keyed_dump, run_key
 from benchmarks._init import file_digest
 from benchmarks._rows import Cell, MixerFlags, row_ids, table_cells
 from mixlabels import NoAlignConfig

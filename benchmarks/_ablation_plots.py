@@ -10,7 +10,7 @@ from typing import Any
 
 from benchmarks._ablation_plan import Planned
 from benchmarks._ablation_stats import cell_stat, summarise
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 
 __all__ = ["plot"]
 

@@ -14,7 +14,7 @@ import torch
 from benchmarks._ablation_data import Data, check_base_classes, load_data
 from benchmarks._ablation_outputs import write_atomic
 from benchmarks._ablation_plan import Planned, base_run, grid_of, planned_teacher, read_done
-from benchmarks._config import AblationConfig, run_key
+from benchmarks._ablation_config import AblationConfig, run_key
 from benchmarks._data import Shard
 from benchmarks._dist import barrier, broadcast_from_zero
 from benchmarks._rows import Cell, MixerFlags

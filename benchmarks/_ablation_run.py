@@ -18,7 +18,7 @@ from benchmarks._ablation_plan import base_data, plan, planned_teacher, read_don
 from benchmarks._ablation_prepare import prepare_annotator, prepare_base
 from benchmarks._cifar_batches import TorchvisionCIFAR10, ensure_files
 from benchmarks._data import Shard
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 from benchmarks._dist import barrier, broadcast_from_zero, setup, teardown
 from benchmarks._provenance import finish, provenance
 from benchmarks._token_labels import TokenLabelSource

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks._ablation_plan import Planned
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 from benchmarks._stats import PairedDelta, paired_delta
 
 __all__ = ["Stat", "Delta", "cell_stat", "summarise", "table_deltas"]

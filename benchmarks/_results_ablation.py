@@ -18,7 +18,7 @@ _ABLATION_TABLE_NAME = {7: "table7", 8: "table8", "tokenlabel": "tokenlabel"}
 
 def _ablation_records(summary: dict[str, Any]) -> tuple[Any, list[Any], list[dict[str, Any]]]:
     from benchmarks import ablation
-    from benchmarks._config import AblationConfig
+    from benchmarks._ablation_config import AblationConfig
 
     cfg = AblationConfig.model_validate(summary["config"])
     planned = ablation.plan(cfg, int(summary["num_classes"]), str(summary["device_type"]))
@@ -74,7 +74,7 @@ def summarize_ablation(out: Path, *, command: str | None = None, same_machine: b
     ``same_machine`` (this machine ran it: cores, CPU and torch are taken from here, the date from the runs).
     """
     from benchmarks import ablation
-    from benchmarks._config import AblationConfig
+    from benchmarks._ablation_config import AblationConfig
 
     results_file = out / "results.json"
     if results_file.is_file():

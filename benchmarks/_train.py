@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from mixlabels.backbones import adapt
-from benchmarks._config import RunConfig
+from benchmarks._ablation_config import RunConfig
 from benchmarks._data import Batches, Shard, TensorBatches
 from benchmarks._token_labels import TokenLabelSource
 from benchmarks._dist import all_reduce_sum

@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks import ablation
 from benchmarks._archive import NAMED, REPO_ROOT, default_data_root
-from benchmarks._config import AblationConfig, DataConfig, ModelConfig, RecipeConfig, RunConfig, run_key
+from benchmarks._ablation_config import AblationConfig, DataConfig, ModelConfig, RecipeConfig, RunConfig, run_key
 from benchmarks._data import _per_rank
 from benchmarks._rows import ROW_IDS, paper_layers, table_cells
 from mixlabels import NoAlignConfig, TLAlignConfig

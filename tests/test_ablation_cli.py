@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from benchmarks import ablation
 from benchmarks._ablation_cli import Flag, _argument, build_parser, config_flags
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,7 +169,7 @@ KEEP = ["--loader", "tensor", "--img-size", "16", "--model", "deit_tiny_patch16_
 
 
 def test_auto_augment_none_is_unset_like_every_other_none() -> None:
-    from benchmarks._config import DataConfig, ModelConfig, RecipeConfig, RunConfig, run_key
+    from benchmarks._ablation_config import DataConfig, ModelConfig, RecipeConfig, RunConfig, run_key
 
     for text in ("none", "None", "NONE"):
         cfg, _ = ablation.resolve_config(["--auto-augment", text])

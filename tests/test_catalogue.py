@@ -420,13 +420,13 @@ def _annotate(argv: list[str]) -> object:
 
 
 def _model_config(name: str) -> Any:
-    from benchmarks._config import ModelConfig
+    from benchmarks._ablation_config import ModelConfig
 
     return ModelConfig(name=name)
 
 
 def _ablation_config(tree: dict[str, Any]) -> Any:
-    from benchmarks._config import AblationConfig
+    from benchmarks._ablation_config import AblationConfig
 
     return AblationConfig.model_validate(tree)
 
@@ -853,7 +853,7 @@ def _compile_after() -> None:
 
 @edge("ablation: --auto-augment none is unset, as every other 'none' (same run key)")
 def _auto_augment_none() -> None:
-    from benchmarks._config import DataConfig
+    from benchmarks._ablation_config import DataConfig
     from benchmarks.ablation import resolve_config
 
     assert resolve_config(["--auto-augment", "none"])[0].data.auto_augment is None
@@ -870,7 +870,7 @@ def _dry_run_folder_classes() -> None:
                                    "--patch-size", "4", "--loader", "tensor"])
         assert report.trained == 0  # type: ignore[attr-defined]
     from benchmarks._ablation_data import peek_sizes
-    from benchmarks._config import AblationConfig
+    from benchmarks._ablation_config import AblationConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp)

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from benchmarks import _init, ablation
 from benchmarks._archive import NAMED, default_data_root
-from benchmarks._config import ModelConfig, keyed_dump
+from benchmarks._ablation_config import ModelConfig, keyed_dump
 from benchmarks._init import PretrainedUnavailable, load_init, read_state_dict
 
 TINY = dict(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2)

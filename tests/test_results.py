@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks import ablation, report
-from benchmarks._config import AblationConfig
+from benchmarks._ablation_config import AblationConfig
 from benchmarks._provenance import current_command
 
 TINY = ["--rows", "cutmix", "--seeds", "0,1", "--embed-dim", "16", "--depth", "2", "--heads", "2", "--max-steps", "2"]

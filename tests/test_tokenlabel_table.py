@@ -18,7 +18,7 @@ from torch import Tensor
 
 from benchmarks import ablation
 from benchmarks._archive import NAMED, TensorSplit, default_data_root
-from benchmarks._config import run_key
+from benchmarks._ablation_config import run_key
 from benchmarks._data import Shard, TensorBatches
 from benchmarks._token_labels import TokenLabelSource, annotate_split
 from mixlabels import TokenLabelMap, TokenLabelingConfig
