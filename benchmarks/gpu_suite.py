@@ -141,9 +141,12 @@ def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable
 # --------------------------------------------------------------------------- 3. mixers, 4. tests
 
 
+DRY_RUN_MIXER_SIZE = 128  # BlockwiseMix's 16 cells of 16 px need an 8x8 grid
+
+
 def measure_mixers(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     mixer_args = argparse.Namespace(
-        device=args.device, mixer_batch=args.batch_size, mixer_size=64 if args.dry_run else 224, mixer_patch=16,
+        device=args.device, mixer_batch=args.batch_size, mixer_size=DRY_RUN_MIXER_SIZE if args.dry_run else 224, mixer_patch=16,
         num_classes=args.num_classes, mixers=None, mixer_repeats=args.rounds, mixer_calls=args.steps,
     )
     return time_mixers(mixer_args, log)

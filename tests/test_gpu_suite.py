@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks import _mixer_ops, _training_step, gpu_suite, op_count
 from benchmarks._gpu_steps import Steps
@@ -72,3 +73,14 @@ def test_mixers_on_the_cuda_path_launch_no_more_kernels_than_timm_and_never_sync
         assert row["cuda_error"] is None and row["cuda_syncs"] == 0, (name, row["cuda_sync_sites"], row["cuda_error"])
         assert row["cuda_h2d"] <= 2 and row["cuda_kernel_ratio"] <= 1.0, (name, row["cuda_ops"])
     assert rows["timm CutMix (batch)"]["cuda_kernels"] > 0 and "| ours CutMix |" in _mixer_ops.format_mixers(rows)
+
+
+def test_every_mixer_runs_at_the_dry_runs_size() -> None:
+    """The dry run times the mixers at 128 px: every candidate (BlockwiseMix's 16 cells need an 8x8 grid) runs there,
+    so that the dry run tries the mixers part instead of stopping on its first error, as it did at 64 px."""
+    from benchmarks._mixer_timing import mixer_candidates
+
+    size = gpu_suite.DRY_RUN_MIXER_SIZE
+    x, y = torch.rand(2, 3, size, size), torch.tensor([0, 1])
+    for name, call in mixer_candidates(10, 16).items():
+        call(x, y)  # raises on a configuration the size cannot hold
