@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 import mixlabels
 from mixlabels.backbones import FAMILIES, AlignedClassificationTask, adapt
+
+_VIT = next(f for f in FAMILIES if f.name == "vit")  # a ViT, 32x32 images, 10 classes
 from mixlabels.strategies import timm_mixup
 
 
@@ -47,14 +49,14 @@ def main() -> None:
     data = batches(rank, 4)
 
     # 1. no prepare_distributed: the task refuses before any step
-    task = AlignedClassificationTask(FAMILIES[0].example(), mixlabels.TLAlign(), verbose=False)
+    task = AlignedClassificationTask(_VIT.example(), mixlabels.TLAlign(), verbose=False)
     try:
         task(*data[0])
         report["unprepared"] = None
     except RuntimeError as e:
         report["unprepared"] = str(e)
     # ... and the adapter beside a DDP of the bare model (the README pattern of old) refuses too
-    model = FAMILIES[0].example()
+    model = _VIT.example()
     ddp_of_model = torch.nn.parallel.DistributedDataParallel(model)
     try:
         adapt(model, mixlabels.TLAlign())(*data[0])
@@ -64,7 +66,7 @@ def main() -> None:
     del ddp_of_model
 
     # 2. negative control: the guard off, no DDP: plain SGD on different data drifts apart
-    adapted = adapt(FAMILIES[0].example(), mixlabels.TLAlign())
+    adapted = adapt(_VIT.example(), mixlabels.TLAlign())
     adapted.check_distributed = False
     report["start_spread"] = spread(list(adapted.parameters()))
     opt = torch.optim.SGD(adapted.parameters(), lr=0.1)
@@ -75,7 +77,7 @@ def main() -> None:
     report["unsynced_spread"] = spread(list(adapted.parameters()))
 
     # 3. the task through DDP, as train.py drives it: accumulation of 2 micro-batches under no_sync
-    task = AlignedClassificationTask(FAMILIES[0].example(), mixlabels.TLAlign(), verbose=False)
+    task = AlignedClassificationTask(_VIT.example(), mixlabels.TLAlign(), verbose=False)
     task.prepare_distributed(device_ids=[torch.device("cpu")])  # what train.py passes on the CPU
     opt = torch.optim.SGD(task.get_trainable_module().parameters(), lr=0.1)
     losses = []

@@ -133,7 +133,7 @@ def test_build_model_takes_timm_names_without_patch_embed_img_size() -> None:
     for name, stride in [("pvt_v2_b0", 4), ("convnext_atto", 4), ("mixer_s32_224", 32), ("resnet18", None)]:
         model, size = build_model(name, 10)
         assert size == 224 and token_stride(model) == stride
-    with pytest.raises(SystemExit, match="example:NAME with NAME one of vit, swin"):
+    with pytest.raises(SystemExit, match="example:NAME with NAME one of beit, byobnet"):
         build_model("example:nope", 10)
 
 
