@@ -12,7 +12,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabeling, TransMix, backbones
-from mixlabels.backbones.families.mobilenetv3 import tiny_mobilenetv4
+from mixlabels.backbones.families.mobilenetv4 import tiny_mobilenetv4
 
 
 def make(drop_path_rate: float = 0.0, **kwargs: object) -> nn.Module:
