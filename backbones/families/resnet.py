@@ -38,6 +38,7 @@ from mixlabels import AlignedOutput, TokenLabelMap
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._convnet import (
     Path,
+    block_kernels,
     block_labels,
     run_stem,
     block_labels_reference,
@@ -153,9 +154,11 @@ class AdaptedResNet(AdaptedBase):
         x, stem, grid, start = _stem(m, images, label_map)
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
+        paths = [_paths(blk) for blk in blocks]
+        kernels = block_kernels(tracker, paths)
         for layer, blk in enumerate(blocks):
             x, keep = _block(blk, x)
-            grid = block_labels(tracker, layer, grid, *_paths(blk), keep)
+            grid = block_labels(tracker, layer, grid, *paths[layer], keep, kernels)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
