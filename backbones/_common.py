@@ -44,6 +44,7 @@ __all__ = [
     "branch",
     "conv_label_kernel",
     "kernel_labels",
+    "label_kernels",
     "conv_mix",
     "conv_mix_pair",
     "sum_pool_merge",
@@ -189,31 +190,42 @@ def check_static_conv(conv: nn.Module, what: str, depthwise: bool = False) -> st
     return None
 
 
-_KERNEL_CHUNK = 65536
-"""(out, in) pairs read per pass by ``kernel_labels``: a ~2 MB scratch (3x3 kernels) that stays in cache."""
-
-
 def kernel_labels(weight: Tensor) -> Tensor:
     """``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` fp32 of a conv weight ``(o, i, kh, kw)``.
 
-    One matrix-vector product per chunk of pairs weighs every pair's taps by its reciprocal sum,
-    and ``|K|`` goes to one small reused buffer: a full-size ``|K|`` (9 MB for a 512x512 3x3 conv)
-    is a fresh allocation every step, whose page faults cost more than the arithmetic.
+    Five operators whatever the weight's size (abs, tap sums, their clamp, the division in
+    place, the mean): on a GPU each is one launch, where a chunked pass costs several per chunk.
     """
-    kh, kw = int(weight.shape[-2]), int(weight.shape[-1])
-    k = weight.detach().reshape(-1, kh * kw)  # (o i) (kh kw)
-    pairs = int(k.shape[0])
-    scratch = torch.empty(min(pairs, _KERNEL_CHUNK), kh * kw, dtype=torch.float32, device=k.device)
-    total = torch.zeros(kh * kw, dtype=torch.float32, device=k.device)
-    ones = torch.ones(kh * kw, dtype=torch.float32, device=k.device)
-    for start in range(0, pairs, _KERNEL_CHUNK):
-        chunk = k[start:start + _KERNEL_CHUNK]
-        a = scratch[: chunk.shape[0]]
-        a.copy_(chunk).abs_()  # fp32 whatever the weight's dtype
-        # row sums as a matrix-vector product: a reduction over 9 taps per row is far slower on CPU
-        inv = torch.mv(a, ones).clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_()  # (pairs in chunk)
-        total += inv @ a
-    return rearrange(total / pairs, "(kh kw) -> kh kw", kh=kh)
+    with torch.no_grad():
+        k = weight.abs().to(torch.float32)  # o i kh kw; fp32 whatever the weight's dtype (abs is exact)
+        sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # o i 1 1
+        return k.div_(sums).mean(dim=(0, 1))
+
+
+def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
+    """``kernel_labels`` of many conv weights at once: weights of one shape are stacked and reduced together.
+
+    Seven operators per shape (stack, abs, tap sums, clamp, division, mean, unbind) instead of five
+    per weight: a ResNet-18's thirteen stride-1 3x3 convs have four shapes. The stack is one copy of
+    those weights, made once per step.
+
+    Returns:
+        ``(kh, kw)`` fp32 per weight, in order.
+    """
+    groups: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
+    for i, w in enumerate(weights):
+        groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append(i)
+    out: list[Tensor | None] = [None] * len(weights)
+    with torch.no_grad():
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = kernel_labels(weights[members[0]])
+                continue
+            k = torch.stack([weights[i] for i in members]).abs_().to(torch.float32)  # g o i kh kw
+            sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+            for i, kernel in zip(members, k.div_(sums).mean(dim=(1, 2)).unbind()):
+                out[i] = kernel
+    return [k for k in out if k is not None]
 
 
 def conv_label_kernel(weight: Tensor) -> Tensor:
@@ -245,12 +257,19 @@ def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple
     return (reads & inside.unsqueeze(-1)).to(torch.float32).reshape(kernel[0] * kernel[1], -1)
 
 
+@functools.lru_cache(maxsize=64)
+def _ones(grid: tuple[int, int], device: torch.device) -> Tensor:
+    """``(1, 1, h, w)`` fp32 ones: the map whose convolution is every position's in-grid tap weight (cached, as
+    ``_tap_matrices``: a constant of the grid)."""
+    return torch.ones(1, 1, grid[0], grid[1], device=device)
+
+
 def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
     """``Norm(T(kernel)) @ labels``: a stride-1 convolution applied to labels, renormalised over in-grid taps.
 
-    Small grids build ``T(kernel)`` from cached tap matrices; larger ones run every (sample, label)
-    map as one channel of a depthwise convolution on one image (the same sums as a batch of
-    single-channel convolutions, several times faster on CPU).
+    Small grids build ``T(kernel)`` from cached tap matrices; larger ones run the labels, viewed
+    ``(b, l, h, w)`` in place (channels-last memory, no copy), through a depthwise convolution with
+    one group per label channel: a handful of operators per call.
 
     Args:
         labels: ``(b, h*w, l)``, row-major over ``grid``.
@@ -260,17 +279,18 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
     with torch.autocast(device_type=labels.device.type, enabled=False):
-        n = grid[0] * grid[1]
+        b, n, l = (int(s) for s in labels.shape)
+        kh, kw = int(kernel.shape[0]), int(kernel.shape[1])
         if n <= _DENSE_CONV_TOKENS:
-            taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), tuple(padding), tuple(dilation), labels.device)
+            taps = _tap_matrices(grid, (kh, kw), tuple(padding), tuple(dilation), labels.device)
             t = (kernel.to(taps).reshape(1, -1) @ taps).reshape(n, n)
             t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
-            return t @ labels.float()
-        y = rearrange(labels.float(), "b (h w) l -> 1 (b l) h w", h=grid[0])
+            return torch.bmm(t.expand(b, n, n), labels.float())
+        y = rearrange(labels.float(), "b (h w) l -> b l h w", h=grid[0])  # a view: channels-last memory
         k = rearrange(kernel.to(y), "kh kw -> 1 1 kh kw")
-        mass = F.conv2d(torch.ones_like(y[:, :1]), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
-        mixed = F.conv2d(y, k.expand(y.shape[1], -1, -1, -1), padding=padding, dilation=dilation, groups=y.shape[1]) / mass
-        return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=labels.shape[0])
+        mass = F.conv2d(_ones(grid, labels.device), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
+        mixed = F.conv2d(y, k.expand(l, 1, kh, kw), padding=padding, dilation=dilation, groups=l) / mass
+        return rearrange(mixed, "b l h w -> b (h w) l")
 
 
 def conv_mix_pair(

@@ -30,7 +30,8 @@ Shapes: ``b`` batch, ``n`` positions (row-major over a grid ``h w``), ``l`` labe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from torch import Tensor, nn
 
 from mixlabels import LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import conv_mix, kernel_labels, mix_token_space, start_on_windows
+from mixlabels.backbones._common import conv_mix, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices
 
@@ -57,6 +58,9 @@ __all__ = [
     "CHANNEL_GATES",
     "apply_path",
     "kernel_labels",
+    "Kernels",
+    "path_kernels",
+    "block_kernels",
     "path_matrix",
     "block_labels",
     "start_on_path",
@@ -168,11 +172,51 @@ def path_grid(path: Path, grid: tuple[int, int]) -> tuple[int, int]:
     return grid
 
 
-def apply_path(path: Path, labels: Tensor, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
+_DENSE_WINDOW_ENTRIES = 2**22
+"""A run of windows between grids of at most this many position pairs (a 56x56 grid to 28x28: 2.5M) is one
+cached ``(n', n)`` matrix, one batched product (two operators); larger ones (a pixel-grid stem) are separable."""
+
+
+@functools.lru_cache(maxsize=128)
+def _window_kron(grid: tuple[int, int], axes: tuple[tuple[AxisWindow, AxisWindow], ...], device: torch.device) -> Tensor:
+    """``Norm(A_h) (x) Norm(A_w)``: a run of windows as one ``(n', n)`` fp32 matrix (shapes only: cached)."""
+    rows, cols = chain_matrices(grid, axes, True, device)
+    return torch.kron(rows, cols)
+
+
+class Kernels:
+    """The label kernels ``(kh, kw)`` of a forward's stride-1 convs, by conv, computed together (``label_kernels``)
+    on the first read: once per forward rather than a few operators per conv as each block is reached, and not at
+    all where no path is applied (``NoAlign``)."""
+
+    def __init__(self, convs: Iterable[nn.Conv2d]) -> None:
+        self._convs = list(dict.fromkeys(convs))
+        self._kernels: dict[nn.Module, Tensor] | None = None
+
+    def get(self, conv: nn.Module) -> Tensor | None:
+        if self._kernels is None:
+            self._kernels = dict(zip(self._convs, label_kernels([c.weight for c in self._convs])))
+        return self._kernels.get(conv)
+
+
+def path_kernels(paths: Iterable[Path]) -> Kernels:
+    """The ``Kernels`` of every stride-1 conv in ``paths``."""
+    return Kernels(op for path in paths for op in path if isinstance(op, nn.Conv2d))
+
+
+def block_kernels(tracker: LabelTracker, blocks: Sequence[tuple[Path, Path | None]], *more: Path) -> Kernels:
+    """``path_kernels`` of the paths ``block_labels`` will apply: every shortcut, a branch where its layer's
+    labels are read (``labels_for``) or the block has no shortcut, and ``more`` (a stem's)."""
+    used = [b for layer, (b, s) in enumerate(blocks) if s is None or tracker.labels_for(layer) is not None]
+    return path_kernels([*more, *used, *(s for _, s in blocks if s)])
+
+
+def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kernels | None = None) -> tuple[Tensor, tuple[int, int]]:
     """Labels ``(b, n, l)`` through ``path`` (fp32), rows normalised op by op; and the grid it ends on.
 
     A run of consecutive windows is one pair of per-axis matrices (``backbones._windows``): a
-    pixel-grid stem's conv and pool windows cost two small matrix products together.
+    pixel-grid stem's conv and pool windows cost two small matrix products together. A conv's
+    label kernel is read from ``kernels`` where it holds one (``path_kernels``), else computed here.
     """
     with torch.autocast(device_type=labels.device.type, enabled=False):
         y = labels.float()
@@ -184,11 +228,18 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int]) -> tuple[Tenso
                 while end < len(path) and isinstance(path[end], Window):
                     end += 1
                 run, i = [w for w in path[i:end] if isinstance(w, Window)], end
-                rows, cols = chain_matrices(grid, tuple(w.axes() for w in run), True, y.device)
-                y = apply_separable(y, grid, rows, cols)
-                grid = (int(rows.shape[0]), int(cols.shape[0]))
+                axes = tuple(w.axes() for w in run)
+                rows, cols = chain_matrices(grid, axes, True, y.device)
+                out = (int(rows.shape[0]), int(cols.shape[0]))
+                if out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_ENTRIES:
+                    y = torch.bmm(_window_kron(grid, axes, y.device).expand(y.shape[0], -1, -1), y)
+                else:
+                    y = apply_separable(y, grid, rows, cols)
+                grid = out
             else:
-                y = conv_mix(y, grid, kernel_labels(op.weight), _pair(op.padding), _pair(op.dilation))
+                kernel = kernels.get(op) if kernels is not None else None
+                kernel = kernel_labels(op.weight) if kernel is None else kernel
+                y = conv_mix(y, grid, kernel, _pair(op.padding), _pair(op.dilation))
                 i += 1
         return y, grid
 
@@ -240,19 +291,21 @@ def start_on_path(
 
 
 def block_labels(
-    tracker: LabelTracker, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None
+    tracker: LabelTracker, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None,
+    kernels: Kernels | None = None,
 ) -> tuple[int, int]:
-    """The events of one block (``shortcut=None``: no shortcut, the block aggregates); returns its grid."""
+    """The events of one block (``shortcut=None``: no shortcut, the block aggregates); returns its grid.
+    ``kernels``: the forward's label kernels (``block_kernels``), else each conv's is computed here."""
     if shortcut is None:
         if not branch:
             return grid  # channel ops only
-        tracker.aggregate(lambda y: apply_path(branch, y, grid)[0])
+        tracker.aggregate(lambda y: apply_path(branch, y, grid, kernels)[0])
         return path_grid(branch, grid)
     labels, mixed = tracker.labels_for(layer), None
     if labels is not None and branch:
-        mixed, _ = apply_path(branch, labels, grid)
+        mixed, _ = apply_path(branch, labels, grid, kernels)
     if shortcut:
-        tracker.aggregate(lambda y: apply_path(shortcut, y, grid)[0])
+        tracker.aggregate(lambda y: apply_path(shortcut, y, grid, kernels)[0])
     tracker.residual(layer, keep, mixed=mixed)
     return path_grid(shortcut, grid)
 

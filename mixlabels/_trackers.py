@@ -83,7 +83,9 @@ class CompactTracker:
                 f"residual(layer={layer}, mixed=...) got mixed labels for a layer this scheme does not align "
                 f"(labels_for({layer}) is None); pass mixed=None there, and mix labels only where labels_for answers"
             )
-        self._y = self._rules.residual(self._y, mixed.detach().float(), keep)
+        if mixed.requires_grad:  # attention's labels may carry the graph; conv labels never do (no detach to dispatch)
+            mixed = mixed.detach()
+        self._y = self._rules.residual(self._y, mixed.float(), keep)
 
     def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
         with _fp32(self._lm.device):

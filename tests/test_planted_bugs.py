@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from mixlabels import backbones
 from mixlabels._trackers import CompactTracker
 from mixlabels.backbones import _convnet, _dense
-from mixlabels.backbones.families import convnext
 
 EXAMPLES = {f.name: f.example for f in backbones.FAMILIES}
 CAUGHT = (AssertionError, RuntimeError, ValueError)  # a wrong value, or a shape that no longer fits
@@ -76,10 +75,9 @@ def _transposed(fn: Callable[..., Any], arg: int) -> Callable[..., Any]:
 
 @pytest.mark.parametrize("family", ["resnet", "convnext"])
 def test_a_transposed_conv_kernel_on_the_fast_path_fails(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the fast path's label kernel, where each family's file takes it from
-    module, name = (_convnet, "kernel_labels") if family == "resnet" else (convnext, "conv_label_kernel")
-    original = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda w: original(w).T.contiguous())
+    # the fast path's label kernels: both families compute a forward's kernels together (_convnet.Kernels)
+    original = _convnet.label_kernels
+    monkeypatch.setattr(_convnet, "label_kernels", lambda ws: [k.T.contiguous() for k in original(ws)])
     with pytest.raises(AssertionError):
         check_parity(_model(family), "tl_align")
 
@@ -95,7 +93,7 @@ def test_a_kernel_without_abs_fails(monkeypatch: pytest.MonkeyPatch) -> None:
         k = weight.detach().float()
         return (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
 
-    monkeypatch.setattr(_convnet, "kernel_labels", signed)
+    monkeypatch.setattr(_convnet, "label_kernels", lambda ws: [signed(w) for w in ws])
     with pytest.raises(AssertionError):
         check_parity(_model("resnet"), "tl_align")
 

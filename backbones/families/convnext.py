@@ -27,7 +27,8 @@ from timm.models.convnext import ConvNeXt, ConvNeXtBlock
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, mix_token_space, stride_grid
+from mixlabels.backbones._convnet import Kernels, apply_path, path_grid, path_of
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -92,6 +93,14 @@ def _stem(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tup
     return x, grid
 
 
+def _downsample(tracker: LabelTracker, grid: tuple[int, int], conv: nn.Module) -> tuple[int, int]:
+    """A stage's strided conv as an ``aggregate`` over its windows (``apply_path``: one cached matrix on small
+    grids); returns the grid it makes."""
+    path = path_of([conv])
+    tracker.aggregate(lambda y: apply_path(path, y, grid)[0])
+    return path_grid(path, grid)
+
+
 class AdaptedConvNeXt(AdaptedBase):
     """A timm ConvNeXt whose forward also returns the scheme's aligned targets (pooled readout)."""
 
@@ -108,13 +117,15 @@ class AdaptedConvNeXt(AdaptedBase):
         x, grid = _stem(m, images, label_map)
         depth = sum(len(stage.blocks) for stage in m.stages)
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=depth, class_token=False))
+        blocks = [blk for stage in m.stages for blk in stage.blocks]
+        kernels = Kernels(blk.conv_dw for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None)
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):
-                grid = conv_aggregate(tracker, grid, stage.downsample[1])
+                grid = _downsample(tracker, grid, stage.downsample[1])
             x = stage.downsample(x)
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker, grid)
+                x = self._block(blk, x, layer, tracker, grid, kernels)
                 layer += 1
         x = m.norm_pre(x)
         tracker.pool("mean", 0)
@@ -123,12 +134,14 @@ class AdaptedConvNeXt(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         conv = blk.conv_dw
         h = conv(x)
         labels, mixed = tracker.labels_for(layer), None
         if labels is not None:  # the kernel's matrix, input-independent: a cheap l-channel conv
-            mixed = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
+            kernel = kernels.get(conv)
+            kernel = conv_label_kernel(conv.weight) if kernel is None else kernel
+            mixed = conv_mix(labels, grid, kernel, conv.padding, conv.dilation)
         out, keep = branch(blk.drop_path, _branch_tokens(blk, h))
         tracker.residual(layer, keep, mixed=mixed)
         return out + blk.shortcut(x)  # type: ignore[no-any-return]

@@ -44,6 +44,7 @@ from mixlabels.backbones._convnet import (
     Path,
     Window,
     apply_path,
+    block_kernels,
     block_labels,
     block_labels_reference,
     path_grid,
@@ -194,12 +195,14 @@ class AdaptedEfficientNet(AdaptedBase):
         x, stem, grid, start = _stem(m, images, label_map)
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
+        paths = [((), ()) if type(blk) is MobileAttention else _paths(blk) for blk in blocks]
+        kernels = block_kernels(tracker, paths)
         for layer, blk in enumerate(blocks):
             if type(blk) is MobileAttention:  # MobileNetV4's hybrids: multi-query attention, grid unchanged
                 x = mobile_attention_labels(blk, x, layer, tracker, grid)
                 continue
             x, keep = _block(blk, x)
-            grid = block_labels(tracker, layer, grid, *_paths(blk), keep)
+            grid = block_labels(tracker, layer, grid, *paths[layer], keep, kernels)
         x = self._pre_pool(x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)

@@ -31,6 +31,7 @@ from mixlabels import AlignedOutput, TokenLabelMap
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._convnet import (
     Path,
+    block_kernels,
     block_labels,
     conv_norm_act_ops,
     run_module_stem,
@@ -131,9 +132,11 @@ class AdaptedRegNet(AdaptedBase):
         x, stem, grid, start = run_module_stem(m.stem, images, label_map)
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
+        paths = [_paths(blk) for blk in blocks]
+        kernels = block_kernels(tracker, paths)
         for layer, blk in enumerate(blocks):
             x, keep = _block(blk, x)
-            grid = block_labels(tracker, layer, grid, *_paths(blk), keep)
+            grid = block_labels(tracker, layer, grid, *paths[layer], keep, kernels)
         x = m.final_conv(x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)

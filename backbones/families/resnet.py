@@ -38,7 +38,9 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._convnet import (
+    Kernels,
     Path,
+    block_kernels,
     block_labels,
     run_stem,
     block_labels_reference,
@@ -49,7 +51,7 @@ from mixlabels.backbones._convnet import (
 )
 from mixlabels.backbones._dense import DenseRules
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import through_hooks
+from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
 __all__ = ["AdaptedResNet", "RESNET_FAMILY", "resnet_refusal"]
 
@@ -132,10 +134,12 @@ def _block(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
     return _last_act(blk)(h + shortcut), keep
 
 
-def _aligned_block(blk: Any, layer: int, grid: tuple[int, int], tracker: LabelTracker, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-    """One block and its label events (the kernels read while the block's parameters are gathered)."""
+def _aligned_block(
+    blk: Any, layer: int, grid: tuple[int, int], tracker: LabelTracker, paths: tuple[Path, Path], kernels: Kernels | None, x: Tensor
+) -> tuple[Tensor, tuple[int, int]]:
+    """One block and its label events (``kernels`` ``None``: read here, while the block's parameters are gathered)."""
     x, keep = _block(blk, x)
-    return x, block_labels(tracker, layer, grid, *_paths(blk), keep)
+    return x, block_labels(tracker, layer, grid, *paths, keep, kernels)
 
 
 def _paths(blk: Any) -> tuple[Path, Path]:
@@ -161,8 +165,13 @@ class AdaptedResNet(AdaptedBase):
         x, stem, grid, start = _stem(m, images, label_map)
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
+        paths = [_paths(blk) for blk in blocks]
+        # all label kernels at once (few operators); under FSDP2's per-block sharding each block's parameters are
+        # whole only inside its own hooked call, so each block computes its kernels there
+        kernels = None if any(is_sharded(blk) for blk in blocks) else block_kernels(tracker, paths)
         for layer, blk in enumerate(blocks):
-            x, grid = through_hooks(blk, functools.partial(_aligned_block, blk, layer, grid, tracker), x)
+            work = functools.partial(_aligned_block, blk, layer, grid, tracker, paths[layer], kernels)
+            x, grid = through_hooks(blk, work, x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
