@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 import torchvision
-from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
+from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preservation, check_torchvision_builders, check_unmixed_is_one_hot, cutmix_batch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
@@ -55,13 +55,7 @@ def test_unmixed_gives_one_hot() -> None:
 
 
 def test_every_builder_adapts() -> None:
-    family = next(f for f in backbones.FAMILIES if f.name == "tv_resnet")
-    classification = set(torchvision.models.list_models(module=torchvision.models))
-    for name in family.torchvision_builders:
-        assert name in classification, name
-        with torch.device("meta"):
-            model = torchvision.models.get_model(name, weights=None)
-        assert family.refusal(model) is None, name
+    check_torchvision_builders("tv_resnet")
 
 
 def test_refusals() -> None:
