@@ -363,8 +363,8 @@ class AdaptedConvNet(AdaptedBase):
         return x, path, grid, start
 
     def _head(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        token_logits = self._position_logits(x) if self.scheme.needs_token_logits else None
-        return self._logits(x), token_logits
+        logits = self._logits(x)  # first, as the model's forward: a dropout in the head draws as it does
+        return logits, (self._position_logits(x) if self.scheme.needs_token_logits else None)
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         x, stem, grid, start = self._stem(images, label_map)
