@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
 from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._attention import ROUTES, attention_route, attention_with_labels
-from mixlabels.backbones._count import TierCount, count_timm_names
+from mixlabels.backbones._count import TierCount, count_timm_names, count_torchvision_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._task import AlignedClassificationTask
 from mixlabels.backbones._vit_reference import reference_forward
@@ -61,6 +61,7 @@ __all__ = [
     "SupportRow",
     "AdaptedClassifier",
     "count_timm_names",
+    "count_torchvision_names",
     "TierCount",
     "reference_forward",
     "attention_with_labels",

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from timm.layers.drop import DropPath
 from torch import Tensor, nn
+from torchvision.ops import StochasticDepth
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
@@ -171,9 +172,24 @@ class AdaptedBase(TimmFace):
 
 
 def branch(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor | None]:
-    """A residual branch through timm's stochastic depth (same RNG draw), and who kept it."""
+    """A residual branch through timm's or torchvision's stochastic depth (same RNG draw), and who kept it.
+
+    torchvision's ``StochasticDepth`` in ``"row"`` mode draws exactly as timm's ``DropPath`` (one
+    Bernoulli per sample, scaled by the survival rate); in ``"batch"`` mode one draw keeps or drops
+    the whole batch.
+    """
     if isinstance(module, DropPath):
         return drop_path_with_keep(x, module.drop_prob, module.training, module.scale_by_keep)
+    if isinstance(module, StochasticDepth):
+        if module.mode == "row":
+            return drop_path_with_keep(x, module.p, module.training)
+        if not module.training or module.p == 0.0:
+            return x, None
+        noise = x.new_empty((1,) * x.ndim).bernoulli_(1.0 - module.p)  # torchvision's one draw for the batch
+        keep = (noise.reshape(1) > 0).expand(x.shape[0])
+        if module.p < 1.0:
+            noise.div_(1.0 - module.p)
+        return x * noise, keep
     return module(x), None
 
 

@@ -43,9 +43,9 @@ from timm.layers.eca import CecaModule, EcaModule
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from torch import Tensor, nn
 
-from mixlabels import LabelTracker, Scheme, TokenLabelMap, TokenLayout
+from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import conv_mix, kernel_labels, label_kernels, mix_token_space, start_on_windows
+from mixlabels.backbones._common import AdaptedBase, conv_mix, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices
 
@@ -68,6 +68,7 @@ __all__ = [
     "conv_norm_act_ops",
     "run_stem",
     "run_module_stem",
+    "AdaptedConvNet",
 ]
 
 CHANNEL_GATES: tuple[type[nn.Module], ...] = (SEModule, EffectiveSEModule, EcaModule, CecaModule)
@@ -368,3 +369,82 @@ def run_module_stem(stem: nn.Module, images: Tensor, label_map: TokenLabelMap) -
     path = path_of(conv_norm_act_ops(stem))
     x, grid, start = run_stem(stem, path, images, label_map)
     return x, path, grid, start
+
+
+class AdaptedConvNet(AdaptedBase):
+    """A pooled CNN of blocks, both walks written once: ``block_labels`` events per block (fast path),
+    ``block_labels_reference``'s explicit matrices (reference path), the readout ``pool("mean", 0)``.
+
+    A family supplies its model's parts: ``_stem_modules`` (run in order, from the pixels),
+    ``_blocks`` (every unit after the stem, in order), ``_block`` (a unit's forward and who kept its
+    branch), ``_paths`` (its branch's and shortcut's spatial ops; shortcut ``None``: the unit has
+    none and aggregates), ``_is_layer`` (whether the unit is a residual layer the scheme counts),
+    ``_logits`` (the head on the last map) and ``_position_logits`` (the head on every position).
+    """
+
+    def _stem_modules(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def _blocks(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def _block(self, blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError
+
+    def _paths(self, blk: Any) -> tuple[Path, Path | None]:
+        raise NotImplementedError
+
+    def _is_layer(self, blk: Any) -> bool:
+        return True
+
+    def _logits(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _position_logits(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _stem(self, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, Path, tuple[int, int], tuple[int, int]]:
+        modules = self._stem_modules()
+
+        def run(x: Tensor) -> Tensor:
+            for module in modules:
+                x = module(x)
+            return x
+
+        path = path_of(modules)
+        x, grid, start = run_stem(run, path, images, label_map)
+        return x, path, grid, start
+
+    def _head(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        logits = self._logits(x)  # first, as the model's forward: a dropout in the head draws as it does
+        return logits, (self._position_logits(x) if self.scheme.needs_token_logits else None)
+
+    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        x, stem, grid, start = self._stem(images, label_map)
+        blocks = self._blocks()
+        depth = sum(self._is_layer(blk) for blk in blocks)
+        tracker = start_on_path(self.scheme, label_map, start, grid, depth, stem)
+        layer = 0
+        for blk in blocks:
+            x, keep = self._block(blk, x)
+            grid = block_labels(tracker, layer, grid, *self._paths(blk), keep)
+            layer += self._is_layer(blk)
+        tracker.pool("mean", 0)
+        output, token_logits = self._head(x)
+        t = tracker.finish()
+        return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
+        """Explicit matrices of every path on dense labels."""
+        x, stem, grid, start = self._stem(images, label_map)
+        blocks = self._blocks()
+        rules = DenseRules(self.scheme, label_map, start, 0, sum(self._is_layer(blk) for blk in blocks))
+        if start != grid:
+            rules.aggregate(path_matrix(stem, start)[0])
+        layer = 0
+        for blk in blocks:
+            x, keep = self._block(blk, x)
+            grid = block_labels_reference(rules, layer, grid, *self._paths(blk), keep)
+            layer += self._is_layer(blk)
+        output, token_logits = self._head(x)
+        return rules.result(output, output, "mean", token_logits)

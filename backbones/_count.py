@@ -1,4 +1,5 @@
-"""How many ``timm.list_models()`` names ``adapt`` accepts, per scheme tier, from the registry.
+"""How many ``timm.list_models()`` names (and torchvision classification builders) ``adapt`` accepts, per scheme
+tier, from the registry.
 
 Two ways, both from the families' own declarations:
 
@@ -12,19 +13,26 @@ Two ways, both from the families' own declarations:
 Tiers: ``TLAlign`` (and TokenLabeling; TransMix where the model has a class token) is the
 aligning families; ``NoAlign`` is every classifier: ``adapt`` takes any ``nn.Module`` for it
 (MixToken too where the model has timm's ``patch_embed``), so every name counts, built or not.
+
+torchvision's classification builders (``torchvision.models.list_models(module=torchvision.models)``)
+are counted the same way from ``Family.torchvision_builders`` (``count_torchvision_names``); exact
+builds call ``torchvision.models.get_model(name, weights=None)`` on the ``meta`` device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from collections.abc import Callable
+
 import timm
 import torch
+import torchvision
 from torch import nn
 
 from mixlabels.backbones._adapt import FAMILIES
 
-__all__ = ["TierCount", "count_timm_names"]
+__all__ = ["TierCount", "count_timm_names", "count_torchvision_names"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,39 @@ def _meta_build(name: str) -> nn.Module | None:
     return model
 
 
+def _meta_build_torchvision(name: str) -> nn.Module | None:
+    try:
+        with torch.device("meta"):
+            model: nn.Module = torchvision.models.get_model(name, weights=None)  # never downloads weights
+    except Exception:  # noqa: BLE001 - a default build that fails is reported, not fatal
+        return None
+    return model
+
+
+def _tiers(
+    declared: list[tuple[str, list[str]]], everything: list[str], exact: bool, build: Callable[[str], nn.Module | None]
+) -> list[TierCount]:
+    """Per aligning family (its declared names; exact: those its refusal accepts, built by ``build``), then the
+    tiers ``TLAlign`` (their union) and ``NoAlign`` (``everything``)."""
+    refusal = {f.name: f.refusal for f in FAMILIES}
+    rows = []
+    for family, names in declared:
+        if not exact:
+            rows.append(TierCount(f"TLAlign: {family}", tuple(names), False))
+            continue
+        accepted, failed = [], []
+        for name in names:
+            model = build(name)
+            if model is None:
+                failed.append(name)
+            elif refusal[family](model) is None:
+                accepted.append(name)
+        rows.append(TierCount(f"TLAlign: {family}", tuple(accepted), True, tuple(failed)))
+    union = sorted({n for r in rows for n in r.names})
+    # NoAlign takes every nn.Module: no build needed to know that adapt accepts the name.
+    return [*rows, TierCount("TLAlign", tuple(union), exact), TierCount("NoAlign", tuple(everything), True)]
+
+
 def count_timm_names(exact: bool = False) -> list[TierCount]:
     """Per aligning family, then the tiers ``TLAlign`` (any aligning family) and ``NoAlign`` (every name).
 
@@ -66,21 +107,18 @@ def count_timm_names(exact: bool = False) -> list[TierCount]:
         True
     """
     everything = sorted(timm.list_models())
-    aligning = [f for f in FAMILIES if f.timm_modules is not None]
-    rows = []
-    for family in aligning:
-        names = _declared(family.timm_modules, everything)
-        if not exact:
-            rows.append(TierCount(f"TLAlign: {family.name}", tuple(names), False))
-            continue
-        accepted, failed = [], []
-        for name in names:
-            model = _meta_build(name)
-            if model is None:
-                failed.append(name)
-            elif family.refusal(model) is None:
-                accepted.append(name)
-        rows.append(TierCount(f"TLAlign: {family.name}", tuple(accepted), True, tuple(failed)))
-    union = sorted({n for r in rows for n in r.names})
-    # NoAlign takes every nn.Module: no build needed to know that adapt accepts the name.
-    return [*rows, TierCount("TLAlign", tuple(union), exact), TierCount("NoAlign", tuple(everything), True)]
+    declared = [(f.name, _declared(f.timm_modules, everything)) for f in FAMILIES if f.timm_modules]
+    return _tiers(declared, everything, exact, _meta_build)
+
+
+def count_torchvision_names(exact: bool = False) -> list[TierCount]:
+    """``count_timm_names`` for torchvision's classification builders (``Family.torchvision_builders``).
+
+    Example:
+        >>> counts = {c.tier: c.count for c in count_torchvision_names()}
+        >>> counts["NoAlign"] == len(torchvision.models.list_models(module=torchvision.models))
+        True
+    """
+    everything = sorted(torchvision.models.list_models(module=torchvision.models))
+    declared = [(f.name, sorted(f.torchvision_builders)) for f in FAMILIES if f.torchvision_builders]
+    return _tiers(declared, everything, exact, _meta_build_torchvision)

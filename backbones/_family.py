@@ -7,7 +7,9 @@ the support matrix, the count tool, the benchmarks and the tests read those decl
 no other list of families exists. Files whose names start with ``_`` hold helpers that
 several families share (``families/_prefix_vit.py``), and declare nothing.
 
-``docs/adding-a-family.md`` is the guide.
+A family may take torchvision's models as well as (or instead of) timm's: it names the
+``torchvision.models`` builders it takes (``Family.torchvision_builders``) and its example is built
+from the torchvision class (``tiny(cls, ...)``). ``docs/adding-a-family.md`` is the guide.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Family:
             what the tests and the support matrix run.
         timm_modules: the timm modules (``timm.list_models(module=...)``) holding the names this
             family may accept; ``None``: every timm name (``backbones.count_timm_names`` counts them).
+        torchvision_builders: the ``torchvision.models`` builder functions (``"resnet18"``, ...) whose
+            models this family may accept (``backbones.count_torchvision_names`` counts them).
         speed_model: the family's smallest timm model at its default input size: what the speed
             benchmarks time (``None``: not timed).
         class_token: whether the example's head reads a class token (TransMix needs one; the
@@ -52,13 +56,15 @@ class Family:
     build: Callable[[nn.Module, Scheme, bool], nn.Module]
     example: Callable[[], nn.Module]
     timm_modules: tuple[str, ...] | None = ()
+    torchvision_builders: tuple[str, ...] = ()
     speed_model: str | None = None
     class_token: bool = False
 
 
 def tiny(name: str | type[nn.Module], **kwargs: Any) -> Callable[[], nn.Module]:
     """A seeded tiny model: ``timm.create_model(name, ...)``, or the class itself where timm's
-    registered variants pin an argument (``mixer_*`` fixes ``patch_size``, ``gcvit_*`` ``depths``)."""
+    registered variants pin an argument (``mixer_*`` fixes ``patch_size``, ``gcvit_*`` ``depths``)
+    and for torchvision's models (``tiny(torchvision.models.ResNet, block=BasicBlock, layers=[1, 1, 1, 1])``)."""
 
     def make() -> nn.Module:
         torch.manual_seed(0)

@@ -20,7 +20,7 @@ from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TokenLabeling, TokenLabelMap, TransMix, backbones
 from mixlabels.backbones._any import AdaptedClassifier
-from mixlabels.backbones._count import count_timm_names
+from mixlabels.backbones._count import count_timm_names, count_torchvision_names
 from mixlabels.strategies import CutMix, MixToken
 
 from test_backbones_common import cutmix_batch
@@ -170,10 +170,22 @@ def test_tuple_output_uses_its_first_item_and_wrong_class_count_is_refused() -> 
 def test_counts_of_timm_names_per_tier() -> None:
     counts = {c.tier: c for c in count_timm_names()}
     assert counts["NoAlign"].count == len(timm.list_models())
-    families = [f.name for f in backbones.FAMILIES[:-1]]
+    families = [f.name for f in backbones.FAMILIES[:-1] if f.timm_modules]
     union = set().union(*(counts[f"TLAlign: {f}"].names for f in families))
     assert counts["TLAlign"].names == tuple(sorted(union)) and 0 < counts["TLAlign"].count < counts["NoAlign"].count
     assert "vit_base_patch16_224" in counts["TLAlign: vit"].names and "nfnet_l0" not in counts["TLAlign"].names
+
+
+def test_counts_of_torchvision_builders_per_tier() -> None:
+    """Every declared builder is a torchvision classification model, and (built on the meta device) its family takes it."""
+    everything = torchvision.models.list_models(module=torchvision.models)
+    declared = {f.name: f.torchvision_builders for f in backbones.FAMILIES[:-1] if f.torchvision_builders}
+    counts = {c.tier: c for c in count_torchvision_names(exact=True)}
+    assert counts["NoAlign"].count == len(everything) and "alexnet" not in counts["TLAlign"].names
+    for family, names in declared.items():
+        assert set(names) <= set(everything), family
+        assert counts[f"TLAlign: {family}"].names == tuple(sorted(names)) and not counts[f"TLAlign: {family}"].failed
+    assert counts["TLAlign"].names == tuple(sorted({n for names in declared.values() for n in names}))
 
 
 def test_vits_with_a_conv_stem_embedding_refuse_tlalign_and_take_noalign() -> None:

@@ -128,6 +128,21 @@ def check_parity(model: nn.Module, scheme_name: str, token_space: bool = False, 
         assert_close(a.target, lm.image_targets())
 
 
+def check_torchvision_builders(family_name: str) -> None:
+    """Every builder a family declares is a torchvision classification model that (built on the meta device,
+    no weights) its refusal accepts."""
+    import torchvision
+
+    family = next(f for f in backbones.FAMILIES if f.name == family_name)
+    classification = set(torchvision.models.list_models(module=torchvision.models))
+    assert family.torchvision_builders
+    for name in family.torchvision_builders:
+        assert name in classification, name
+        with torch.device("meta"):
+            model = torchvision.models.get_model(name, weights=None)
+        assert family.refusal(model) is None, name
+
+
 def check_unmixed_is_one_hot(model: nn.Module, schemes: list[str]) -> None:
     """An unmixed batch: every scheme's target is the sample's own (smoothed) one-hot label."""
     g = torch.Generator().manual_seed(3)

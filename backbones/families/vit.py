@@ -24,7 +24,7 @@ from mixlabels.backbones._vit_reference import reference_forward
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 
-__all__ = ["AdaptedViT", "VIT_FAMILY", "attend", "vit_refusal"]
+__all__ = ["AdaptedViT", "VIT_FAMILY", "attend", "attend_sdpa", "vit_refusal"]
 
 VIT_FAMILY = (
     "timm VisionTransformer (ViT/DeiT with a class token; VisionTransformerDistilled with its distillation "
@@ -151,19 +151,41 @@ def attend(
         The output ``(b, h, n, d)`` as timm computes it (its explicit path when ``fused_attn`` is off)
         and, when the scheme aligns ``layer``, the mixed labels ``(b, n, l)``.
     """
+    if attn.fused_attn:
+        return attend_sdpa(q, k, v, attn.scale, attn.attn_drop.p if attn.training else 0.0, layer, tracker, bias)
     if tracker.wants_class_attention(layer):
         tracker.class_attention(layer, class_attention(q, k, attn.scale, bias=bias))  # b n, from q_cls only
     labels, mixed = tracker.labels_for(layer), None
-    if not attn.fused_attn:
-        # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
-        scores = (q * attn.scale) @ k.transpose(-2, -1)  # b h n n
-        a = (scores if bias is None else scores + bias).softmax(dim=-1)
-        if labels is not None:
-            mixed = explicit_mix(a, labels)
-        return attn.attn_drop(a) @ v, mixed
-    dropout_p = attn.attn_drop.p if attn.training else 0.0
+    # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
+    scores = (q * attn.scale) @ k.transpose(-2, -1)  # b h n n
+    a = (scores if bias is None else scores + bias).softmax(dim=-1)
     if labels is not None:
-        return attention_with_labels(q, k, v, labels, attn.scale, dropout_p, attn_mask=bias)  # mixed: b n l
+        mixed = explicit_mix(a, labels)
+    return attn.attn_drop(a) @ v, mixed
+
+
+def attend_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, layer: int, tracker: LabelTracker,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Self-attention by ``scaled_dot_product_attention`` with its events (timm's fused ``Attention``, and
+    ``nn.MultiheadAttention`` as torchvision's ViT calls it: ``backbones.families.tv_vit``).
+
+    Args:
+        q, k, v: ``(b, h, n, d)``.
+        scale: the attention's scale for the class row and the labels; the unlabelled call uses SDPA's
+            default ``1/sqrt(d)``, as timm's ``Attention`` and ``nn.MultiheadAttention`` call it.
+        dropout_p: attention dropout (0 in eval mode).
+        bias: an additive bias broadcastable to ``(b, h, n, n)``, or ``None``.
+
+    Returns:
+        The output ``(b, h, n, d)`` and, when the scheme aligns ``layer``, the mixed labels ``(b, n, l)``.
+    """
+    if tracker.wants_class_attention(layer):
+        tracker.class_attention(layer, class_attention(q, k, scale, bias=bias))  # b n, from q_cls only
+    labels = tracker.labels_for(layer)
+    if labels is not None:
+        return attention_with_labels(q, k, v, labels, scale, dropout_p, attn_mask=bias)  # mixed: b n l
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p), None
 
 
