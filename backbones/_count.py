@@ -16,14 +16,16 @@ aligning families; ``NoAlign`` is every classifier: ``adapt`` takes any ``nn.Mod
 
 torchvision's classification builders (``torchvision.models.list_models(module=torchvision.models)``)
 are counted the same way from ``Family.torchvision_builders`` (``count_torchvision_names``); exact
-builds call ``torchvision.models.get_model(name, weights=None)`` on the ``meta`` device.
+builds call ``torchvision.models.get_model(name, weights=None)`` on the ``meta`` device
+(``meta_torchvision_model``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-
-from collections.abc import Callable
+from typing import Any
 
 import timm
 import torch
@@ -32,7 +34,7 @@ from torch import nn
 
 from mixlabels.backbones._adapt import FAMILIES
 
-__all__ = ["TierCount", "count_timm_names", "count_torchvision_names"]
+__all__ = ["TierCount", "count_timm_names", "count_torchvision_names", "meta_torchvision_model"]
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,45 @@ def _meta_build(name: str) -> nn.Module | None:
     return model
 
 
-def _meta_build_torchvision(name: str) -> nn.Module | None:
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter and buffer moved to the ``meta`` device as its module registers it; the builder's other
+    tensors (arithmetic on sizes) stay on the CPU."""
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register_parameter(module, name, param)
+
+    def buffer(module: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        register_buffer(module, name, None if tensor is None else tensor.to("meta"), persistent)
+
+    patched: Any = nn.Module
+    patched.register_parameter, patched.register_buffer = parameter, buffer
+    try:
+        yield
+    finally:
+        patched.register_parameter, patched.register_buffer = register_parameter, register_buffer
+
+
+def meta_torchvision_model(name: str) -> nn.Module:
+    """``torchvision.models.get_model(name, weights=None)`` (never downloads weights) on the ``meta`` device; a
+    builder that computes its widths with tensors (RegNet's ``BlockParams``), which ``meta`` cannot read back, is
+    built with only its parameters and buffers there."""
+    model: nn.Module
     try:
         with torch.device("meta"):
-            model: nn.Module = torchvision.models.get_model(name, weights=None)  # never downloads weights
+            model = torchvision.models.get_model(name, weights=None)
+    except NotImplementedError:  # "Cannot copy out of meta tensor"
+        with _parameters_on_meta():
+            model = torchvision.models.get_model(name, weights=None)
+    return model
+
+
+def _meta_build_torchvision(name: str) -> nn.Module | None:
+    try:
+        model = meta_torchvision_model(name)
     except Exception:  # noqa: BLE001 - a default build that fails is reported, not fatal
         return None
     return model
