@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._timm_face import check_label_map
+from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 
 __all__ = ["AdaptedClassifier", "ANY", "ANY_FAMILY", "any_refusal", "accepts_any_model"]
 
@@ -112,10 +112,13 @@ def _channels_last(grid_map: Tensor, images: Tensor, patch_embed: nn.Module) -> 
     return not tiles(int(grid_map.shape[2]), int(grid_map.shape[3])) and tiles(int(grid_map.shape[1]), int(grid_map.shape[2]))
 
 
-class AdaptedClassifier(nn.Module):
+class AdaptedClassifier(TimmFace):
     """Any image classifier with ``NoAlign``: ``adapted(images, label_map)`` adds the image-level target.
 
-    ``adapted(images)`` is exactly ``model(images)``; ``adapted.model is model``.
+    ``adapted(images)`` is exactly ``model(images)``; ``adapted.model is model``. As the family
+    adapters (``TimmFace``), its state dict is the model's own (no ``model.`` prefix: a checkpoint
+    or an EMA copy of the adapter loads into the bare model, and a bare model's loads into it),
+    and a training forward under a multi-rank process group outside DDP is refused.
 
     Example:
         >>> import torch, mixlabels
@@ -144,8 +147,6 @@ class AdaptedClassifier(nn.Module):
         self.model = model
         self.scheme = scheme
         self.reference = reference  # nothing to reference: the target never depends on the model
-        self.check_label_values: bool | None = None  # as TimmFace's: when to check a hand-built map's values
-        self._label_values_checked = False
 
     @overload
     def forward(self, images: Tensor) -> Any: ...
@@ -156,12 +157,14 @@ class AdaptedClassifier(nn.Module):
     def forward(self, images: Tensor, label_map: TokenLabelMap | None = None) -> Any:
         if label_map is None:
             return self.model(images)
+        check_label_map_type(label_map)
         if images.ndim != 4 or images.shape[0] != label_map.batch_size or tuple(images.shape[-2:]) != tuple(label_map.image_size):
             raise ValueError(
                 f"images {tuple(images.shape)} do not match the label map (batch {label_map.batch_size}, "
                 f"{label_map.image_size[0]}x{label_map.image_size[1]} pixels); mix and adapt the same batch"
             )
         check_label_map(self, images, label_map)
+        check_distributed(self)
         output = self._token_space_forward(images, label_map) if label_map.token_space else self.model(images)
         logits = output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor) else output
         if not isinstance(logits, Tensor) or tuple(logits.shape) != (label_map.batch_size, label_map.num_classes):

@@ -34,7 +34,7 @@ from torchvision.ops import StochasticDepth
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
-from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map
+from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_windows, chain_matrices, window_sums
 
 __all__ = [
@@ -120,12 +120,7 @@ class AdaptedBase(TimmFace):
     def forward(self, images: Tensor, label_map: TokenLabelMap | None = None) -> Any:
         if label_map is None:
             return self.model(images)
-        if not isinstance(label_map, TokenLabelMap):
-            raise TypeError(
-                f"the second argument must be the mixer's TokenLabelMap (mixed, label_map = mixer(images, labels)), "
-                f"got {type(label_map).__name__}; for an unmixed batch pass "
-                "TokenLabelMap.unmixed(labels, num_classes, image_size=images.shape[-2:])"
-            )
+        check_label_map_type(label_map)
         if any(getattr(mod, "grad_checkpointing", False) for mod in self.model.modules()):
             raise RuntimeError(
                 "gradient checkpointing re-runs block forwards, which would update the labels twice; "

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixlabels import TokenLabelMap
 
-__all__ = ["TimmFace", "check_distributed", "check_label_map", "distributed_world"]
+__all__ = ["TimmFace", "check_distributed", "check_label_map", "check_label_map_type", "distributed_world"]
 
 PREFIX = "model."
 
@@ -99,6 +99,25 @@ def distributed_world() -> int:
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_world_size())
     return 1
+
+
+def check_label_map_type(label_map: object) -> None:
+    """Refuse, saying what to do, a second argument that is not a ``TokenLabelMap``."""
+    if isinstance(label_map, TokenLabelMap):
+        return
+    if isinstance(label_map, torch.Tensor) and label_map.is_floating_point():
+        raise TypeError(
+            f"the second argument must be the TokenLabelMap a mixlabels mixer returns, got a float tensor of shape "
+            f"{tuple(label_map.shape)}: mixed targets from another library's mixer (torchvision's MixUp/CutMix, "
+            "timm's Mixup), which mixed the pixels where the scheme cannot see. Mix with this library instead: "
+            "torchvision's get_mixup_cutmix -> mixlabels.strategies.torchvision_mixup_cutmix, timm's Mixup -> "
+            "mixlabels.strategies.timm_mixup (same arguments)"
+        )
+    got = f"a tensor of shape {tuple(label_map.shape)}" if isinstance(label_map, torch.Tensor) else type(label_map).__name__
+    raise TypeError(
+        f"the second argument must be the mixer's TokenLabelMap (mixed, label_map = mixer(images, labels)), got "
+        f"{got}; for an unmixed batch pass TokenLabelMap.unmixed(labels, num_classes, image_size=images.shape[-2:])"
+    )
 
 
 def check_label_map(adapter: nn.Module, images: torch.Tensor, label_map: TokenLabelMap) -> None:

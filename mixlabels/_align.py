@@ -146,14 +146,22 @@ class AlignedOutput:
     token_target: Tensor | None = None
     token_loss_weight: float = 0.0
 
-    def loss(self) -> Tensor:
-        """The scheme's training loss (token labeling Eq. 3: class loss + beta * token loss)."""
+    def loss(self, criterion: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+        """The scheme's training loss (token labeling Eq. 3: class loss + beta * token loss).
+
+        Args:
+            criterion: the class loss of ``(logits, target)``, the ``(b, c)`` soft targets; default
+                soft-target cross entropy. A training script's own criterion goes here when it takes
+                class probabilities, e.g. torchvision's ``nn.CrossEntropyLoss(label_smoothing=0.1)``
+                (which smooths the aligned targets as it smooths torchvision's mixed ones). The token
+                term, if any, stays the scheme's.
+        """
         if self.logits.shape[-1] != self.target.shape[-1]:
             raise ValueError(
                 f"the model outputs {self.logits.shape[-1]} classes but the label map has num_classes="
                 f"{self.target.shape[-1]}; build the mixer (or the label map) with num_classes={self.logits.shape[-1]}"
             )
-        loss = soft_target_cross_entropy(self.logits, self.target)
+        loss = soft_target_cross_entropy(self.logits, self.target) if criterion is None else criterion(self.logits, self.target)
         if self.token_target is not None and self.token_logits is not None:
             loss = loss + self.token_loss_weight * token_soft_target_cross_entropy(self.token_logits, self.token_target)
         return loss

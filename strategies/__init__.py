@@ -43,6 +43,7 @@ from mixlabels.strategies._sampling import Mode, Pairing
 from mixlabels.strategies._sequential import sequential_label_map
 from mixlabels.strategies._switch import Switch, SwitchParams
 from mixlabels.strategies._timm_mixup import timm_mixup
+from mixlabels.strategies._torchvision_mixup import torchvision_mixup_cutmix
 from mixlabels.strategies._tokenmix import TokenMix
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "timm_mixup",
     "CollateMixer",
     "timm_collate_mixup",
+    "torchvision_mixup_cutmix",
     "Mixer",
     "PairMixer",
     "MixParams",

@@ -56,7 +56,7 @@ class _PairConfig(Config[object]):
     label_smoothing: Annotated[float, Field(ge=0, lt=1, description="smoothing applied to the expanded targets")] = 0.0
     prob: Annotated[float, Field(ge=0, le=1, description="probability of mixing per batch, pair or sample")] = 1.0
     mode: Annotated[Mode, Field(description="one draw per batch, per pair or per element (timm)")] = "batch"
-    pairing: Annotated[Pairing, Field(description="partner of sample i: b-1-i (flip) or a random derangement")] = "flip"
+    pairing: Annotated[Pairing, Field(description="partner of sample i: b-1-i (flip, timm), a random derangement, or i-1 (roll, torchvision)")] = "flip"
 
 
 class CutMixConfig(_PairConfig):

@@ -250,7 +250,7 @@ class CutMix(PairMixer[BoxParams]):
         label_smoothing: in ``[0, 1)``.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``, as timm.
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         generator: default source of randomness.
 
     Example:

@@ -79,7 +79,7 @@ class ElemSwitch(Mixer[ElemSwitchParams]):
         label_smoothing: in ``[0, 1)``.
         prob: probability of mixing a sample (pair).
         mode: ``"elem"`` or ``"pair"`` (for one kind per batch use ``Switch``).
-        pairing: ``"flip"`` (timm) or ``"derangement"``.
+        pairing: ``"flip"`` (timm), ``"derangement"`` or ``"roll"`` (torchvision).
         generator: default source of randomness.
 
     Example:

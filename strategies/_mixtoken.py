@@ -30,7 +30,7 @@ class MixToken(PairMixer[BoxParams]):
         label_smoothing: in ``[0, 1)``.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``.
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         generator: default source of randomness.
 
     Example:

@@ -43,7 +43,7 @@ class MixUpSampler(MixSampler[MixUpParams]):
     Args:
         alpha: Beta concentration, > 0.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``.
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         prob: probability of mixing per group.
     """
 
@@ -73,7 +73,7 @@ class MixUp(PairMixer[MixUpParams]):
         label_smoothing: in ``[0, 1)``, applied when the map expands targets.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
         mode: ``"batch"`` (one lambda), ``"pair"`` or ``"elem"``, as timm.
-        pairing: ``"flip"`` (sample ``i`` with ``b - 1 - i``, timm) or ``"derangement"``.
+        pairing: ``"flip"`` (sample ``i`` with ``b - 1 - i``, timm), ``"derangement"`` or ``"roll"`` (``i`` with ``i - 1``, torchvision).
         generator: default source of randomness.
 
     Example:

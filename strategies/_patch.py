@@ -196,7 +196,7 @@ class RandomPatchMix(PairMixer[CellParams]):
         label_smoothing: in ``[0, 1)``.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``; samples sharing a draw share the cells.
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         generator: default source of randomness.
 
     Example:
@@ -237,7 +237,7 @@ class BlockwiseMix(PairMixer[CellParams]):
         label_smoothing: in ``[0, 1)``.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``.
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         generator: default source of randomness.
 
     Example:

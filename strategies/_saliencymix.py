@@ -174,7 +174,7 @@ class SaliencyMix(PairMixer[SaliencyParams]):
         label_smoothing: in ``[0, 1)``.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``: which samples share lambda (each box sits on its own partner's peak).
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         generator: default source of randomness.
 
     Example:

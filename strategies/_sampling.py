@@ -23,12 +23,12 @@ from torch import Tensor
 if TYPE_CHECKING:
     from mixlabels.strategies._base import MixParams
 
-__all__ = ["Mode", "Pairing", "Pairs", "MixSampler", "sample_pairs", "sample_beta", "sample_uniform", "check_prob"]
+__all__ = ["Mode", "Pairing", "Pairs", "MixSampler", "sample_pairs", "check_pairing", "sample_beta", "sample_uniform", "check_prob"]
 
 Mode = Literal["batch", "pair", "elem"]
-Pairing = Literal["flip", "derangement"]
+Pairing = Literal["flip", "derangement", "roll"]
 MODES: tuple[str, ...] = ("batch", "pair", "elem")
-PAIRINGS: tuple[str, ...] = ("flip", "derangement")
+PAIRINGS: tuple[str, ...] = ("flip", "derangement", "roll")
 
 P = TypeVar("P", bound="MixParams")
 
@@ -48,6 +48,18 @@ class Pairs:
     group: Tensor
     num_groups: int
     applied: Tensor
+
+
+def check_pairing(pairing: str, mode: str) -> None:
+    """Raise unless ``pairing`` is known and fits ``mode`` (``roll`` is a cycle: no ``pair`` mode)."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}")
+    if pairing == "roll" and mode == "pair":
+        raise ValueError(
+            "pairing='roll' (sample i mixes with i - 1, torchvision's MixUp/CutMix) forms a cycle, not pairs, so "
+            "mode='pair' (one draw per symmetric pair) cannot use it: use mode 'batch' or 'elem' with 'roll', "
+            "or pairing 'flip'/'derangement' with 'pair'"
+        )
 
 
 def check_prob(prob: float, name: str = "prob", meaning: str = "the probability of mixing a batch, pair or sample") -> None:
@@ -92,14 +104,16 @@ def sample_pairs(
     ``flip`` pairs sample ``i`` with ``b - 1 - i`` (timm). ``derangement`` draws a
     uniformly random cyclic permutation in ``batch``/``elem`` mode (every sample's
     partner is uniform over the others, none is its own) and a uniformly random
-    perfect matching in ``pair`` mode. A sample left with itself (the middle of an
+    perfect matching in ``pair`` mode. ``roll`` mixes sample ``i`` with ``i - 1``
+    (``batch.roll(1, 0)``: torchvision's MixUp and CutMix); a cycle, not pairs, so
+    ``pair`` mode refuses it. A sample left with itself (the middle of an
     odd batch under ``flip``, the odd one out of a matching, a batch of one) is
     unmixed: mixing an image with itself changes nothing, so it keeps weight 1.
 
     Args:
         batch: ``b``.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``.
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         prob: probability of mixing, drawn once per group.
         generator: source of randomness; ``None`` uses torch's default generator.
         device: where to draw (the generator's device when one is given).
@@ -114,13 +128,14 @@ def sample_pairs(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} (one lambda per batch, per pair, per element), got {mode!r}")
-    if pairing not in PAIRINGS:
-        raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}")
+    check_pairing(pairing, mode)
     check_prob(prob)
     idx = torch.arange(batch, device=device)
     pair_slot = torch.minimum(idx, idx.flip(0))  # flip pairs i and b-1-i: one draw per pair
     if pairing == "flip":
         partner = idx.flip(0)
+    elif pairing == "roll":
+        partner = (idx - 1) % max(batch, 1)  # torchvision's batch.roll(1, 0): sample i takes i - 1
     elif mode == "pair":
         perm = torch.randperm(batch, generator=generator, device=device)
         pos = _positions(perm)
@@ -151,7 +166,7 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
 
     Args:
         mode: which samples share a draw: ``"batch"``, ``"pair"`` or ``"elem"``.
-        pairing: ``"flip"`` (timm) or ``"derangement"``.
+        pairing: ``"flip"`` (timm), ``"derangement"`` or ``"roll"`` (torchvision).
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
     """
 
@@ -166,8 +181,7 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} (one lambda per batch, per pair, per element), got {mode!r}")
-        if pairing not in PAIRINGS:
-            raise ValueError(f"pairing must be one of {PAIRINGS}, got {pairing!r}")
+        check_pairing(pairing, mode)
         check_prob(prob)
         self.mode: Mode = mode
         self.pairing: Pairing = pairing

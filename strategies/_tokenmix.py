@@ -34,7 +34,7 @@ class TokenMix(BlockwiseMix):
         label_smoothing: in ``[0, 1)``.
         prob: probability of mixing, per batch, pair or sample according to ``mode``.
         mode: ``"batch"``, ``"pair"`` or ``"elem"``; samples sharing a draw share the mask.
-        pairing: ``"flip"`` or ``"derangement"``.
+        pairing: ``"flip"``, ``"derangement"`` or ``"roll"``.
         generator: default source of randomness.
 
     Example:

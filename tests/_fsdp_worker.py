@@ -74,17 +74,19 @@ def rel_error(adapted: nn.Module, ref: nn.Module, grads: bool) -> float:
 
 
 def train(
-    family: str, shard: Callable[[nn.Module], None], rank: int, steps: int, bf16: bool = False, halves: bool = False
+    family: str, shard: Callable[[nn.Module], None], rank: int, steps: int, bf16: bool = False, halves: bool = False,
+    scheme: mixlabels.Scheme | None = None,
 ) -> dict[str, Any]:
     """``steps`` SGD steps of an adapted model sharded by ``shard`` beside one process on the whole batch.
 
     ``halves``: the one process runs the two halves separately and averages (BatchNorm normalises by
     each rank's own half, so one forward of the whole batch is not the same computation).
     """
+    scheme = scheme or mixlabels.TLAlign()
     torch.manual_seed(0)
-    ref: Any = adapt(example(family), mixlabels.TLAlign())
+    ref: Any = adapt(example(family), scheme)
     ref.check_distributed = False  # one process, its own model on purpose
-    adapted: Any = adapt(example(family), mixlabels.TLAlign())
+    adapted: Any = adapt(example(family), scheme)
     shard(adapted)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(adapted.parameters(), lr=0.5)
@@ -198,6 +200,9 @@ def main() -> None:
         "vit_root": train("vit", root_only, rank, steps=2),
         "vit_bf16": train("vit", per_block(bf16, bf16_root), rank, steps=2, bf16=True),
         "resnet_blocks": train("resnet", per_block(fp32, fp32), rank, steps=2, halves=True),
+        # a torchvision family, and any nn.Module with NoAlign (the README's table): the adapted root alone
+        "tv_resnet_root": train("tv_resnet", root_only, rank, steps=2, halves=True),
+        "any_root": train("any", root_only, rank, steps=2, halves=True, scheme=mixlabels.NoAlign()),
         "refusals": refusals(rank),
     }
     if rank == 0:

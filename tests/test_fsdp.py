@@ -62,6 +62,13 @@ def test_root_only_sharding_equals_one_process(report: dict[str, Any]) -> None:
     assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
 
 
+@pytest.mark.parametrize("case, sharded", [("tv_resnet_root", "FSDPAdaptedTvResNet"), ("any_root", "FSDPAdaptedClassifier")])
+def test_root_only_sharding_of_a_torchvision_family_and_of_any_model(report: dict[str, Any], case: str, sharded: str) -> None:
+    run = report[case]
+    assert run["sharded"] == [sharded]
+    assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
+
+
 def test_bf16_mixed_precision_trains_within_bf16_of_one_float32_process(report: dict[str, Any]) -> None:
     run = report["vit_bf16"]
     assert run["resharded_after_forward"]

@@ -139,7 +139,7 @@ def _bad_calls() -> list[tuple[str, Callable[[], object], str]]:
         ("prob > 1", lambda: MixUp(NC, prob=1.5), r"prob must lie in \[0, 1\].*got 1.5"),
         ("prob < 0", lambda: CutMix(NC, prob=-0.1), "got -0.1"),
         ("bad mode", lambda: MixUp(NC, mode="sample"), r"mode must be one of \('batch', 'pair', 'elem'\).*'sample'"),  # type: ignore[arg-type]
-        ("bad pairing", lambda: CutMix(NC, pairing="shift"), r"pairing must be one of \('flip', 'derangement'\).*'shift'"),  # type: ignore[arg-type]
+        ("bad pairing", lambda: CutMix(NC, pairing="shift"), r"pairing must be one of \('flip', 'derangement', 'roll'\).*'shift'"),  # type: ignore[arg-type]
         ("num_classes 0", lambda: MixUp(0), "num_classes must be >= 1, got 0"),
         ("smoothing 1", lambda: CutMix(NC, label_smoothing=1.0), r"label_smoothing must lie in \[0, 1\)"),
         ("minmax reversed", lambda: CutMix(NC, minmax=(0.8, 0.2)), "minmax must satisfy 0 <= min < max <= 1"),
