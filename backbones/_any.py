@@ -148,6 +148,11 @@ class AdaptedClassifier(TimmFace):
         self.scheme = scheme
         self.reference = reference  # nothing to reference: the target never depends on the model
 
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        """None: FSDP2 shards the adapted module as the root (docs/distributed.md), the model's own forward runs
+        inside it, and a NoAlign target reads no parameter."""
+        return ()
+
     @overload
     def forward(self, images: Tensor) -> Any: ...
 
