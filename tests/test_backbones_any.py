@@ -57,7 +57,8 @@ def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "torchvision_resnet18": _seeded(lambda: torchvision.models.resnet18(weights=None, num_classes=C)),
+    # a torchvision model of no aligning family (its ResNet is tv_resnet's now)
+    "torchvision_shufflenet": _seeded(lambda: torchvision.models.shufflenet_v2_x0_5(weights=None, num_classes=C)),
     "timm_nfnet": _seeded(lambda: timm.create_model("test_nfnet", pretrained=False, num_classes=C)),
     "timm_byobnet": _seeded(lambda: timm.create_model("test_byobnet", pretrained=False, num_classes=C)),
     "timm_repghostnet": _seeded(lambda: timm.create_model("repghostnet_050", pretrained=False, num_classes=C)),
