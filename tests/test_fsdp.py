@@ -1,6 +1,7 @@
 """FSDP2 (``fully_shard``) on 2 gloo ranks on the CPU: an adapted model trains as one process on the whole batch.
 
-One ``torchrun`` of ``_fsdp_worker.py`` (about 30 s) runs every case; the tests read its report.
+One ``torchrun`` of ``_fsdp_worker.py`` (about 30 s, some 20 of them for the per-block families) runs every
+case; the tests read its report.
 Rank ``r`` takes half ``r`` of a CutMix batch of 4; one process trains a copy on the whole batch.
 A second ``torchrun`` runs docs/distributed.md's loop as written (about 20 s).
 """
@@ -87,6 +88,22 @@ def test_cnn_family_per_block(report: dict[str, Any]) -> None:
     assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
 
 
+def test_every_other_family_with_units_per_block(report: dict[str, Any]) -> None:
+    """One launch shards every family whose ``fsdp_units()`` is not empty (besides vit and resnet) per block: the
+    gathered gradients and parameters equal one process's on the whole batch (run as the ranks' two halves, so the
+    sums are the same: exact on the CPU), the blocks are freed after their forward, the ranks stay identical."""
+    runs = report["families_blocks"]
+    adapters = [f for f in FAMILIES if isinstance(f.build, type) and issubclass(f.build, AdaptedBase)]
+    named = [f.name for f in adapters if f.build.fsdp_units is not AdaptedBase.fsdp_units]
+    assert sorted(runs) == sorted(set(named) - {"vit", "resnet"})
+    for name, run in runs.items():
+        assert len(run["sharded"]) >= 2, (name, run["sharded"])  # the adapter and its blocks' classes
+        assert run["resharded_after_forward"], name
+        assert max(run["grads"]) < FP32 and max(run["params"]) < FP32, (name, run["grads"], run["params"])
+        assert run["spread"] == 0.0, name
+        assert run["losses"][0] != run["losses"][1], name
+
+
 def test_negative_control_blocks_walked_without_their_hooks_crash(report: dict[str, Any]) -> None:
     assert "mixed torch.Tensor and DTensor" in report["refusals"]["control_no_hooks"]
 
@@ -100,7 +117,7 @@ ORDER = "adapted = adapt(model, scheme); fully_shard each of adapted.model.block
         ("shard_then_adapt", ["TypeError: adapt cannot adapt a model already sharded by FSDP2's fully_shard", "adapt first"]),
         ("model_as_root", ["not to the adapted module", ORDER]),
         ("inside_block", ["model.blocks.0.attn, model.blocks.1.attn, whose hooks it never runs", ORDER]),
-        ("family_without_units", ["model.layers.0", "adapted = adapt(model, scheme); fully_shard(adapted), last"]),
+        ("family_without_units", ["model.blocks.0", "adapted = adapt(model, scheme); fully_shard(adapted), last"]),
         ("reference", ["reference=True", "use the fast path"]),
         ("root_casts_map", ["cast_forward_inputs=False", "adapted(images.to(param_dtype), label_map)"]),
         ("unsharded", ["outside DistributedDataParallel and not sharded by FSDP2", "then fully_shard(adapted)",

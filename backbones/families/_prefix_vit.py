@@ -19,6 +19,7 @@ Shapes: ``b`` batch, ``n`` tokens (prefix + patches), ``p`` prefix tokens, ``h``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, DenseTracker, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
+from mixlabels.backbones._fsdp import through_hooks
 from mixlabels.backbones.families.vit import attend
 
 __all__ = ["PrefixViT", "attention_output", "patch_embed_refusal", "pool_refusal", "project_qkv"]
@@ -101,6 +103,9 @@ class PrefixViT(AdaptedBase):
         m: Any = self.model
         return stride_grid(label_map, tuple(m.patch_embed.patch_size))
 
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        return tuple(self.model.blocks)  # type: ignore[arg-type]  # timm is untyped
+
     def _prepare(self, x: Tensor) -> tuple[Tensor, Any]:
         """Patch tokens (``b n c``, or ``b h w c`` with ``dynamic_img_size``) to all tokens ``b n c``
         and what the blocks share (a shared bias, the rotary embedding), in timm's order."""
@@ -154,13 +159,14 @@ class PrefixViT(AdaptedBase):
         x, shared, layout = self._tokens(images, label_map)
         tracker = self.scheme.start(label_map, layout)
         for layer, blk in enumerate(m.blocks):
-            x = self._block(blk, x, layer, shared, tracker)
+            # the shared bias or rotary embedding is a block input, as in timm's forward (cast by a mixed-precision policy)
+            x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x, shared)
         tracker.pool("token", 0) if layout.class_token else tracker.pool("mean", layout.num_prefix)
         output, logits, token_logits = self._head(x)
         t = tracker.finish()
         return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, shared: Any, tracker: LabelTracker) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, shared: Any, layer: int, tracker: LabelTracker) -> Tensor:
         into, out_of = self._branches(blk)
         h = into(x)
         q, k, v, bias = self._qkv(blk, h, layer, shared)

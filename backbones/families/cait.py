@@ -25,6 +25,7 @@ Shapes: ``b`` batch, ``h`` heads, ``n m`` tokens, ``d`` head dim, ``l`` label ch
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, strid
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedCaiT", "CAIT_FAMILY", "label_matrix", "talking_heads_label_mix"]
 
@@ -130,15 +132,20 @@ class AdaptedCaiT(AdaptedBase):
         reads_token = m.global_pool == "token"
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=1, depth=depth, class_token=reads_token))
         for layer, blk in enumerate(m.blocks):
-            x = self._self_attention_block(blk, x, layer, tracker)
+            x = through_hooks(blk, functools.partial(self._self_attention_block, blk, layer=layer, tracker=tracker), x)
         cls = m.cls_token.expand(x.shape[0], -1, -1)
         for i, blk in enumerate(m.blocks_token_only):
-            cls = self._class_attention_block(blk, x, cls, len(m.blocks) + i, tracker)
+            step = functools.partial(self._class_attention_block, blk, layer=len(m.blocks) + i, tracker=tracker)
+            cls = through_hooks(blk, step, x, cls)
         x = m.norm(torch.cat((cls, x), dim=1))
         tracker.pool("token", 0) if reads_token else tracker.pool("mean", 1)
         output, token_logits = _head(m, x, self.scheme.needs_token_logits)
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return (*m.blocks, *m.blocks_token_only)
 
     def _self_attention_block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         attn = blk.attn

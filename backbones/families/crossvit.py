@@ -31,6 +31,7 @@ Shapes: ``b`` batch, ``n`` tokens, ``h w`` pixels, ``p q`` a branch's patch grid
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from mixlabels.backbones._windows import apply_separable
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, row_normalise
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedCrossViT", "CROSSVIT_FAMILY", "branch_start_matrices"]
 
@@ -208,7 +210,7 @@ class AdaptedCrossViT(AdaptedBase):
             for d, seq in enumerate(ms.blocks):
                 x = xs[d]
                 for j, blk in enumerate(seq):
-                    x = self._block(blk, x, base + j, tracker, segs[d])
+                    x = through_hooks(blk, functools.partial(self._block, blk, layer=base + j, tracker=tracker, seg=segs[d]), x)
                 outs.append(x)
             base += max(len(seq) for seq in ms.blocks)
             xs, base = self._fuse(ms, outs, base, tracker, segs, starts, size), base + len(_fusion_blocks(ms.fusion[0]))
@@ -236,6 +238,10 @@ class AdaptedCrossViT(AdaptedBase):
         assert isinstance(read, Tensor)
         patches = [y[:, first + 1 : end] for first, end in segs]  # the class rows go: token targets are patches'
         return torch.cat([read[:, None], read[:, None], *patches], dim=1)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for ms in m.blocks for seq in ms.blocks for blk in seq)  # the fusion (cross-attention) blocks: the root's
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, seg: tuple[int, int]) -> Tensor:
         y, mixed = tracker.labels_for(layer), None

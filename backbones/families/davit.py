@@ -23,6 +23,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from mixlabels.backbones._common import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones.families.swin import shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedDaViT", "DAVIT_FAMILY"]
 
@@ -199,7 +201,7 @@ class AdaptedDaViT(AdaptedBase):
                 grid = conv_aggregate(tracker, grid, stage.downsample.conv)
             x = stage.downsample(x)
             for blk in _blocks(stage):
-                x = self._block(blk, x, layer, tracker, grid)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
                 layer += 1
         x = m.norm_pre(x)
         tracker.pool("mean", 0)
@@ -207,6 +209,10 @@ class AdaptedDaViT(AdaptedBase):
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.stages for blk in _blocks(stage))
 
     def _cpe(self, cpe: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         labels = tracker.labels_for(layer)
@@ -220,7 +226,7 @@ class AdaptedDaViT(AdaptedBase):
         shortcut = rearrange(self._cpe(blk.cpe1, x, layer, tracker, grid), "b c h w -> b (h w) c")
         cur = blk.norm1(shortcut)
         mixed = None
-        if type(blk) is SpatialBlock:
+        if isinstance(blk, SpatialBlock):  # not type(): fully_shard subclasses a sharded block
 
             def attend(windows: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor | None]:
                 return _window_attention(blk.attn, windows, labels)

@@ -85,7 +85,7 @@ class AdaptedEva(PrefixViT):
         return q, k, v, None
 
     def _post_norm(self, blk: Any) -> bool:
-        return type(blk) is EvaBlockPostNorm
+        return isinstance(blk, EvaBlockPostNorm)  # not type(): fully_shard subclasses a sharded block
 
 
 FAMILY = Family(

@@ -27,6 +27,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_stem, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedFocalNet", "FOCALNET_FAMILY", "gate_weights"]
 
@@ -174,7 +176,7 @@ class AdaptedFocalNet(AdaptedBase):
                 grid = conv_aggregate(tracker, grid, stage.downsample.proj)
                 x = stage.downsample(x)
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker, grid)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
                 layer += 1
         x = m.norm(x)
         tracker.pool("mean", 0)
@@ -182,6 +184,10 @@ class AdaptedFocalNet(AdaptedBase):
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.layers for blk in stage.blocks)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         labels = tracker.labels_for(layer)

@@ -23,6 +23,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``nw`` windows, ``n m`` token
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from mixlabels.backbones._common import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones.families.swin import shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedGCViT", "GCVIT_FAMILY"]
 
@@ -210,7 +212,7 @@ class AdaptedGCViT(AdaptedBase):
             q_global = _global_query(stage, x)
             x = rearrange(x, "b c h w -> b h w c")
             for blk in stage.blocks:
-                x = self._block(blk, x, q_global, layer, tracker)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x, q_global)
                 layer += 1
             x = rearrange(stage.norm(x), "b h w c -> b c h w")
         tracker.pool("mean", 0)
@@ -220,6 +222,10 @@ class AdaptedGCViT(AdaptedBase):
             token_logits = m.head.fc(m.head.drop(rearrange(x, "b c h w -> b (h w) c")))
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.stages for blk in stage.blocks)  # the global query and downsampling: the root's
 
     def _downsample(self, down: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         """``Downsample2d``: norm, fused-MBConv residual (its depthwise conv mixes), strided conv (aggregates), norm."""

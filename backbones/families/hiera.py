@@ -26,6 +26,7 @@ Shapes: ``b`` batch, ``h`` heads, ``w`` mask units (windows), ``t`` tokens in a 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedHiera", "HIERA_FAMILY"]
 
@@ -144,12 +146,15 @@ class AdaptedHiera(AdaptedBase):
         tracker = start_on_convs(self.scheme, label_map, start, grid, len(m.blocks), [m.patch_embed.proj])
         tracker.aggregate(m.unroll)  # a permutation: labels follow the tokens
         for layer, blk in enumerate(m.blocks):
-            x = self._block(blk, x, layer, tracker)
+            x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        return tuple(self.model.blocks)  # type: ignore[arg-type]  # timm is untyped
 
     @staticmethod
     def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:

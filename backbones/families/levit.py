@@ -28,6 +28,7 @@ Shapes: ``b`` batch, ``h`` heads, ``n`` tokens, ``l`` label channels, ``q``/``k`
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, 
 from mixlabels.backbones._dense import DenseRules
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedLeViT", "LEVIT_FAMILY", "levit_refusal"]
 
@@ -188,7 +190,7 @@ class AdaptedLeViT(AdaptedBase):
             if not isinstance(stage.downsample, nn.Identity):
                 x = self._downsample(stage.downsample, x, tracker)
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
                 layer += 1
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -196,6 +198,10 @@ class AdaptedLeViT(AdaptedBase):
         token_logits = _token_logits(m, x, output) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.stages for blk in stage.blocks)  # the attention downsampling: the root's
 
     @staticmethod
     def _downsample(ds: Any, x: Tensor, tracker: LabelTracker) -> Tensor:

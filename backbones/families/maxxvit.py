@@ -37,6 +37,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, start_on_convs, sum_pool_merge
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 from timm.models.maxxvit import MaxxVitCfg
 from timm.models.maxxvit import MaxxVitTransformerCfg
 
@@ -204,7 +206,10 @@ def _maxxvit_refusal(model: nn.Module) -> str | None:
 
 
 def _units(m: Any) -> list[Any]:
-    """Every residual token mixer in order: one label ``layer`` each."""
+    """Every residual token mixer in order: one label ``layer`` each, and one FSDP unit each (``fsdp_units``).
+
+    The walk tells them apart by ``isinstance``, not ``type``: ``fully_shard`` makes a sharded unit's class a subclass.
+    """
     units: list[Any] = []
     for stage in m.stages:
         for blk in stage.blocks:
@@ -223,16 +228,16 @@ def _branch_ops(u: Any) -> list[_Op]:
     """The spatial steps of a unit's residual branch before its token mixing: pools, strided convs
     (aggregated over their windows) and stride-1 depthwise convs (mixed by their kernels)."""
     ops: list[_Op] = []
-    if type(u) is TransformerBlock2d:
+    if isinstance(u, TransformerBlock2d):
         norm1: Any = u.norm1
         if isinstance(norm1, nn.Sequential):  # (norm, down): the branch pools first
             ops.append(("sum", _window(getattr(norm1, "down").pool)))
         return ops
     if isinstance(u.down, Downsample2d):
         ops.append(("sum", _window(u.down.pool)))
-    if type(u) is MbConvBlock and _pair(u.conv1_1x1.stride) != (1, 1):
+    if isinstance(u, MbConvBlock) and _pair(u.conv1_1x1.stride) != (1, 1):
         ops.append(("sum", _window(u.conv1_1x1)))
-    dw = u.conv2_kxk if type(u) is MbConvBlock else u.conv_dw
+    dw = u.conv2_kxk if isinstance(u, MbConvBlock) else u.conv_dw
     ops.append(("sum", _window(dw)) if _pair(dw.stride) != (1, 1) else ("conv", dw))
     return ops
 
@@ -273,7 +278,7 @@ def _reference_bytes(m: Any, label_map: TokenLabelMap) -> int:
 
 def _conv_branch(u: Any, x: Tensor) -> Tensor:
     """timm's conv block forward without its drop path and shortcut: the residual branch."""
-    if type(u) is MbConvBlock:
+    if isinstance(u, MbConvBlock):
         x = u.norm1(u.conv1_1x1(u.down(u.pre_norm(x))))
         x = u.conv2_kxk(x)
         if u.se_early is not None:
@@ -344,7 +349,7 @@ def _partition(u: Any, x: Tensor, labels: Tensor | None, grid: tuple[int, int], 
     side = BLOCK if u.partition_block else GRID
     inner = "(wh ww)" if u.partition_block else "(gh gw)"
     size = list(u.partition_size)
-    cl = type(u) is PartitionAttentionCl
+    cl = isinstance(u, PartitionAttentionCl)
     h = u.norm1(rearrange(x, "b c h w -> b h w c") if cl else x)
     if cl:
         parts = window_partition(h, size) if u.partition_block else grid_partition(h, size)
@@ -370,11 +375,11 @@ def _partition(u: Any, x: Tensor, labels: Tensor | None, grid: tuple[int, int], 
 
 
 def _to_cl(u: Any, x: Tensor) -> Tensor:
-    return rearrange(x, "b c h w -> b h w c") if type(u) is PartitionAttentionCl else x
+    return rearrange(x, "b c h w -> b h w c") if isinstance(u, PartitionAttentionCl) else x
 
 
 def _from_cl(u: Any, x: Tensor) -> Tensor:
-    return rearrange(x, "b h w c -> b c h w") if type(u) is PartitionAttentionCl else x
+    return rearrange(x, "b h w c -> b c h w") if isinstance(u, PartitionAttentionCl) else x
 
 
 def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
@@ -428,7 +433,7 @@ class AdaptedMaxxVit(AdaptedBase):
         units = _units(m)
         tracker = start_on_convs(self.scheme, label_map, start, grid, len(units), (m.stem.conv1, m.stem.conv2))
         for layer, u in enumerate(units):
-            x, grid = self._unit(u, x, grid, layer, tracker)
+            x, grid = through_hooks(u, functools.partial(self._unit, u, grid=grid, layer=layer, tracker=tracker), x)
         x = m.norm(x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -436,9 +441,12 @@ class AdaptedMaxxVit(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        return tuple(_units(self.model))
+
     def _unit(self, u: Any, x: Tensor, grid: tuple[int, int], layer: int, tracker: LabelTracker) -> tuple[Tensor, tuple[int, int]]:
         pre = tracker.labels_for(layer)
-        if type(u) in (PartitionAttentionCl, PartitionAttention2d):
+        if isinstance(u, (PartitionAttentionCl, PartitionAttention2d)):
             out, mixed = _partition(u, x, pre, grid)
             out, keep = branch(u.drop_path1, _from_cl(u, u.ls1(_to_cl(u, out))))
             tracker.residual(layer, keep, mixed=mixed)
@@ -458,7 +466,7 @@ class AdaptedMaxxVit(AdaptedBase):
             mixed, branch_grid = _branch_labels(_branch_ops(u), pre, grid)
             if branch_grid != new_grid:
                 raise ValueError(f"layer {layer}: the branch's {branch_grid} grid differs from the shortcut's {new_grid}; use an even grid")
-        if type(u) is TransformerBlock2d:
+        if isinstance(u, TransformerBlock2d):
             h = u.norm1(x)
             _check_grid(h, new_grid, f"layer {layer}")
             out, mixed = _attend(u.attn, h, mixed)
@@ -486,7 +494,7 @@ class AdaptedMaxxVit(AdaptedBase):
                 rules.aggregate(merge)
         for layer, u in enumerate(units):
             pre = rules.y
-            if type(u) in (PartitionAttentionCl, PartitionAttention2d):
+            if isinstance(u, (PartitionAttentionCl, PartitionAttention2d)):
                 out, matrix = _partition(u, x, None, grid, reference=True)
                 out, keep = branch(u.drop_path1, _from_cl(u, u.ls1(_to_cl(u, out))))
                 assert matrix is not None
@@ -501,7 +509,7 @@ class AdaptedMaxxVit(AdaptedBase):
                 merge, _ = conv_matrix(grid, torch.ones(window[0]), window[1], window[2])
                 rules.aggregate(merge)
             matrix, grid = _branch_matrix(_branch_ops(u), grid)
-            if type(u) is TransformerBlock2d:
+            if isinstance(u, TransformerBlock2d):
                 out, attn = _attend(u.attn, u.norm1(x), None, reference=True)
                 assert attn is not None
                 out, keep = branch(u.drop_path1, u.ls1(out))

@@ -32,6 +32,7 @@ Shapes: ``b`` batch, ``h`` heads, ``n`` tokens, ``m`` pooled keys, ``d`` head di
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels._rules import normalise_rows
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 from timm.models.mvitv2 import MultiScaleVitCfg
 
 __all__ = ["AdaptedMViTv2", "MVITV2_FAMILY", "pooled_labels"]
@@ -195,7 +197,7 @@ class AdaptedMViTv2(AdaptedBase):
         layer = 0
         for stage in m.stages:
             for blk in stage.blocks:
-                x, grid = self._block(blk, x, layer, tracker, grid, p)
+                x, grid = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid, p=p), x)
                 layer += 1
         x = m.norm(x)
         how, first = _readout(m)
@@ -204,6 +206,10 @@ class AdaptedMViTv2(AdaptedBase):
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.stages for blk in stage.blocks)
 
     @staticmethod
     def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], p: int) -> tuple[Tensor, tuple[int, int]]:

@@ -41,6 +41,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedNest", "NEST_FAMILY"]
 
@@ -192,7 +193,7 @@ class AdaptedNest(AdaptedBase):
                 grid = (int(x.shape[2]), int(x.shape[3]))
             h, sizes = _blockify(level, x, grid)
             for blk in level.transformer_encoder:
-                h = self._layer(blk, h, layer, tracker, grid, sizes)
+                h = through_hooks(blk, partial(self._layer, blk, layer=layer, tracker=tracker, grid=grid, sizes=sizes), h)
                 layer += 1
             x = _deblockify(h, sizes, grid)
         x = rearrange(m.norm(rearrange(x, "b c h w -> b h w c")), "b h w c -> b c h w")
@@ -201,6 +202,10 @@ class AdaptedNest(AdaptedBase):
         token_logits = _heads(m, x) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for level in m.levels for blk in level.transformer_encoder)  # ConvPool and position embeddings: the root's
 
     def _layer(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], sizes: dict[str, int]) -> Tensor:
         attn, labels, mixed = blk.attn, tracker.labels_for(layer), None

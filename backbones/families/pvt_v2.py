@@ -23,6 +23,7 @@ Shapes: ``b`` batch, ``h w`` grid, ``n`` tokens, ``m`` reduced keys, ``c`` chann
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedPVTv2", "PVT_FAMILY", "reduced_key_labels"]
 
@@ -127,7 +129,7 @@ class AdaptedPVTv2(AdaptedBase):
                 x = stage.downsample(x)  # b c h w -> b h w c
             x = rearrange(x, "b h w c -> b (h w) c")
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker, grid)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
                 layer += 1
             x = rearrange(stage.norm(x), "b (h w) c -> b c h w", h=grid[0])
         tracker.pool("mean", 0)
@@ -135,6 +137,10 @@ class AdaptedPVTv2(AdaptedBase):
         token_logits = m.head(m.head_drop(rearrange(x, "b c h w -> b (h w) c"))) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.stages for blk in stage.blocks)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         attn, labels, mixed = blk.attn, tracker.labels_for(layer), None

@@ -17,6 +17,7 @@ Shapes: ``b`` batch, ``h w`` token grid, ``nh nw`` windows, ``wh ww`` window siz
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_t
 from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedSwin", "SWIN_FAMILY", "check_window_grids", "shifted_windows", "window_ids", "Attend"]
 
@@ -149,7 +151,7 @@ class AdaptedSwin(AdaptedBase):
                 tracker.aggregate(merge)
             x = stage.downsample(x)
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
                 layer += 1
         x = m.norm(x)  # b h w c
         tracker.pool("mean", 0)
@@ -159,6 +161,10 @@ class AdaptedSwin(AdaptedBase):
             token_logits = m.head.fc(m.head.drop(rearrange(x, "b h w c -> b (h w) c")))
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.layers for blk in stage.blocks)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         h = x.shape[1]

@@ -26,6 +26,7 @@ channels, ``l`` label channels, ``hd`` heads, ``d`` head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -43,6 +44,7 @@ from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_t
 from mixlabels.backbones._dense import DenseRules, conv_matrix, window_matrix
 from mixlabels.backbones.families.swin import check_window_grids, shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedSwinV2", "SWINV2_FAMILY", "cosine_attention", "cosine_scores", "cosine_window_attention"]
 
@@ -185,7 +187,7 @@ class AdaptedSwinV2(AdaptedBase):
                 tracker.aggregate(merge)
             x = stage.downsample(x)
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
                 layer += 1
         x = m.norm(x)  # b h w c
         tracker.pool("mean", 0)
@@ -195,6 +197,10 @@ class AdaptedSwinV2(AdaptedBase):
             token_logits = m.head.fc(m.head.drop(rearrange(x, "b h w c -> b (h w) c")))
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.layers for blk in stage.blocks)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         h = x.shape[1]

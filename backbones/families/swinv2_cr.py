@@ -22,6 +22,7 @@ channels, ``l`` label channels, ``hd`` heads, ``d`` head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -44,6 +45,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix, window_matrix
 from mixlabels.backbones.families.swin import check_window_grids, shifted_windows, window_ids
 from mixlabels.backbones.families.swinv2 import cosine_attention, cosine_scores
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedSwinV2Cr", "SWINV2_CR_FAMILY"]
 
@@ -130,13 +132,17 @@ class AdaptedSwinV2Cr(AdaptedBase):
                 tracker.aggregate(merge)
             x = stage.downsample(x)
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
                 layer += 1
             x = rearrange(x, "b h w c -> b c h w")
         tracker.pool("mean", 0)
         output, token_logits = self._readout(x)
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.stages for blk in stage.blocks)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         h = x.shape[1]

@@ -32,6 +32,7 @@ Shapes: ``b`` batch, ``n`` patches, ``m`` pixel tokens per patch, ``h w`` pixels
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from mixlabels.backbones._windows import apply_separable
 from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, row_normalise
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedTNT", "TNT_FAMILY", "tnt_start_matrices"]
 
@@ -158,7 +160,8 @@ class AdaptedTNT(AdaptedBase):
 
         tracker.aggregate(start)
         for layer, blk in enumerate(m.blocks):
-            pixel, patch = self._block(blk, pixel, patch, layer, tracker, n, per, (ph, pw))
+            step = functools.partial(self._block, blk, layer=layer, tracker=tracker, n=n, per=per, start=(ph, pw))
+            pixel, patch = through_hooks(blk, step, pixel, patch)  # both token sets are the block's inputs
         patch = m.norm(patch)
         tracker.aggregate(lambda y: y[:, : 1 + n])  # the head reads [cls, patches]
         tracker.pool("token", 0) if m.global_pool == "token" else tracker.pool("mean", 1)
@@ -166,6 +169,10 @@ class AdaptedTNT(AdaptedBase):
         token_logits = m.head(m.head_drop(patch[:, 1:])) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(m.blocks)
 
     def _block(self, blk: Any, pixel: Tensor, patch: Tensor, layer: int, tracker: LabelTracker, n: int, per: int,
                start: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:  # fmt: skip

@@ -28,6 +28,7 @@ Shapes: ``b`` batch, ``h w`` grid, ``nh nw`` windows, ``wh ww`` window size, ``n
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, w
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedTwins", "TWINS_FAMILY"]
 
@@ -217,7 +219,7 @@ class AdaptedTwins(AdaptedBase):
                 grid = conv_aggregate(tracker, grid, m.patch_embeds[i].proj)
                 x, _ = _next_embed(m, i, x, grid_in)
             for j, blk in enumerate(stage):
-                x = self._block(blk, x, layer, tracker, grid)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
                 if j == 0:
                     labels = tracker.labels_for(layer)
                     conv = peg.proj[0]
@@ -231,6 +233,10 @@ class AdaptedTwins(AdaptedBase):
         token_logits = m.head(m.head_drop(x)) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return tuple(blk for stage in m.blocks for blk in stage)  # the position convs (pos_block) stay with the root
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         labels = tracker.labels_for(layer)

@@ -68,7 +68,7 @@ class AdaptedRelPosViT(PrefixViT):
         return q, k, v, bias
 
     def _post_norm(self, blk: Any) -> bool:
-        return type(blk) is ResPostRelPosBlock
+        return isinstance(blk, ResPostRelPosBlock)  # not type(): fully_shard subclasses a sharded block
 
 
 FAMILY = Family(

@@ -30,6 +30,7 @@ Shapes: ``b`` batch, ``h`` heads, ``n`` windows or tokens, ``t`` window taps, ``
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from mixlabels.backbones._convnet import Path, Window, apply_path, path_matrix, 
 from mixlabels.backbones._dense import DenseRules, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedVOLO", "VOLO_FAMILY", "volo_refusal", "outlook_labels", "outlook_matrix"]
 
@@ -256,7 +258,7 @@ class AdaptedVOLO(AdaptedBase):
                 grid = (int(x.shape[1]), int(x.shape[2]))
                 continue
             for blk in part:
-                x = self._block(blk, x, layer, tracker, grid)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
                 layer += 1
         x = rearrange(x, "b h w c -> b (h w) c")
         cls = m.cls_token.expand(x.shape[0], -1, -1)
@@ -264,7 +266,7 @@ class AdaptedVOLO(AdaptedBase):
         if any(tracker.wants_class_attention(i) for i in range(layer, layer + len(m.post_network))):
             _check_tiles(m, label_map, grid)
         for blk in m.post_network:
-            x = self._class_block(blk, x, layer, tracker, grid)
+            x = through_hooks(blk, functools.partial(self._class_block, blk, layer=layer, tracker=tracker, grid=grid), x)
             layer += 1
         x = m.norm(x)
         tracker.pool(*_readout(m))
@@ -273,12 +275,16 @@ class AdaptedVOLO(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return (*_blocks(m), *m.post_network)  # the downsampling between parts: the root's
+
     @staticmethod
     def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         y, mixed = tracker.labels_for(layer), None
         h = blk.norm1(x)
         attn = blk.attn
-        if type(blk) is Outlooker:
+        if isinstance(blk, Outlooker):  # not type(): fully_shard subclasses a sharded block
             out, a = _outlook(attn, h)
             if y is not None:
                 mixed = outlook_labels(attn, a, y[:, 1:], grid)

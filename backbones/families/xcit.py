@@ -29,6 +29,7 @@ Shapes: ``b`` batch, ``h`` heads, ``n`` tokens, ``d`` head dim, ``c`` channels, 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedXCiT", "XCIT_FAMILY"]
 
@@ -159,15 +161,20 @@ class AdaptedXCiT(AdaptedBase):
         reads_token = m.global_pool == "token"
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=1, depth=depth, class_token=reads_token))
         for layer, blk in enumerate(m.blocks):
-            x = self._xca_block(blk, x, layer, tracker, grid)
+            x = through_hooks(blk, functools.partial(self._xca_block, blk, layer=layer, tracker=tracker, grid=grid), x)
         x = torch.cat((m.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         for i, blk in enumerate(m.cls_attn_blocks):
-            x = self._class_attention_block(blk, x, len(m.blocks) + i, tracker)
+            step = functools.partial(self._class_attention_block, blk, layer=len(m.blocks) + i, tracker=tracker)
+            x = through_hooks(blk, step, x)
         x = m.norm(x)
         tracker.pool("token", 0) if reads_token else tracker.pool("mean", 1)
         output, token_logits = _head(m, x, self.scheme.needs_token_logits)
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+
+    def fsdp_units(self) -> tuple[nn.Module, ...]:
+        m: Any = self.model
+        return (*m.blocks, *m.cls_attn_blocks)
 
     def _xca_block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
         out, keep = branch(blk.drop_path1, _gamma(blk.gamma1, blk.attn(blk.norm1(x))))
