@@ -128,6 +128,7 @@ class AdaptedSwin(AdaptedBase):
 
     family = SWIN_FAMILY
     refusal = staticmethod(_swin_refusal)
+    merging: type[nn.Module] = PatchMerging  # the stages' 2x2 merge (Swin V2 has its own class)
 
     def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
         """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
@@ -138,7 +139,7 @@ class AdaptedSwin(AdaptedBase):
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         grid = check_batch(images, label_map, tuple(m.patch_embed.patch_size))
-        _window_grids(m, grid)
+        check_window_grids(m.layers, grid, self.merging)
         x = m.patch_embed(images)  # b h w c
         if label_map.token_space:
             x = mix_token_space(x, label_map, channels_last=True)
@@ -146,7 +147,7 @@ class AdaptedSwin(AdaptedBase):
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=depth, class_token=False))
         layer = 0
         for stage in m.layers:
-            if isinstance(stage.downsample, PatchMerging):  # concatenating 2x2 tokens: their labels add up
+            if isinstance(stage.downsample, self.merging):  # concatenating 2x2 tokens: their labels add up
                 merge, grid = sum_pool_merge(grid, (2, 2), (2, 2))
                 tracker.aggregate(merge)
             x = stage.downsample(x)

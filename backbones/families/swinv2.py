@@ -26,7 +26,6 @@ channels, ``l`` label channels, ``hd`` heads, ``d`` head dim.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -37,14 +36,13 @@ from timm.layers.classifier import ClassifierHead
 from timm.models.swin_transformer_v2 import PatchMerging, SwinTransformerV2, SwinTransformerV2Block, WindowAttention
 from torch import Tensor, nn
 
-from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_token_space, sum_pool_merge, stride_grid
+from mixlabels.backbones._common import branch, explicit_mix, mix_token_space
 from mixlabels.backbones._dense import DenseRules, conv_matrix, window_matrix
-from mixlabels.backbones.families.swin import check_window_grids, shifted_windows, window_ids
+from mixlabels.backbones.families.swin import AdaptedSwin, check_window_grids, shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedSwinV2", "SWINV2_FAMILY", "cosine_attention", "cosine_scores", "cosine_window_attention"]
 
@@ -159,48 +157,12 @@ def cosine_window_attention(attn: Any, x: Tensor, mask: Tensor | None, labels: T
     return attn.proj_drop(attn.proj(out)), mixed
 
 
-class AdaptedSwinV2(AdaptedBase):
+class AdaptedSwinV2(AdaptedSwin):
     """A timm Swin V2 whose forward also returns the scheme's aligned targets (pooled readout)."""
 
     family = SWINV2_FAMILY
     refusal = staticmethod(_swinv2_refusal)
-
-    def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
-        """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
-        m: Any = self.model
-        return stride_grid(label_map, tuple(m.patch_embed.patch_size))
-
-    # ------------------------------------------------------------------ fast path
-    def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
-        m: Any = self.model
-        grid = check_batch(images, label_map, tuple(m.patch_embed.patch_size))
-        check_window_grids(m.layers, grid, PatchMerging)
-        x = m.patch_embed(images)  # b h w c
-        if label_map.token_space:
-            x = mix_token_space(x, label_map, channels_last=True)
-        depth = sum(len(stage.blocks) for stage in m.layers)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=depth, class_token=False))
-        layer = 0
-        for stage in m.layers:
-            if isinstance(stage.downsample, PatchMerging):  # concatenating 2x2 tokens: their labels add up
-                merge, grid = sum_pool_merge(grid, (2, 2), (2, 2))
-                tracker.aggregate(merge)
-            x = stage.downsample(x)
-            for blk in stage.blocks:
-                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
-                layer += 1
-        x = m.norm(x)  # b h w c
-        tracker.pool("mean", 0)
-        output = m.forward_head(x)
-        token_logits = None
-        if self.scheme.needs_token_logits:  # the classifier on every final token
-            token_logits = m.head.fc(m.head.drop(rearrange(x, "b h w c -> b (h w) c")))
-        t = tracker.finish()
-        return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
-
-    def fsdp_units(self) -> tuple[nn.Module, ...]:
-        m: Any = self.model
-        return tuple(blk for stage in m.layers for blk in stage.blocks)
+    merging = PatchMerging  # Swin V2's; the walk, its grid check and its FSDP2 units are Swin's
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         h = x.shape[1]
