@@ -15,7 +15,12 @@ the rules of TL-Align Table 10 and Appendix D apply to the layers a CNN is made 
   or a strided patch embedding does); padding, zero or reflected, adds no position;
 - a ``1x1`` stride-1 convolution, a norm, an activation, a channel gate (squeeze-excite,
   ECA) and dropout (DropBlock too: a multiplicative mask) act on each position's channels
-  and leave labels alone.
+  and leave labels alone;
+- branches run on the same map and joined (``Parallel``): a concatenation along channels gives
+  every channel its branch's labels, so the join weighs each branch by its channel count (as
+  the conv rule weighs every (out, in) channel pair alike: a ``MixedConv2d`` or a conv over
+  concatenated maps reads them so); a sum gives every channel all the branches' labels, so it
+  weighs them equally (as the residual rule does). Every branch must end on the same grid.
 
 A block is a ``Path`` of such ops. A residual block ``x <- f(x) + s(x)`` gives, with
 ``Y = labels_for(layer)``: the shortcut ``s`` aggregates when it has a window (a
@@ -31,7 +36,7 @@ Shapes: ``b`` batch, ``n`` positions (row-major over a grid ``h w``), ``l`` labe
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +45,7 @@ from timm.layers.blur_pool import BlurPool2d
 from timm.layers.conv_bn_act import ConvNormAct
 from timm.layers.drop import DropBlock2d
 from timm.layers.eca import CecaModule, EcaModule
+from timm.layers.separable_conv import SeparableConvNormAct
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from torch import Tensor, nn
 
@@ -51,7 +57,9 @@ from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, 
 
 __all__ = [
     "Window",
+    "Parallel",
     "Path",
+    "path_convs",
     "path_of",
     "path_refusal",
     "path_grid",
@@ -97,8 +105,46 @@ class Window:
         return axis_windows(self.kernel, self.stride, self.padding, self.ceil_mode)
 
 
-Op = Window | nn.Conv2d
-"""One spatial op of a path: a ``Window``, or a stride-1 ``kxk`` conv (its kernel read at call time)."""
+@dataclass(frozen=True)
+class Parallel:
+    """Branches applied to the same labels and joined: ``Y <- sum_i w_i P_i Y`` with ``w`` the branches' weights
+    normalised (a concatenation: their channel counts; a sum: equal weights). An empty branch is the identity
+    (a concatenation that keeps its input, as VoVNet's or DenseNet's)."""
+
+    branches: tuple[Path, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.branches) != len(self.weights) or not self.branches:
+            raise ValueError(f"Parallel needs one weight per branch, got {len(self.branches)} branches and {len(self.weights)} weights")
+        if min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(f"Parallel's weights must be non-negative with a positive sum, got {self.weights}")
+
+    @classmethod
+    def concat(cls, branches: Sequence[Path], channels: Sequence[int]) -> Parallel:
+        """Branches concatenated along channels, ``channels[i]`` of them from branch ``i``."""
+        return cls(tuple(branches), tuple(float(c) for c in channels))
+
+    @classmethod
+    def sum(cls, branches: Sequence[Path]) -> Parallel:
+        """Branches summed: every channel carries every branch."""
+        return cls(tuple(branches), (1.0,) * len(branches))
+
+    def shares(self) -> list[float]:
+        total = sum(self.weights)
+        return [w / total for w in self.weights]
+
+    def out_grid(self, grid: tuple[int, int]) -> tuple[int, int]:
+        """The branches' common grid (a join of maps of different sizes is refused: PyTorch would refuse it too)."""
+        grids = {path_grid(b, grid) for b in self.branches}
+        if len(grids) != 1:
+            raise ValueError(f"parallel branches end on different grids {sorted(grids)} from {grid}; they cannot be joined")
+        return grids.pop()
+
+
+Op = Window | nn.Conv2d | Parallel
+"""One spatial op of a path: a ``Window``, a stride-1 ``kxk`` conv (its kernel read at call time), or ``Parallel``
+branches."""
 Path = tuple[Op, ...]
 
 
@@ -168,9 +214,19 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
 def path_grid(path: Path, grid: tuple[int, int]) -> tuple[int, int]:
     """The grid ``path`` maps ``grid`` to (only windows change it)."""
     for op in path:
-        if isinstance(op, Window):
+        if isinstance(op, (Window, Parallel)):
             grid = op.out_grid(grid)
     return grid
+
+
+def path_convs(path: Path) -> Iterator[nn.Conv2d]:
+    """The stride-1 convs of ``path``, those inside ``Parallel`` branches included."""
+    for op in path:
+        if isinstance(op, Parallel):
+            for b in op.branches:
+                yield from path_convs(b)
+        elif isinstance(op, nn.Conv2d):
+            yield op
 
 
 _DENSE_WINDOW_ENTRIES = 2**22
@@ -202,7 +258,7 @@ class Kernels:
 
 def path_kernels(paths: Iterable[Path]) -> Kernels:
     """The ``Kernels`` of every stride-1 conv in ``paths``."""
-    return Kernels(op for path in paths for op in path if isinstance(op, nn.Conv2d))
+    return Kernels(conv for path in paths for conv in path_convs(path))
 
 
 def block_kernels(tracker: LabelTracker, blocks: Sequence[tuple[Path, Path | None]], *more: Path) -> Kernels:
@@ -237,6 +293,11 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 else:
                     y = apply_separable(y, grid, rows, cols)
                 grid = out
+            elif isinstance(op, Parallel):
+                out = op.out_grid(grid)
+                y = sum((s * apply_path(b, y, grid, kernels)[0] for s, b in zip(op.shares(), op.branches)), torch.zeros_like(y[:, :1]))
+                grid = out
+                i += 1
             else:
                 kernel = kernels.get(op) if kernels is not None else None
                 kernel = kernel_labels(op.weight) if kernel is None else kernel
@@ -264,6 +325,10 @@ def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, i
     for op in path:
         if isinstance(op, Window):
             m, grid = _window_matrix(grid, op)
+        elif isinstance(op, Parallel):
+            out = op.out_grid(grid)
+            m = sum((s * path_matrix(b, grid)[0] for s, b in zip(op.shares(), op.branches)), torch.zeros(1, dtype=torch.float64))
+            grid = out
         else:
             k = op.weight.detach().double().abs()
             k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
@@ -336,6 +401,9 @@ def conv_norm_act_ops(module: nn.Module | None) -> list[nn.Module]:
         return []
     if isinstance(module, nn.Sequential):
         return [op for child in module for op in conv_norm_act_ops(child)]
+    if type(module) is SeparableConvNormAct:  # depthwise kxk, pointwise 1x1, then its norm-act
+        sep: Any = module
+        return [sep.conv_dw, sep.conv_pw, sep.bn]
     if type(module) is ConvNormAct:
         cna: Any = module
         return [cna.conv, cna.bn] + ([cna.aa] if getattr(cna, "aa", None) is not None else [])
