@@ -4,8 +4,9 @@
 share. A family that builds on another's helpers imports them from that family's file and
 says so in its docstring (davit, gcvit and swinv2 on ``swin``; swinv2_cr on ``swinv2``;
 efficientformer on ``metaformer``; gmlp and resmlp on ``mlp_mixer``; mobilenetv3 on
-``efficientnet``; mobilenetv4 on ``mobilenetv3``; beit, eva and vit_relpos on ``_prefix_vit``,
+``efficientnet``; mobilenetv4 on ``mobilenetv3`` (and ghostnet on its head); beit, eva and vit_relpos on ``_prefix_vit``,
 itself built on ``vit``). torchvision's families are families like any other: tv_vit runs
 ``vit``'s attention; tv_mobilenet builds on ``tv_efficientnet``; tv_convnext takes ``tv_resnet``'s head check and
-tv_regnet its head; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet) share ``backbones._convnet.AdaptedConvNet``.
+tv_regnet its head; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet) share ``backbones._convnet.AdaptedConvNet``,
+as do densenet, ghostnet and vovnet (whose concatenations are ``_convnet.Parallel`` branches).
 """

@@ -1,4 +1,4 @@
-"""Adapter for timm's GhostNet (v1 and v2: ``ghostnet_*``, ``ghostnetv2_*``).
+"""Adapter for timm's GhostNet (v1 and v2: ``ghostnet_*``, ``ghostnetv2_*``); its head is MobileNetV3's (``mobilenetv3``).
 
 The label rules of ``backbones._convnet`` on GhostNet's bottlenecks. Units after the stem, in
 order: every ``GhostBottleneck`` (one layer each), then the last stage's 1x1 ``ConvBnAct`` (a
@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn.functional as F
-from einops import rearrange
 from timm.models._efficientnet_blocks import ConvBnAct, SqueezeExcite
 from timm.models.ghostnet import GhostBottleneck, GhostModule, GhostModuleV2, GhostNet
 from torch import Tensor, nn
 
 from mixlabels.backbones._convnet import AdaptedConvNet, Parallel, Path, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones.families.mobilenetv3 import conv_head_position_logits
 
 __all__ = ["AdaptedGhostNet", "GHOSTNET_FAMILY", "ghostnet_refusal"]
 
@@ -130,13 +129,7 @@ class AdaptedGhostNet(AdaptedConvNet):
         return m.forward_head(x)  # type: ignore[no-any-return]
 
     def _position_logits(self, x: Tensor) -> Tensor:
-        """timm's head (1x1 conv, activation, dropout, classifier) on every position rather than the pooled map."""
-        m: Any = self.model
-        t = rearrange(m.act2(m.conv_head(x)), "b c h w -> b (h w) c")
-        if m.drop_rate > 0.0:
-            t = F.dropout(t, p=m.drop_rate, training=m.training)
-        return m.classifier(t)  # type: ignore[no-any-return]
-
+        return conv_head_position_logits(self.model, x)
 
 TINY_CFGS = [
     [[3, 16, 8, 0, 1]],

@@ -37,6 +37,7 @@ __all__ = [
     "MOBILENETV3_FAMILY",
     "mobilenetv3_refusal",
     "tiny_mobilenetv3",
+    "conv_head_position_logits",
 ]
 
 MOBILENETV3_FAMILY = (
@@ -73,12 +74,16 @@ class AdaptedMobileNetV3(AdaptedEfficientNet):
         return x  # the pool reads the last block's map; the head runs after it (in forward_head)
 
     def _position_logits(self, x: Tensor) -> Tensor:
-        """timm's head without the pooling, on every position: ``(b, h*w, classes)``."""
-        m: Any = self.model
-        t = rearrange(m.act2(m.conv_head(x)), "b c h w -> b (h w) c")
-        if m.drop_rate > 0.0:
-            t = F.dropout(t, p=m.drop_rate, training=m.training)
-        return m.classifier(t)  # type: ignore[no-any-return]
+        return conv_head_position_logits(self.model, x)
+
+
+def conv_head_position_logits(m: Any, x: Tensor) -> Tensor:
+    """A pool-then-``conv_head`` head (MobileNetV3's, GhostNet's: 1x1 conv, activation, dropout, classifier) on every
+    position rather than the pooled map: ``(b, h*w, classes)``."""
+    t = rearrange(m.act2(m.conv_head(x)), "b c h w -> b (h w) c")
+    if m.drop_rate > 0.0:
+        t = F.dropout(t, p=m.drop_rate, training=m.training)
+    return m.classifier(t)  # type: ignore[no-any-return]
 
 
 def tiny_mobilenetv3(num_classes: int = 10, **kwargs: Any) -> MobileNetV3:
