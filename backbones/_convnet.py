@@ -58,6 +58,7 @@ from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, 
 __all__ = [
     "Window",
     "Parallel",
+    "KernelConv",
     "Path",
     "path_convs",
     "path_of",
@@ -105,6 +106,22 @@ class Window:
         return axis_windows(self.kernel, self.stride, self.padding, self.ceil_mode)
 
 
+@dataclass(frozen=True, eq=False)
+class KernelConv:
+    """A stride-1 conv whose kernel or static geometry no single ``nn.Conv2d`` holds: parallel branches summed at
+    the same positions (RepVGG-style kxk, 1x1 and identity, each with its norm: one conv with the summed kernel, as
+    timm's ``fuse`` writes it), or a conv built with ``padding='same'`` (its static padding computed)."""
+
+    kernel: Callable[[], Tensor]
+    """The ``(o, i, kh, kw)`` kernel, read at call time (the weights change every step)."""
+    padding: tuple[int, int]
+    dilation: tuple[int, int] = (1, 1)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.kernel()
+
+
 @dataclass(frozen=True)
 class Parallel:
     """Branches applied to the same labels and joined: ``Y <- sum_i w_i P_i Y`` with ``w`` the branches' weights
@@ -142,9 +159,9 @@ class Parallel:
         return grids.pop()
 
 
-Op = Window | nn.Conv2d | Parallel
-"""One spatial op of a path: a ``Window``, a stride-1 ``kxk`` conv (its kernel read at call time), or ``Parallel``
-branches."""
+Op = Window | nn.Conv2d | KernelConv | Parallel
+"""One spatial op of a path: a ``Window``, a stride-1 ``kxk`` conv (an ``nn.Conv2d`` or a ``KernelConv``, its
+kernel read at call time), or ``Parallel`` branches."""
 Path = tuple[Op, ...]
 
 
@@ -299,7 +316,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 grid = out
                 i += 1
             else:
-                kernel = kernels.get(op) if kernels is not None else None
+                kernel = kernels.get(op) if kernels is not None and isinstance(op, nn.Conv2d) else None
                 kernel = kernel_labels(op.weight) if kernel is None else kernel
                 y = conv_mix(y, grid, kernel, _pair(op.padding), _pair(op.dilation))
                 i += 1
@@ -465,8 +482,13 @@ class AdaptedConvNet(AdaptedBase):
     def _is_layer(self, blk: Any) -> bool:
         return True
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def _logits(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         raise NotImplementedError
+
+    def _class_logits(self, output: Tensor | tuple[Tensor, ...]) -> Tensor:
+        """The logits the loss reads: the head's output (a distilled head in distilled training returns two:
+        the class head's first)."""
+        return output[0] if isinstance(output, tuple) else output
 
     def _position_logits(self, x: Tensor) -> Tensor:
         raise NotImplementedError
@@ -483,7 +505,7 @@ class AdaptedConvNet(AdaptedBase):
         x, grid, start = run_stem(run, path, images, label_map)
         return x, path, grid, start
 
-    def _head(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _head(self, x: Tensor) -> tuple[Tensor | tuple[Tensor, ...], Tensor | None]:
         logits = self._logits(x)  # first, as the model's forward: a dropout in the head draws as it does
         return logits, (self._position_logits(x) if self.scheme.needs_token_logits else None)
 
@@ -500,7 +522,7 @@ class AdaptedConvNet(AdaptedBase):
         tracker.pool("mean", 0)
         output, token_logits = self._head(x)
         t = tracker.finish()
-        return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
+        return AlignedOutput(output, self._class_logits(output), t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         """Explicit matrices of every path on dense labels."""
@@ -515,4 +537,4 @@ class AdaptedConvNet(AdaptedBase):
             grid = block_labels_reference(rules, layer, grid, *self._paths(blk), keep)
             layer += self._is_layer(blk)
         output, token_logits = self._head(x)
-        return rules.result(output, output, "mean", token_logits)
+        return rules.result(output, self._class_logits(output), "mean", token_logits)

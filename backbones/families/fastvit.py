@@ -67,7 +67,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels.backbones._family import Family
 
-__all__ = ["AdaptedFastViT", "FASTVIT_FAMILY", "fastvit_refusal", "tiny_fastvit", "fused_kernel"]
+__all__ = ["AdaptedFastViT", "FASTVIT_FAMILY", "fastvit_refusal", "tiny_fastvit", "fused_kernel", "identity_kernel"]
 
 FASTVIT_FAMILY = (
     "timm FastViT (fastvit_*, MobileCLIP's fastvit_mci*): reparameterisable blocks by the kernel they reparameterise "
@@ -90,7 +90,7 @@ def fused_kernel(block: nn.Module) -> Tensor:
         return kernel.detach()  # type: ignore[no-any-return]
 
 
-def _identity_kernel(weight: Tensor) -> Tensor:
+def identity_kernel(weight: Tensor) -> Tensor:
     """The depthwise identity ``(c, 1, kh, kw)`` as a kernel: 1 at the centre tap."""
     eye = torch.zeros_like(weight)
     eye[:, :, weight.shape[-2] // 2, weight.shape[-1] // 2] = 1.0
@@ -102,7 +102,7 @@ def _repmixer_kernel(mixer: Any) -> Tensor:
     with torch.no_grad():
         if mixer.reparam_conv is not None:  # x + s (M - N) folded into one conv: take the identity out
             w = mixer.reparam_conv.weight.detach()
-            return w - _identity_kernel(w)  # type: ignore[no-any-return]
+            return w - identity_kernel(w)  # type: ignore[no-any-return]
         return fused_kernel(mixer.mixer) - fused_kernel(mixer.norm)
 
 
@@ -110,7 +110,7 @@ def _cpe_kernel(cpe: Any) -> Tensor:
     with torch.no_grad():
         if cpe.reparam_conv is not None:
             w = cpe.reparam_conv.weight.detach()
-            return w - _identity_kernel(w)  # type: ignore[no-any-return]
+            return w - identity_kernel(w)  # type: ignore[no-any-return]
         return cpe.pos_enc.weight.detach()  # type: ignore[no-any-return]
 
 
