@@ -7,7 +7,8 @@ efficientformer on ``metaformer``; gmlp and resmlp on ``mlp_mixer``; mobilenetv3
 ``efficientnet``; mobilenetv4 on ``mobilenetv3`` (and ghostnet on its head); beit, eva and vit_relpos on ``_prefix_vit``,
 itself built on ``vit``). torchvision's families are families like any other: tv_vit runs
 ``vit``'s attention; tv_mobilenet builds on ``tv_efficientnet``; tv_convnext takes ``tv_resnet``'s head check and
-tv_regnet its head; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet, repvit, starnet,
-convmixer, densenet, ghostnet, vovnet) share ``backbones._convnet.AdaptedConvNet`` (densenet's, ghostnet's and vovnet's
-concatenations are ``_convnet.Parallel`` branches); repvit takes ``fastvit``'s ``identity_kernel``.
+tv_regnet its head; tv_maxvit shares ``maxxvit``'s partition labels and stem and runs its MBConvs by
+``backbones._convnet``'s block events; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet, repvit,
+starnet, convmixer, densenet, ghostnet, vovnet) share ``backbones._convnet.AdaptedConvNet`` (densenet's, ghostnet's and
+vovnet's concatenations are ``_convnet.Parallel`` branches); repvit takes ``fastvit``'s ``identity_kernel``.
 """

@@ -78,7 +78,17 @@ from mixlabels.backbones._fsdp import through_hooks
 from timm.models.maxxvit import MaxxVitCfg
 from timm.models.maxxvit import MaxxVitTransformerCfg
 
-__all__ = ["AdaptedMaxxVit", "MAXXVIT_FAMILY"]
+__all__ = [
+    "AdaptedMaxxVit",
+    "MAXXVIT_FAMILY",
+    "departition_labels",
+    "embed_stem",
+    "partition_axes",
+    "partition_labels",
+    "partition_matrix",
+    "partition_sizes",
+    "stem_reference_bytes",
+]
 
 MAXXVIT_FAMILY = (
     "timm MaxxVit: MaxViT (MBConv, then block and grid attention), CoAtNet (MBConv stages, then transformer "
@@ -94,6 +104,7 @@ _CHANNEL_GATES = (SEModule, EcaModule)  # per-sample channel attention: channel 
 
 BLOCK = "(nh wh) (nw ww)"  # window partition: contiguous windows
 GRID = "(gh nh) (gw nw)"  # grid partition: every (nh, nw)-th token, a dilated window
+FIX = "pick an image size (or transformer_window_size / transformer_grid_size) whose every stage tiles"
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -267,11 +278,11 @@ def _branch_matrix(ops: list[_Op], grid: tuple[int, int]) -> tuple[Tensor, tuple
     return (torch.eye(grid[0] * grid[1], dtype=torch.float64) if m is None else m), grid
 
 
-def _reference_bytes(m: Any, label_map: TokenLabelMap) -> int:
-    """The stem matrices' bytes (pixels to the stem's grid, and that grid's own): the reference's largest."""
+def stem_reference_bytes(stride: tuple[int, int], label_map: TokenLabelMap) -> int:
+    """The stem matrices' bytes (pixels to the grid of a stem of ``stride``, and that grid's own): the reference's
+    largest."""
     h, w = label_map.image_size
-    sh, sw = _pair(m.stem.conv1.stride)
-    tokens = (h // sh) * (w // sw)
+    tokens = (h // stride[0]) * (w // stride[1])
     pixels = tokens if label_map.token_space else h * w
     return 8 * tokens * max(pixels, tokens)
 
@@ -330,47 +341,63 @@ def _attend(attn: Any, x: Tensor, labels: Tensor | None, reference: bool = False
     return _attn_out(attn, out, x), mixed
 
 
-def _partition_sizes(u: Any, grid: tuple[int, int]) -> dict[str, int]:
-    """The einops sizes of a unit's partition of ``grid``; refuses grids the windows do not tile."""
-    ph, pw = u.partition_size
+def partition_sizes(grid: tuple[int, int], size: tuple[int, int], block: bool, fix: str) -> dict[str, int]:
+    """The einops sizes of a block (``block``) or grid partition of ``grid`` into ``size`` windows (``wh ww``
+    or ``gh gw``, and the partitions ``nh nw``); refuses grids the windows do not tile, ``fix`` saying how to."""
+    ph, pw = size
     if grid[0] % ph or grid[1] % pw:
-        kind = "window" if u.partition_block else "grid"
-        raise ValueError(
-            f"a {grid[0]}x{grid[1]} token grid is not divisible by the {ph}x{pw} {kind} partition; pick an image "
-            "size (or transformer_window_size / transformer_grid_size) whose every stage tiles"
-        )
-    return {"wh": ph, "ww": pw} if u.partition_block else {"gh": ph, "gw": pw}
+        kind = "window" if block else "grid"
+        raise ValueError(f"a {grid[0]}x{grid[1]} token grid is not divisible by the {ph}x{pw} {kind} partition; {fix}")
+    window = {"wh": ph, "ww": pw} if block else {"gh": ph, "gw": pw}
+    return {**window, "nh": grid[0] // ph, "nw": grid[1] // pw}
+
+
+def partition_axes(block: bool) -> tuple[str, str]:
+    """The einops axes of a partition: the grid's ``h w`` as partitions and window positions, and one window's tokens."""
+    return (BLOCK, "(wh ww)") if block else (GRID, "(gh gw)")
+
+
+def partition_labels(labels: Tensor, grid: tuple[int, int], sizes: dict[str, int], block: bool) -> Tensor:
+    """Labels ``(b, h*w, l)`` partitioned exactly as the tokens: ``(b*nh*nw, window tokens, l)``."""
+    side, inner = partition_axes(block)
+    y = rearrange(labels, "b (h w) l -> b h w l", h=grid[0])
+    return rearrange(y, f"b {side} l -> (b nh nw) {inner} l", **sizes)
+
+
+def departition_labels(mixed: Tensor, sizes: dict[str, int], block: bool) -> Tensor:
+    """Windows' labels ``(b*nh*nw, window tokens, l)`` put back on the grid: ``(b, h*w, l)``."""
+    side, inner = partition_axes(block)
+    return rearrange(rearrange(mixed, f"(b nh nw) {inner} l -> b {side} l", **sizes), "b h w l -> b (h w) l")
+
+
+def partition_matrix(mixed: Tensor, grid: tuple[int, int], sizes: dict[str, int], block: bool) -> Tensor:
+    """Windows' explicit matrices ``(b*nh*nw, a, a)`` scattered over the grid: one ``(b, n, n)`` (the reference)."""
+    side, inner = partition_axes(block)
+    ids = rearrange(torch.arange(grid[0] * grid[1]).view(grid), f"{side} -> (nh nw) {inner}", **sizes)
+    return window_matrix(rearrange(mixed, "(b p) n m -> b p n m", p=sizes["nh"] * sizes["nw"]), ids, grid[0] * grid[1])
 
 
 def _partition(u: Any, x: Tensor, labels: Tensor | None, grid: tuple[int, int], reference: bool = False) -> tuple[Tensor, Tensor | None]:
     """A block- or grid-partition attention branch on NCHW ``x``: its output (NCHW) and the labels'
     mix ``(b, n, l)`` (with ``reference``: the explicit ``(b, n, n)`` matrix)."""
-    sizes = _partition_sizes(u, grid)
-    side = BLOCK if u.partition_block else GRID
-    inner = "(wh ww)" if u.partition_block else "(gh gw)"
+    block = bool(u.partition_block)
     size = list(u.partition_size)
+    sizes = partition_sizes(grid, (size[0], size[1]), block, FIX)
     cl = isinstance(u, PartitionAttentionCl)
     h = u.norm1(rearrange(x, "b c h w -> b h w c") if cl else x)
     if cl:
         parts = window_partition(h, size) if u.partition_block else grid_partition(h, size)
     else:
         parts = window_partition_nchw(h, size) if u.partition_block else grid_partition_nchw(h, size)
-    part_labels = None
-    if labels is not None:
-        y = rearrange(labels, "b (h w) l -> b h w l", h=grid[0])
-        part_labels = rearrange(y, f"b {side} l -> (b nh nw) {inner} l", **sizes, nh=grid[0] // size[0])
+    part_labels = None if labels is None else partition_labels(labels, grid, sizes, block)
     out, mixed = _attend(u.attn, parts, part_labels, reference)
     if cl:
         out = window_reverse(out, size, list(grid)) if u.partition_block else grid_reverse(out, size, list(grid))
         out = rearrange(out, "b h w c -> b c h w")
     else:
         out = window_reverse_nchw(out, size, list(grid)) if u.partition_block else grid_reverse_nchw(out, size, list(grid))
-    if mixed is not None and reference:
-        ids = rearrange(torch.arange(grid[0] * grid[1]).view(grid), f"{side} -> (nh nw) {inner}", **sizes, nh=grid[0] // size[0])
-        mixed = window_matrix(rearrange(mixed, "(b p) n m -> b p n m", b=x.shape[0]), ids, grid[0] * grid[1])
-    elif mixed is not None:
-        mixed = rearrange(mixed, f"(b nh nw) {inner} l -> b {side} l", **sizes, nh=grid[0] // size[0], nw=grid[1] // size[1])
-        mixed = rearrange(mixed, "b h w l -> b (h w) l")
+    if mixed is not None:
+        mixed = partition_matrix(mixed, grid, sizes, block) if reference else departition_labels(mixed, sizes, block)
     return out, mixed
 
 
@@ -382,10 +409,11 @@ def _from_cl(u: Any, x: Tensor) -> Tensor:
     return rearrange(x, "b h w c -> b c h w") if isinstance(u, PartitionAttentionCl) else x
 
 
-def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
-    """Stem output ``(b, c, h, w)``, its grid, and the grid the labels start on (pixels, or the stem's grid for MixToken)."""
-    grid = check_batch(images, label_map, _pair(m.stem.conv1.stride))
-    x = m.stem(images)
+def embed_stem(stem: nn.Module, stride: tuple[int, int], images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
+    """A conv stem of ``stride`` on the images: its output ``(b, c, h, w)``, its grid, and the grid the labels start on
+    (the pixels, or the stem's grid for MixToken, which mixes the stem's output)."""
+    grid = check_batch(images, label_map, stride)
+    x = stem(images)
     if (int(x.shape[2]), int(x.shape[3])) != grid:
         raise ValueError(f"the stem made a {tuple(x.shape[2:])} grid, not {grid}; use an even image size")
     if label_map.token_space:
@@ -425,11 +453,12 @@ class AdaptedMaxxVit(AdaptedBase):
 
     def reference_bytes(self, label_map: TokenLabelMap) -> int:
         """The stem matrices, this family's largest (checked by ``AdaptedBase.forward`` before they are built)."""
-        return _reference_bytes(self.model, label_map)
+        m: Any = self.model
+        return stem_reference_bytes(_pair(m.stem.conv1.stride), label_map)
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
-        x, grid, start = _embed(m, images, label_map)
+        x, grid, start = embed_stem(m.stem, _pair(m.stem.conv1.stride), images, label_map)
         units = _units(m)
         tracker = start_on_convs(self.scheme, label_map, start, grid, len(units), (m.stem.conv1, m.stem.conv2))
         for layer, u in enumerate(units):
@@ -484,7 +513,7 @@ class AdaptedMaxxVit(AdaptedBase):
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         """Explicit matrices (windows, kernels, attention scattered over the grid) on dense labels."""
         m: Any = self.model
-        x, grid, start = _embed(m, images, label_map)
+        x, grid, start = embed_stem(m.stem, _pair(m.stem.conv1.stride), images, label_map)
         units = _units(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(units))
         if start != grid:
