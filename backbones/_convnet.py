@@ -47,11 +47,12 @@ from timm.layers.drop import DropBlock2d
 from timm.layers.eca import CecaModule, EcaModule
 from timm.layers.separable_conv import SeparableConvNormAct
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
+from timm.layers.std_conv import ScaledStdConv2d, StdConv2d
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, conv_mix, kernel_labels, label_kernels, mix_token_space, start_on_windows
+from mixlabels.backbones._common import AdaptedBase, conv_mix, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices
 
@@ -83,6 +84,8 @@ __all__ = [
 CHANNEL_GATES: tuple[type[nn.Module], ...] = (SEModule, EffectiveSEModule, EcaModule, CecaModule)
 """Modules scaling each channel by a gate computed from the globally pooled features: channel ops."""
 
+_CONVS = (nn.Conv2d, StdConv2d, ScaledStdConv2d)
+"""Static convs: a weight-standardised one's label kernel is read from its standardised weight (``effective_weight``)."""
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 _NOT_ELEMENTWISE = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax)
 _ACTIVATION_MODULES = ("torch.nn.modules.activation", "timm.layers.activations", "timm.layers.activations_me")
@@ -182,7 +185,10 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
     if type(module).__name__ == "Conv2dSame":
         return (f"{where} is Conv2dSame: TF 'same' padding, decided per input size, has no static windows; use the "
                 "model without the tf_ prefix or build it with pad_type=''")
-    if type(module) is nn.Conv2d:
+    if type(module).__name__ in ("StdConv2dSame", "ScaledStdConv2dSame"):
+        return (f"{where} is {type(module).__name__}: TF 'same' padding, decided per input size, has no static windows; "
+                "build the model with static padding (NFNet: same_padding=False)")
+    if type(module) in _CONVS:
         if isinstance(module.padding, str) or module.padding_mode != "zeros":
             return f"{where} ({type(module).__name__}) uses padding {module.padding!r} ({module.padding_mode}); only static zero padding has a label rule"
         if module.stride != (1, 1) and module.dilation != (1, 1):
@@ -215,7 +221,7 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
     ops: list[Op] = []
     for module in modules:
         mod: Any = module
-        if type(module) is nn.Conv2d:
+        if isinstance(module, nn.Conv2d) and type(module) in _CONVS:
             if module.stride != (1, 1):
                 ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), _pair(mod.padding)))
             elif module.kernel_size != (1, 1):
@@ -269,7 +275,7 @@ class Kernels:
 
     def get(self, conv: nn.Module) -> Tensor | None:
         if self._kernels is None:
-            self._kernels = dict(zip(self._convs, label_kernels([c.weight for c in self._convs])))
+            self._kernels = dict(zip(self._convs, label_kernels([effective_weight(c) for c in self._convs])))
         return self._kernels.get(conv)
 
 
@@ -317,10 +323,15 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 i += 1
             else:
                 kernel = kernels.get(op) if kernels is not None and isinstance(op, nn.Conv2d) else None
-                kernel = kernel_labels(op.weight) if kernel is None else kernel
+                kernel = kernel_labels(_op_weight(op)) if kernel is None else kernel
                 y = conv_mix(y, grid, kernel, _pair(op.padding), _pair(op.dilation))
                 i += 1
         return y, grid
+
+
+def _op_weight(op: nn.Conv2d | KernelConv) -> Tensor:
+    """The weight a path's stride-1 conv convolves with (``effective_weight``: standardised where the conv is)."""
+    return effective_weight(op) if isinstance(op, nn.Conv2d) else op.weight.detach()
 
 
 def _window_matrix(grid: tuple[int, int], w: Window) -> tuple[Tensor, tuple[int, int]]:
@@ -347,7 +358,7 @@ def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, i
             m = sum((s * path_matrix(b, grid)[0] for s, b in zip(op.shares(), op.branches)), torch.zeros(1, dtype=torch.float64))
             grid = out
         else:
-            k = op.weight.detach().double().abs()
+            k = _op_weight(op).double().abs()
             k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
             m, _ = conv_matrix(grid, k, padding=_pair(op.padding), dilation=_pair(op.dilation))
         total = row_normalise(m) @ total
