@@ -45,6 +45,15 @@ from timm.layers.blur_pool import BlurPool2d
 from timm.layers.conv_bn_act import ConvNormAct
 from timm.layers.drop import DropBlock2d
 from timm.layers.eca import CecaModule, EcaModule
+from timm.layers.evo_norm import (
+    EvoNorm2dB0,
+    EvoNorm2dB1,
+    EvoNorm2dB2,
+    EvoNorm2dS0,
+    EvoNorm2dS1,
+    EvoNorm2dS2,
+)
+from timm.layers.global_context import GlobalContext
 from timm.layers.separable_conv import SeparableConvNormAct
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from timm.layers.std_conv import ScaledStdConv2d, StdConv2d
@@ -87,6 +96,10 @@ CHANNEL_GATES: tuple[type[nn.Module], ...] = (SEModule, EffectiveSEModule, EcaMo
 _CONVS = (nn.Conv2d, StdConv2d, ScaledStdConv2d)
 """Static convs: a weight-standardised one's label kernel is read from its standardised weight (``effective_weight``)."""
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+_EVO_NORMS = (EvoNorm2dB0, EvoNorm2dB1, EvoNorm2dB2, EvoNorm2dS0, EvoNorm2dS1, EvoNorm2dS2)
+"""timm's EvoNorms (the S*a variants subclass S*): each position's channels scaled by statistics over the whole map
+(S: per sample and channel group, as GroupNorm; B: the batch variance per channel, as BatchNorm, against the
+sample's own map statistics), with a per-position activation; no position reads another's value: channel ops."""
 _NOT_ELEMENTWISE = (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax)
 _ACTIVATION_MODULES = ("torch.nn.modules.activation", "timm.layers.activations", "timm.layers.activations_me")
 
@@ -172,8 +185,17 @@ def _pair(v: Any) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
+def _is_global_context_gate(module: nn.Module) -> bool:
+    """timm's ``GlobalContext`` used as a gate only (``'gc'``): ``x * sigmoid(mlp(context))``, the context pooled
+    over every position, scales each channel alike everywhere as squeeze-excite does. With ``fuse_add`` (``'gca'``)
+    it adds the pooled context to every position: content moves between positions, so that form is refused."""
+    return isinstance(module, GlobalContext) and module.mlp_add is None
+
+
 def _is_channel_op(module: nn.Module) -> bool:
-    if isinstance(module, (nn.Identity, nn.Dropout, DropBlock2d, *_NORMS, *CHANNEL_GATES)):
+    if isinstance(module, (nn.Identity, nn.Dropout, DropBlock2d, *_NORMS, *_EVO_NORMS, *CHANNEL_GATES)):
+        return True
+    if _is_global_context_gate(module):
         return True
     return type(module).__module__ in _ACTIVATION_MODULES and not isinstance(module, _NOT_ELEMENTWISE)
 
@@ -182,6 +204,10 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
     """Why ``module`` has no rule here (``None``: it is a spatial op or a channel op)."""
     if isinstance(module, gates) or _is_channel_op(module):
         return None
+    if isinstance(module, GlobalContext):
+        return (f"{where} is GlobalContext with fuse_add ('gca'): it adds a context pooled over all positions to "
+                "every position, which moves content between positions and has no label rule here; build the model "
+                "with attn_layer='gc' (a gate only) or 'se'")
     if type(module).__name__ == "Conv2dSame":
         return (f"{where} is Conv2dSame: TF 'same' padding, decided per input size, has no static windows; use the "
                 "model without the tf_ prefix or build it with pad_type=''")

@@ -3,6 +3,10 @@ that are timm's own, the two-state fusion rule, every timm name, refusals."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
 import pytest
 import timm
 import torch
@@ -16,11 +20,24 @@ from test_backbones_common import (
     set_fused,
     sharpen,
 )
+from timm.layers import LayerNorm2d
+from timm.layers.evo_norm import (
+    EvoNorm2dB0,
+    EvoNorm2dB1,
+    EvoNorm2dB2,
+    EvoNorm2dS0,
+    EvoNorm2dS0a,
+    EvoNorm2dS1,
+    EvoNorm2dS1a,
+    EvoNorm2dS2,
+    EvoNorm2dS2a,
+)
+from timm.layers.global_context import GlobalContext
 from timm.models.byobnet import ByoBlockCfg, ByobNet, ByoModelCfg
 from torch import nn
 from torch.testing import assert_close
 
-from mixlabels import TLAlign, TokenLabelMap, TransMix, backbones
+from mixlabels import TLAlign, TokenLabeling, TokenLabelMap, TransMix, backbones
 from mixlabels.backbones._common import conv_mix, conv_mix_pair
 from mixlabels.backbones._dense import conv_matrix, row_normalise
 from mixlabels.backbones.families.byobnet import _linear_attention, _vit_attention, byobnet_refusal, tiny_mobilevit
@@ -147,8 +164,7 @@ def test_every_timm_name_adapts_and_refusals() -> None:
             model = timm.create_model(name, pretrained=False)
         assert family.refusal(model) is None, name
     for name, why in (("repvgg_a0", "the stem module 0 is RepVggBlock, which has no label rule here"),
-                      ("gcresnet33ts", "block 0's branch module 5 is GlobalContext, which has no label rule here"),
-                      ("resnet61q", "block 0 is EdgeBlock; only BasicBlock, BottleneckBlock, MobileVitBlock"),
+                      ("gcresnet33ts", "block 0's branch module 5 is GlobalContext with fuse_add ('gca')"),
                       ("resnet50_clip", "the head (AttentionPool2d) has no label readout")):  # fmt: skip
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
@@ -165,3 +181,101 @@ def test_every_timm_name_adapts_and_refusals() -> None:
     lm224 = TokenLabelMap.from_mask(big, torch.tensor([0]), torch.tensor([3]), num_classes=10)
     with pytest.raises(ValueError, match=r"gets a 7x7 map, not a multiple of its 2x2 patches.*256x256"):
         backbones.adapt(xxs, TLAlign())(torch.randn(1, 3, 224, 224), lm224)
+
+
+# ---------------------------------------------------------------------------------------------- EdgeBlock, GlobalContext gate,
+# EvoNorm, NormMlpClassifierHead
+def tiny_edge(drop: float = 0.0, norm: Any = None, head: str = "classifier") -> nn.Module:
+    """An EdgeBlock ByobNet (kxk then 1x1) with GlobalContext gates ('gc'): a plain edge block and a strided one
+    with an avg-pool shortcut, then a bottleneck; ``norm`` everywhere (an EvoNorm, LayerNorm2d), ``head`` timm's."""
+    torch.manual_seed(0)
+    cfg = ByoModelCfg(
+        blocks=(ByoBlockCfg(type="edge", d=1, c=8, s=1, br=1.0), ByoBlockCfg(type="edge", d=1, c=16, s=2, br=0.5),
+                ByoBlockCfg(type="bottle", d=1, c=16, s=1, br=0.5)),
+        stem_chs=8, stem_type="3x3", stem_pool="", downsample="avg", attn_layer="gc", num_features=24,
+        head_type=head, head_hidden_size=16 if head == "mlp" else None, **({} if norm is None else {"norm_layer": norm}),
+    )  # fmt: skip
+    return ByobNet(cfg, num_classes=10, drop_path_rate=drop)
+
+
+_EDGE_VARIANTS: dict[str, Callable[[float], nn.Module]] = {
+    "edge_gc": lambda drop: tiny_edge(drop),
+    "evonorm_s0a": lambda drop: tiny_edge(drop, partial(EvoNorm2dS0a, group_size=4)),
+    "evonorm_s1": lambda drop: tiny_edge(drop, partial(EvoNorm2dS1, group_size=4)),
+    "evonorm_b0": lambda drop: tiny_edge(drop, EvoNorm2dB0),
+    "evonorm_b2": lambda drop: tiny_edge(drop, EvoNorm2dB2),
+    "mlp_head_ln": lambda drop: tiny_edge(drop, LayerNorm2d, head="mlp"),
+}
+
+
+@pytest.mark.parametrize("variant", list(_EDGE_VARIANTS))
+def test_edge_gc_evonorm_mlp_head(variant: str) -> None:
+    """Preservation (train mode, drop path on), fast = reference on every pooled scheme, unmixed one-hot."""
+    check_preservation(_EDGE_VARIANTS[variant](0.5), SCHEMES["tl_align"])
+    for scheme in POOLED:
+        check_parity(_EDGE_VARIANTS[variant](0.4), scheme, must_move=scheme != "none")
+    check_unmixed_is_one_hot(_EDGE_VARIANTS[variant](0.0), POOLED)
+
+
+def test_global_context_is_a_channel_op() -> None:
+    """timm's 'gc' GlobalContext: an input change at one position changes the gate of every position alike, never
+    another position's pre-gate content, so its output at a position is that position's input times a per-channel
+    gate. 'gca' (fuse_add) adds the pooled context to every position: its output at a position moves with another
+    position's input, which is why it is refused."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    gate, add = GlobalContext(32).eval(), GlobalContext(32, fuse_add=True, fuse_scale=False).eval()  # 4 hidden channels
+    with torch.no_grad():
+        for mod in (gate, add):
+            for p in mod.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        x = torch.randn(2, 32, 4, 4, generator=g)
+        out = gate(x)
+        ratio = out / x  # the per-(sample, channel) gate: equal at every position
+        assert_close(ratio, ratio[:, :, :1, :1].expand_as(ratio), rtol=1e-4, atol=1e-5)
+        moved = x.clone()
+        moved[:, :, 0, 0] += 1.0
+        assert (add(moved) - add(x))[:, :, 3, 3].abs().max() > 1e-3  # another position's content reaches (3, 3)
+    with torch.device("meta"):
+        model = timm.create_model("gcresnet33ts", pretrained=False)
+    reason = byobnet_refusal(model)
+    assert reason is not None and "GlobalContext with fuse_add" in reason and "attn_layer='gc'" in reason
+
+
+def test_evonorm_moves_nothing_between_positions() -> None:
+    """Every EvoNorm in train mode: the output's change at one position, when only another position's input changes,
+    is the change of the map's statistics alone, the same for every position of equal input (a channel op)."""
+    g = torch.Generator().manual_seed(1)
+    for cls in (EvoNorm2dB0, EvoNorm2dB1, EvoNorm2dB2, EvoNorm2dS0, EvoNorm2dS0a, EvoNorm2dS1, EvoNorm2dS1a,
+                EvoNorm2dS2, EvoNorm2dS2a):  # fmt: skip
+        norm = (cls(8, group_size=4) if "S" in cls.__name__ else cls(8)).train()
+        x = torch.randn(2, 8, 4, 4, generator=g)
+        x[:, :, 1, 1] = x[:, :, 2, 2]  # two positions with equal input
+        moved = x.clone()
+        moved[:, :, 0, 0] += 3.0
+        out = norm(moved)
+        assert_close(out[:, :, 1, 1], out[:, :, 2, 2], msg=cls.__name__)  # output a function of the own input + stats
+
+
+def test_mlp_head_with_batchnorm_refuses_token_logits() -> None:
+    """resnet50_mlp's head normalises by the pooled batch's statistics: token logits refuse, pooled schemes run."""
+    model = tiny_edge(head="mlp")
+    assert isinstance(model.head.norm, nn.BatchNorm2d)
+    check_parity(tiny_edge(0.4, head="mlp"), "tl_align")
+    images, lm = cutmix_batch()
+    with pytest.raises(ValueError, match="NormMlpClassifierHead with BatchNorm2d"):
+        backbones.adapt(model, TokenLabeling(beta=0.5))(images, lm)
+
+
+NEWLY_ACCEPTED = ("gc_efficientnetv2_rw_t", "test_efficientnet_evos", "regnetz_b16_evos", "regnetz_c16_evos",
+                  "regnetz_d8_evos", "ese_vovnet39b_evos", "resnet61q",
+                  "resnet50_mlp")  # fmt: skip
+
+
+def test_newly_accepted_names() -> None:
+    """Each name is accepted by exactly one family (meta device; "any", the NoAlign fallback, takes every model)."""
+    for name in NEWLY_ACCEPTED:
+        with torch.device("meta"):
+            model = timm.create_model(name, pretrained=False)
+        accepting = [f.name for f in backbones.FAMILIES if f.name != "any" and f.refusal(model) is None]
+        assert len(accepting) == 1, (name, accepting)

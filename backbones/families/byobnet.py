@@ -4,9 +4,11 @@ Every position of a feature map is a token (as in ``backbones._convnet``, whose 
 blocks take). Events per ``layer`` (each conv block is one, each transformer block inside a
 MobileViT block is one):
 
-- ``BasicBlock`` / ``BottleneckBlock`` (MobileViT's inverted residuals): a stride-1 ``kxk``
-  conv mixes labels by its (out, in)-averaged normalised ``|kernel|``, a strided one
-  aggregates; 1x1 convs, norms, activations and SE/ECA are channel ops; an identity or
+- ``BasicBlock`` / ``BottleneckBlock`` (MobileViT's inverted residuals) / ``EdgeBlock`` (a kxk
+  conv then a 1x1): a stride-1 ``kxk`` conv mixes labels by its (out, in)-averaged normalised
+  ``|kernel|``, a strided one aggregates; 1x1 convs, norms (EvoNorms included), activations,
+  SE/ECA and GlobalContext used as a gate (``'gc'``) are channel ops (``'gca'``, which adds the
+  pooled context to every position, is refused); an identity or
   downsampling shortcut joins the branch by the residual rule; a block without a shortcut
   (timm's ``downsample=''`` where the width or stride changes) ``aggregate``\\ s;
 - ``MobileVitBlock`` (v1), ``conv_fusion(cat(x, proj(fold(T(unfold(conv_kxk(x)))))))``: the
@@ -32,7 +34,8 @@ MobileViT block is one):
   the same context labels for every pixel of the offset; the residual joins it;
 - stem: its convs and pools aggregate from the pixels (a MixToken map starts on its grid);
   readout ``pool("mean", 0)`` after the 1x1 ``final_conv`` (global average pooling; TransMix
-  refuses: no class token).
+  refuses: no class token); a ``NormMlpClassifierHead`` is channel ops after that pooling (its
+  per-position logits, for token labeling, only with a per-position norm: LayerNorm2d).
 
 Refused: a map that a MobileViT block would interpolate (its side not a multiple of the patch
 size): the bilinear resize has no label rule here; the error names the image size to use.
@@ -49,9 +52,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, reduce
 from timm.layers.attention import Attention
-from timm.layers.classifier import ClassifierHead
+from timm.layers.classifier import ClassifierHead, NormMlpClassifierHead
 from timm.layers.drop import DropPath
-from timm.models.byobnet import BasicBlock, BottleneckBlock, ByoBlockCfg, ByobNet, ByoModelCfg, DownsampleAvg
+from timm.models.byobnet import BasicBlock, BottleneckBlock, ByoBlockCfg, ByobNet, ByoModelCfg, DownsampleAvg, EdgeBlock
 from timm.models.mobilevit import LinearSelfAttention, LinearTransformerBlock, MobileVitBlock, MobileVitV2Block
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
@@ -73,20 +76,21 @@ from mixlabels.backbones._convnet import (
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family
+from mixlabels.backbones.families.convnext import _token_logits as _head_on_positions
 
 __all__ = ["AdaptedByobNet", "BYOBNET_FAMILY", "byobnet_refusal", "tiny_mobilevit"]
 
 BYOBNET_FAMILY = (
-    "timm ByobNet built from BasicBlock, BottleneckBlock, MobileVitBlock and MobileVitV2Block (MobileViT v1/v2, "
-    "GENet, the ResNet-*ts with SE/ECA): every position a token; stride-1 kxk convs mix labels by the (out, "
+    "timm ByobNet built from BasicBlock, BottleneckBlock, EdgeBlock, MobileVitBlock and MobileVitV2Block (MobileViT "
+    "v1/v2, GENet, the ResNet-*ts with SE/ECA/GlobalContext gates, EvoNorm RegNetZs): every position a token; stride-1 kxk convs mix labels by the (out, "
     "in)-averaged normalised |kernel|, strided convs and pools aggregate, channel ops leave labels alone, shortcuts "
     "join by the residual rule; MobileViT's attention over the pixels at one patch offset mixes labels by its "
     "head-mean rows (v2's separable attention by its context scores), and v1's fusion conv over the block's input and "
     "its transformer path weighs each half's labels by that half's normalised |kernel|; stem from the pixels; global "
-    "average pooling; stochastic depth"
+    "average pooling (a NormMlpClassifierHead's norm-MLP after it); stochastic depth"
 )
 
-_CONV_BLOCKS = (BasicBlock, BottleneckBlock)
+_CONV_BLOCKS = (BasicBlock, BottleneckBlock, EdgeBlock)
 _MOBILEVIT_BLOCKS = (MobileVitBlock, MobileVitV2Block)
 
 
@@ -102,6 +106,8 @@ def _branch_modules(blk: Any) -> list[nn.Module]:
     """A conv block's branch in timm's ``forward`` order (before drop-path and the sum)."""
     if type(blk) is BasicBlock:
         return _flat(blk.conv1_kxk) + [blk.attn] + _flat(blk.conv2_kxk) + [blk.attn_last]
+    if type(blk) is EdgeBlock:  # a kxk conv then a 1x1: the bottleneck's rules without its first 1x1
+        return _flat(blk.conv1_kxk) + [blk.attn] + _flat(blk.conv2_1x1) + [blk.attn_last]
     return (_flat(blk.conv1_1x1) + _flat(blk.conv2_kxk) + _flat(blk.conv2b_kxk) + [blk.attn]
             + _flat(blk.conv3_1x1) + [blk.attn_last])
 
@@ -159,8 +165,11 @@ def byobnet_refusal(model: nn.Module) -> str | None:
     if type(model) is not ByobNet:
         return f"{type(model).__name__} is not a timm ByobNet"
     m: Any = model
-    if type(m.head) is not ClassifierHead or m.head.global_pool.pool_type != "avg" or m.head.use_conv:
-        return f"the head ({type(m.head).__name__}) has no label readout; use ClassifierHead with 'avg' pooling and a linear fc"
+    head = m.head
+    plain = type(head) is ClassifierHead and not head.use_conv
+    if not (plain or type(head) is NormMlpClassifierHead) or head.global_pool.pool_type != "avg":
+        return (f"the head ({type(head).__name__}) has no label readout; use ClassifierHead with 'avg' pooling and a "
+                "linear fc, or NormMlpClassifierHead with 'avg' pooling")
     why = path_refusal(_flat(m.stem), "the stem") or path_refusal(_flat(m.final_conv), "the final_conv")
     if why is not None:
         return why
@@ -176,7 +185,7 @@ def byobnet_refusal(model: nn.Module) -> str | None:
             why = (path_refusal(_branch_modules(blk) + [blk.act], f"{where}'s branch")
                    or path_refusal(_flat(blk.shortcut), f"{where}'s shortcut"))
         else:
-            why = (f"{where} is {type(blk).__name__}; only BasicBlock, BottleneckBlock, MobileVitBlock and "
+            why = (f"{where} is {type(blk).__name__}; only BasicBlock, BottleneckBlock, EdgeBlock, MobileVitBlock and "
                    "MobileVitV2Block have label rules here")
         if why is not None:
             return why
@@ -302,8 +311,17 @@ def _fold_v1(x: Tensor, b: int, ph: int, pw: int, nh: int) -> Tensor:
 
 
 def _token_logits(m: Any, x: Tensor) -> Tensor:
-    """The classifier on every final position ``(b, h*w, classes)`` (timm's head without the pooling)."""
-    return m.head.fc(m.head.drop(rearrange(x, "b c h w -> b (h w) c")))  # type: ignore[no-any-return]
+    """The classifier on every final position ``(b, h*w, classes)`` (timm's head without the pooling; a
+    NormMlpClassifierHead's norm and MLP per position, as convnext's)."""
+    if type(m.head) is NormMlpClassifierHead and not isinstance(m.head.norm, nn.LayerNorm):
+        # a BatchNorm's or EvoNorm's statistics are the pooled map's: per position they would be others
+        raise ValueError(
+            f"per-position logits through a NormMlpClassifierHead with {type(m.head.norm).__name__} (resnet50_mlp: "
+            "BatchNorm2d) have no rule here: the norm's statistics are over the pooled features, not one position's; "
+            "use a scheme without token logits (TLAlign, NoAlign), or a head norm that normalises each position "
+            "(LayerNorm2d)"
+        )
+    return _head_on_positions(m, x)
 
 
 def _offset_index(ph: int, pw: int, nh: int, nw: int) -> Tensor:
