@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from mixlabels.backbones._attention_pool import latent_rows_reference, map_token_targets_refusal
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import branch as through_drop_path
 from mixlabels import AlignedOutput, DenseTracker, Scheme, TokenLabelMap, TokenLayout
@@ -37,6 +38,7 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
     """
     m: Any = model  # timm is untyped
     grid = check_batch(images, label_map, tuple(m.patch_embed.patch_size))
+    map_token_targets_refusal(m, scheme)
     depth, p = len(m.blocks), m.num_prefix_tokens
     reads_token = m.global_pool == "token"
     tracker = DenseTracker.start(scheme, label_map, TokenLayout(grid=grid, num_prefix=p, depth=depth, class_token=reads_token))
@@ -73,6 +75,9 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
     logits = output[0] if isinstance(output, tuple) else output
 
     token_logits = m.head(m.head_drop(m.fc_norm(x[:, p:]))) if scheme.needs_token_logits else None
+    if m.attn_pool is not None:  # a MAP head: the latents' labels are their attention rows over the tokens'
+        tracker.aggregate(latent_rows_reference(m, x))  # b l n
+        return tracker.result(output, logits, "token" if m.attn_pool.pool == "token" else "mean", token_logits, first=0)
     if reads_token:
         return tracker.result(output, logits, "token", token_logits)
     return tracker.result(output, logits, "mean", token_logits, first=0 if m.pool_include_prefix else p)

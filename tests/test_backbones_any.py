@@ -142,8 +142,8 @@ def test_mixtoken_through_patch_embed_equals_the_family_adapter(family: str) -> 
 
 def test_mixtoken_trains_a_timm_model_outside_the_families() -> None:
     torch.manual_seed(0)
-    # Attention pooling (global_pool='map') has no label readout: outside every aligning family.
-    model = timm.create_model("test_vit3", pretrained=False, num_classes=C, img_size=32)
+    # Max pooling (global_pool='avgmax') has no label readout: outside every aligning family.
+    model = timm.create_model("test_vit3", pretrained=False, num_classes=C, img_size=32, global_pool="avgmax")
     adapted = backbones.adapt(model, NoAlign())
     assert type(adapted) is AdaptedClassifier
     with pytest.raises(TypeError, match="TLAlign cannot adapt VisionTransformer, which is none of them"):

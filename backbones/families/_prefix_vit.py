@@ -29,6 +29,7 @@ from timm.layers.patch_embed import PatchEmbed
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, DenseTracker, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels.backbones._attention_pool import latent_rows, latent_rows_reference, map_refusal, map_token_targets_refusal
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._fsdp import through_hooks
@@ -47,10 +48,10 @@ def patch_embed_refusal(model: Any) -> str | None:
 
 
 def pool_refusal(model: Any) -> str | None:
-    """Why the model's head has no label readout (``None`` if it reads the class token or averages)."""
-    if getattr(model, "attn_pool", None) is not None or model.global_pool not in ("token", "avg"):
-        return f"global_pool={model.global_pool!r} has no label readout; use 'token' (with a class token) or 'avg'"
-    return None
+    """Why the model's head has no label readout (``None`` if it reads the class token, averages or attention-pools)."""
+    if getattr(model, "attn_pool", None) is None and model.global_pool not in ("token", "avg"):
+        return f"global_pool={model.global_pool!r} has no label readout; use 'token' (with a class token), 'avg' or 'map'"
+    return map_refusal(model)
 
 
 def project_qkv(attn: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -128,6 +129,7 @@ class PrefixViT(AdaptedBase):
             flat = label_map.mix_tokens(x.flatten(1, 2) if x.ndim == 4 else x, grid)
             x = flat.view_as(x)
         x, shared = self._prepare(x)
+        map_token_targets_refusal(m, self.scheme)
         p = m.num_prefix_tokens
         layout = TokenLayout(grid=grid, num_prefix=p, depth=len(m.blocks), class_token=m.global_pool == "token")
         return x, shared, layout
@@ -161,7 +163,12 @@ class PrefixViT(AdaptedBase):
         for layer, blk in enumerate(m.blocks):
             # the shared bias or rotary embedding is a block input, as in timm's forward (cast by a mixed-precision policy)
             x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x, shared)
-        tracker.pool("token", 0) if layout.class_token else tracker.pool("mean", layout.num_prefix)
+        if getattr(m, "attn_pool", None) is not None:  # a MAP head: the latents' labels are their attention rows
+            rows = latent_rows(m, m.norm(x))  # b l n
+            tracker.aggregate(lambda y: rows @ y)
+            tracker.pool("token" if m.attn_pool.pool == "token" else "mean", 0)
+        else:
+            tracker.pool("token", 0) if layout.class_token else tracker.pool("mean", layout.num_prefix)
         output, logits, token_logits = self._head(x)
         t = tracker.finish()
         return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
@@ -198,6 +205,9 @@ class PrefixViT(AdaptedBase):
             x = x + out
             x = x + branch(blk.drop_path2, self._mlp(blk, x))[0]  # MLP residual: Norm(Y + Y) = Y
         output, logits, token_logits = self._head(x)
+        if getattr(m, "attn_pool", None) is not None:  # a MAP head: the latents' labels are their attention rows
+            tracker.aggregate(latent_rows_reference(m, m.norm(x)))  # b l n
+            return tracker.result(output, logits, "token" if m.attn_pool.pool == "token" else "mean", token_logits, first=0)
         if layout.class_token:
             return tracker.result(output, logits, "token", token_logits)
         return tracker.result(output, logits, "mean", token_logits, first=layout.num_prefix)

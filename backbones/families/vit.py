@@ -16,6 +16,7 @@ from timm.layers.patch_embed import PatchEmbed
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
+from mixlabels.backbones._attention_pool import latent_rows, map_refusal, map_token_targets_refusal
 from mixlabels.backbones._attention import attention_with_labels, class_attention, explicit_mix
 from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._checks import check_batch
@@ -29,7 +30,8 @@ __all__ = ["AdaptedViT", "VIT_FAMILY", "attend", "attend_sdpa", "vit_refusal"]
 VIT_FAMILY = (
     "timm VisionTransformer (ViT/DeiT with a class token; VisionTransformerDistilled with its distillation "
     "token; register tokens; class_token=False with global_pool='avg'; qk_norm; layer scale (init_values); "
-    "stochastic depth (drop_path_rate)) built from timm Block + Attention"
+    "stochastic depth (drop_path_rate); attention pooling (global_pool='map': the latent's label is its attention row "
+    "over the tokens' labels)) built from timm Block + Attention"
 )
 
 
@@ -43,8 +45,11 @@ def vit_refusal(model: nn.Module) -> str | None:
                 f"block {i} is {type(blk).__name__} with {type(getattr(blk, 'attn', None)).__name__}; "
                 "only timm's pre-norm Block with its Attention is supported"
             )
-    if model.attn_pool is not None or model.global_pool not in ("token", "avg"):
-        return f"global_pool={model.global_pool!r} has no label readout; use 'token' or 'avg'"
+    if model.global_pool not in ("token", "avg", "map"):
+        return f"global_pool={model.global_pool!r} has no label readout; use 'token', 'avg' or 'map'"
+    why = map_refusal(model)
+    if why is not None:
+        return why
     if not isinstance(model.patch_drop, nn.Identity):
         return "patch dropout (patch_drop_rate > 0) drops tokens the labels cannot follow; set patch_drop_rate=0"
     if type(model.patch_embed) is not PatchEmbed:
@@ -99,6 +104,7 @@ class AdaptedViT(AdaptedBase):
                 x = label_map.mix_tokens(x, grid)
         x = m._pos_embed(x)  # b n d, prefix tokens first
         x = m.norm_pre(m.patch_drop(x))
+        map_token_targets_refusal(m, self.scheme)
         p = m.num_prefix_tokens
         head_reads_token = m.global_pool == "token"
         layout = TokenLayout(grid=grid, num_prefix=p, depth=len(m.blocks), class_token=head_reads_token)
@@ -106,7 +112,14 @@ class AdaptedViT(AdaptedBase):
         for layer, blk in enumerate(m.blocks):
             x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
         x = m.norm(x)
-        tracker.pool("token", 0) if head_reads_token else tracker.pool("mean", 0 if m.pool_include_prefix else p)
+        if m.attn_pool is not None:  # the latents' labels: their attention rows over the tokens' labels
+            rows = latent_rows(m, x)  # b l n
+            tracker.aggregate(lambda y: rows @ y)
+            tracker.pool("token" if m.attn_pool.pool == "token" else "mean", 0)
+        elif head_reads_token:
+            tracker.pool("token", 0)
+        else:
+            tracker.pool("mean", 0 if m.pool_include_prefix else p)
         output = m.forward_head(x)  # timm's own head: a tensor, or (cls, dist) when training distilled
         logits = output[0] if isinstance(output, tuple) else output
         token_logits = None
