@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 from timm.layers.blur_pool import BlurPool2d
+from timm.layers.conv2d_same import Conv2dSame
 from timm.layers.conv_bn_act import ConvNormAct
 from timm.layers.drop import DropBlock2d
 from timm.layers.eca import CecaModule, EcaModule
+from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from torch import Tensor, nn
 
@@ -47,10 +49,11 @@ from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenL
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, conv_mix, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
-from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices
+from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
 
 __all__ = [
     "Window",
+    "window_axes",
     "Path",
     "path_of",
     "path_refusal",
@@ -62,6 +65,7 @@ __all__ = [
     "path_kernels",
     "block_kernels",
     "path_matrix",
+    "merge_matrix",
     "block_labels",
     "start_on_path",
     "block_labels_reference",
@@ -81,20 +85,38 @@ _ACTIVATION_MODULES = ("torch.nn.modules.activation", "timm.layers.activations",
 
 @dataclass(frozen=True)
 class Window:
-    """A strided conv's or a pool's windows: labels summed over each window's in-grid positions."""
+    """A strided conv's or a pool's windows: labels summed over each window's in-grid positions.
+
+    ``same``: TF 'same' padding (timm's ``Conv2dSame``, ``AvgPool2dSame``, ``MaxPool2dSame``), which pads each
+    input by its size (``_windows.same_padding``, the odd unit after): ``padding`` is unused, and the windows are
+    resolved from the grid they are applied to (``axes(grid)``).
+    """
 
     kernel: tuple[int, int]
     stride: tuple[int, int]
     padding: tuple[int, int]
     ceil_mode: bool = False
+    same: bool = False
 
     def out_grid(self, grid: tuple[int, int]) -> tuple[int, int]:
-        """PyTorch's pooling output size (with ``ceil_mode``'s rule: no window starts in the padding)."""
-        h, w = self.axes()
+        """PyTorch's output size on ``grid`` (``ceil_mode``'s rule: no window starts in the padding; 'same': ``ceil(i/s)``)."""
+        h, w = self.axes(grid)
         return axis_out(grid[0], h), axis_out(grid[1], w)
 
-    def axes(self) -> tuple[AxisWindow, AxisWindow]:
+    def axes(self, grid: tuple[int, int]) -> tuple[AxisWindow, AxisWindow]:
+        """The two axes of the windows this window has on ``grid`` (static padding: the same on every grid)."""
+        if self.same:
+            return same_axis_windows(grid, self.kernel, self.stride)
         return axis_windows(self.kernel, self.stride, self.padding, self.ceil_mode)
+
+
+def window_axes(windows: Sequence[Window], grid: tuple[int, int]) -> tuple[tuple[AxisWindow, AxisWindow], ...]:
+    """The axes of a chain of ``windows`` applied to ``grid`` in order, each resolved on the grid it receives."""
+    axes = []
+    for w in windows:
+        axes.append(w.axes(grid))
+        grid = w.out_grid(grid)
+    return tuple(axes)
 
 
 Op = Window | nn.Conv2d
@@ -116,9 +138,19 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
     """Why ``module`` has no rule here (``None``: it is a spatial op or a channel op)."""
     if isinstance(module, gates) or _is_channel_op(module):
         return None
-    if type(module).__name__ == "Conv2dSame":
-        return (f"{where} is Conv2dSame: TF 'same' padding, decided per input size, has no static windows; use the "
-                "model without the tf_ prefix or build it with pad_type=''")
+    if type(module) is Conv2dSame:
+        conv: Any = module
+        if conv.stride == (1, 1):  # timm builds this only where 'same' is asymmetric: an even (dilated) kernel
+            return (f"{where} is a stride-1 Conv2dSame with kernel {tuple(conv.kernel_size)}: TF 'same' padding pads one "
+                    "side more, which no label rule here follows; use an odd kernel (a static nn.Conv2d) or pad_type=''")
+        if conv.dilation != (1, 1):
+            return f"{where} is a strided dilated Conv2dSame; only undilated strided convolutions aggregate here"
+        return None
+    if type(module) in (AvgPool2dSame, MaxPool2dSame):
+        same: Any = module
+        if same.ceil_mode or _pair(getattr(same, "dilation", 1)) != (1, 1):
+            return f"{where} is a {type(module).__name__} with ceil_mode or dilation; only plain 'same' pooling windows have a rule"
+        return None
     if type(module) is nn.Conv2d:
         if isinstance(module.padding, str) or module.padding_mode != "zeros":
             return f"{where} ({type(module).__name__}) uses padding {module.padding!r} ({module.padding_mode}); only static zero padding has a label rule"
@@ -152,7 +184,9 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
     ops: list[Op] = []
     for module in modules:
         mod: Any = module
-        if type(module) is nn.Conv2d:
+        if type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
+            ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), (0, 0), same=True))  # resolved on each grid
+        elif type(module) is nn.Conv2d:
             if module.stride != (1, 1):
                 ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), _pair(mod.padding)))
             elif module.kernel_size != (1, 1):
@@ -229,7 +263,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 while end < len(path) and isinstance(path[end], Window):
                     end += 1
                 run, i = [w for w in path[i:end] if isinstance(w, Window)], end
-                axes = tuple(w.axes() for w in run)
+                axes = window_axes(run, grid)
                 rows, cols = chain_matrices(grid, axes, True, y.device)
                 out = (int(rows.shape[0]), int(cols.shape[0]))
                 if out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_ENTRIES:
@@ -245,13 +279,14 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
         return y, grid
 
 
-def _window_matrix(grid: tuple[int, int], w: Window) -> tuple[Tensor, tuple[int, int]]:
+def merge_matrix(grid: tuple[int, int], w: Window) -> tuple[Tensor, tuple[int, int]]:
     """The 0/1 ``(n', n)`` matrix of ``w``'s windows written out position by position (float64)."""
     (h, wd), (oh, ow) = grid, w.out_grid(grid)
+    (_, _, top, _, _), (_, _, left, _, _) = w.axes(grid)  # the padding before the first row and column
     m = torch.zeros(oh * ow, h * wd, dtype=torch.float64)
     for oy in range(oh):
         for ox in range(ow):
-            y0, x0 = oy * w.stride[0] - w.padding[0], ox * w.stride[1] - w.padding[1]
+            y0, x0 = oy * w.stride[0] - top, ox * w.stride[1] - left
             for iy in range(max(y0, 0), min(y0 + w.kernel[0], h)):
                 for ix in range(max(x0, 0), min(x0 + w.kernel[1], wd)):
                     m[oy * ow + ox, iy * wd + ix] = 1.0
@@ -263,7 +298,7 @@ def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, i
     total = torch.eye(grid[0] * grid[1], dtype=torch.float64)
     for op in path:
         if isinstance(op, Window):
-            m, grid = _window_matrix(grid, op)
+            m, grid = merge_matrix(grid, op)
         else:
             k = op.weight.detach().double().abs()
             k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
@@ -283,7 +318,7 @@ def start_on_path(
     lead = 0
     while lead < len(stem) and isinstance(stem[lead], Window):
         lead += 1
-    windows = [w.axes() for w in stem[:lead] if isinstance(w, Window)]
+    windows = window_axes([w for w in stem[:lead] if isinstance(w, Window)], start)
     tracker, mid = start_on_windows(scheme, label_map, start, depth, windows)
     rest = stem[lead:]
     if rest:
