@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from timm.layers.blur_pool import BlurPool2d
+from timm.layers.conv2d_same import Conv2dSame
 from timm.layers.conv_bn_act import ConvNormAct
 from timm.layers.drop import DropBlock2d
 from timm.layers.eca import CecaModule, EcaModule
@@ -55,6 +56,7 @@ from timm.layers.evo_norm import (
 )
 from timm.layers.global_context import GlobalContext
 from timm.layers.separable_conv import SeparableConvNormAct
+from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
 from timm.layers.std_conv import ScaledStdConv2d, StdConv2d
 from torch import Tensor, nn
@@ -63,12 +65,13 @@ from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenL
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, conv_mix, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
-from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices
+from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
 
 __all__ = [
     "Window",
     "Parallel",
     "KernelConv",
+    "window_axes",
     "Path",
     "path_convs",
     "path_of",
@@ -81,6 +84,7 @@ __all__ = [
     "path_kernels",
     "block_kernels",
     "path_matrix",
+    "merge_matrix",
     "block_labels",
     "start_on_path",
     "block_labels_reference",
@@ -106,19 +110,28 @@ _ACTIVATION_MODULES = ("torch.nn.modules.activation", "timm.layers.activations",
 
 @dataclass(frozen=True)
 class Window:
-    """A strided conv's or a pool's windows: labels summed over each window's in-grid positions."""
+    """A strided conv's or a pool's windows: labels summed over each window's in-grid positions.
+
+    ``same``: TF 'same' padding (timm's ``Conv2dSame``, ``AvgPool2dSame``, ``MaxPool2dSame``), which pads each
+    input by its size (``_windows.same_padding``, the odd unit after): ``padding`` is unused, and the windows are
+    resolved from the grid they are applied to (``axes(grid)``).
+    """
 
     kernel: tuple[int, int]
     stride: tuple[int, int]
     padding: tuple[int, int]
     ceil_mode: bool = False
+    same: bool = False
 
     def out_grid(self, grid: tuple[int, int]) -> tuple[int, int]:
-        """PyTorch's pooling output size (with ``ceil_mode``'s rule: no window starts in the padding)."""
-        h, w = self.axes()
+        """PyTorch's output size on ``grid`` (``ceil_mode``'s rule: no window starts in the padding; 'same': ``ceil(i/s)``)."""
+        h, w = self.axes(grid)
         return axis_out(grid[0], h), axis_out(grid[1], w)
 
-    def axes(self) -> tuple[AxisWindow, AxisWindow]:
+    def axes(self, grid: tuple[int, int]) -> tuple[AxisWindow, AxisWindow]:
+        """The two axes of the windows this window has on ``grid`` (static padding: the same on every grid)."""
+        if self.same:
+            return same_axis_windows(grid, self.kernel, self.stride)
         return axis_windows(self.kernel, self.stride, self.padding, self.ceil_mode)
 
 
@@ -175,6 +188,15 @@ class Parallel:
         return grids.pop()
 
 
+def window_axes(windows: Sequence[Window], grid: tuple[int, int]) -> tuple[tuple[AxisWindow, AxisWindow], ...]:
+    """The axes of a chain of ``windows`` applied to ``grid`` in order, each resolved on the grid it receives."""
+    axes = []
+    for w in windows:
+        axes.append(w.axes(grid))
+        grid = w.out_grid(grid)
+    return tuple(axes)
+
+
 Op = Window | nn.Conv2d | KernelConv | Parallel
 """One spatial op of a path: a ``Window``, a stride-1 ``kxk`` conv (an ``nn.Conv2d`` or a ``KernelConv``, its
 kernel read at call time), or ``Parallel`` branches."""
@@ -208,9 +230,19 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
         return (f"{where} is GlobalContext with fuse_add ('gca'): it adds a context pooled over all positions to "
                 "every position, which moves content between positions and has no label rule here; build the model "
                 "with attn_layer='gc' (a gate only) or 'se'")
-    if type(module).__name__ == "Conv2dSame":
-        return (f"{where} is Conv2dSame: TF 'same' padding, decided per input size, has no static windows; use the "
-                "model without the tf_ prefix or build it with pad_type=''")
+    if type(module) is Conv2dSame:
+        conv: Any = module
+        if conv.stride == (1, 1):  # timm builds this only where 'same' is asymmetric: an even (dilated) kernel
+            return (f"{where} is a stride-1 Conv2dSame with kernel {tuple(conv.kernel_size)}: TF 'same' padding pads one "
+                    "side more, which no label rule here follows; use an odd kernel (a static nn.Conv2d) or pad_type=''")
+        if conv.dilation != (1, 1):
+            return f"{where} is a strided dilated Conv2dSame; only undilated strided convolutions aggregate here"
+        return None
+    if type(module) in (AvgPool2dSame, MaxPool2dSame):
+        same: Any = module
+        if same.ceil_mode or _pair(getattr(same, "dilation", 1)) != (1, 1):
+            return f"{where} is a {type(module).__name__} with ceil_mode or dilation; only plain 'same' pooling windows have a rule"
+        return None
     if type(module).__name__ in ("StdConv2dSame", "ScaledStdConv2dSame"):
         return (f"{where} is {type(module).__name__}: TF 'same' padding, decided per input size, has no static windows; "
                 "build the model with static padding (NFNet: same_padding=False)")
@@ -247,7 +279,9 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
     ops: list[Op] = []
     for module in modules:
         mod: Any = module
-        if isinstance(module, nn.Conv2d) and type(module) in _CONVS:
+        if type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
+            ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), (0, 0), same=True))  # resolved on each grid
+        elif isinstance(module, nn.Conv2d) and type(module) in _CONVS:
             if module.stride != (1, 1):
                 ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), _pair(mod.padding)))
             elif module.kernel_size != (1, 1):
@@ -334,7 +368,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 while end < len(path) and isinstance(path[end], Window):
                     end += 1
                 run, i = [w for w in path[i:end] if isinstance(w, Window)], end
-                axes = tuple(w.axes() for w in run)
+                axes = window_axes(run, grid)
                 rows, cols = chain_matrices(grid, axes, True, y.device)
                 out = (int(rows.shape[0]), int(cols.shape[0]))
                 if out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_ENTRIES:
@@ -359,14 +393,14 @@ def _op_weight(op: nn.Conv2d | KernelConv) -> Tensor:
     """The weight a path's stride-1 conv convolves with (``effective_weight``: standardised where the conv is)."""
     return effective_weight(op) if isinstance(op, nn.Conv2d) else op.weight.detach()
 
-
-def _window_matrix(grid: tuple[int, int], w: Window) -> tuple[Tensor, tuple[int, int]]:
+def merge_matrix(grid: tuple[int, int], w: Window) -> tuple[Tensor, tuple[int, int]]:
     """The 0/1 ``(n', n)`` matrix of ``w``'s windows written out position by position (float64)."""
     (h, wd), (oh, ow) = grid, w.out_grid(grid)
+    (_, _, top, _, _), (_, _, left, _, _) = w.axes(grid)  # the padding before the first row and column
     m = torch.zeros(oh * ow, h * wd, dtype=torch.float64)
     for oy in range(oh):
         for ox in range(ow):
-            y0, x0 = oy * w.stride[0] - w.padding[0], ox * w.stride[1] - w.padding[1]
+            y0, x0 = oy * w.stride[0] - top, ox * w.stride[1] - left
             for iy in range(max(y0, 0), min(y0 + w.kernel[0], h)):
                 for ix in range(max(x0, 0), min(x0 + w.kernel[1], wd)):
                     m[oy * ow + ox, iy * wd + ix] = 1.0
@@ -378,7 +412,7 @@ def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, i
     total = torch.eye(grid[0] * grid[1], dtype=torch.float64)
     for op in path:
         if isinstance(op, Window):
-            m, grid = _window_matrix(grid, op)
+            m, grid = merge_matrix(grid, op)
         elif isinstance(op, Parallel):
             out = op.out_grid(grid)
             m = sum((s * path_matrix(b, grid)[0] for s, b in zip(op.shares(), op.branches)), torch.zeros(1, dtype=torch.float64))
@@ -402,7 +436,7 @@ def start_on_path(
     lead = 0
     while lead < len(stem) and isinstance(stem[lead], Window):
         lead += 1
-    windows = [w.axes() for w in stem[:lead] if isinstance(w, Window)]
+    windows = window_axes([w for w in stem[:lead] if isinstance(w, Window)], start)
     tracker, mid = start_on_windows(scheme, label_map, start, depth, windows)
     rest = stem[lead:]
     if rest:

@@ -22,32 +22,63 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-__all__ = ["AxisWindow", "axis_windows", "axis_out", "axis_matrix", "chain_matrices", "apply_separable", "window_sums"]
+__all__ = [
+    "AxisWindow",
+    "axis_windows",
+    "same_padding",
+    "same_axis_windows",
+    "axis_out",
+    "axis_matrix",
+    "chain_matrices",
+    "apply_separable",
+    "window_sums",
+    "axes_sums",
+]
 
-AxisWindow = tuple[int, int, int, bool]
-"""One axis of a window: ``(kernel, stride, padding, ceil_mode)``."""
+AxisWindow = tuple[int, int, int, int, bool]
+"""One axis of a window: ``(kernel, stride, padding before, padding after, ceil_mode)``; the two paddings differ
+only for TF 'same' padding (``same_axis_windows``)."""
 
 
 def axis_windows(kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int], ceil_mode: bool = False) -> tuple[AxisWindow, AxisWindow]:
-    """A 2-d window as its two axes."""
+    """A 2-d window with static symmetric padding as its two axes."""
     return (
-        (int(kernel[0]), int(stride[0]), int(padding[0]), ceil_mode),
-        (int(kernel[1]), int(stride[1]), int(padding[1]), ceil_mode),
+        (int(kernel[0]), int(stride[0]), int(padding[0]), int(padding[0]), ceil_mode),
+        (int(kernel[1]), int(stride[1]), int(padding[1]), int(padding[1]), ceil_mode),
     )
+
+
+def same_padding(size: int, kernel: int, stride: int, dilation: int = 1) -> tuple[int, int]:
+    """TF 'same' padding of one axis of ``size`` (timm's ``get_same_padding`` and ``pad_same``): ``(before, after)``.
+
+    The total makes the output ``ceil(size / stride)`` long; the odd unit, if any, goes after (bottom, right).
+    """
+    total = max((-(-size // stride) - 1) * stride + (kernel - 1) * dilation + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def same_axis_windows(grid: Sequence[int], kernel: Sequence[int], stride: Sequence[int]) -> tuple[AxisWindow, AxisWindow]:
+    """The two axes of a TF 'same'-padded window (``Conv2dSame``, ``AvgPool2dSame``, ``MaxPool2dSame``) applied to
+    ``grid``: its padding depends on the input size, so the axes are resolved per grid."""
+    axes = []
+    for size, k, s in zip(grid, kernel, stride):
+        before, after = same_padding(int(size), int(k), int(s))
+        axes.append((int(k), int(s), before, after, False))
+    return axes[0], axes[1]
 
 
 def axis_out(size: int, window: AxisWindow) -> int:
     """PyTorch's pooling output length along one axis (``ceil_mode``: no window starts in the padding)."""
-    k, s, p, ceil = window
-    out = (size + 2 * p - k + (s - 1 if ceil else 0)) // s + 1
-    if ceil and (out - 1) * s >= size + p:
+    k, s, before, after, ceil = window
+    out = (size + before + after - k + (s - 1 if ceil else 0)) // s + 1
+    if ceil and (out - 1) * s >= size + before:
         out -= 1
     return out
 
 
 def axis_matrix(size: int, window: AxisWindow) -> Tensor:
     """``(out, size)`` fp32 0/1: which in-grid positions of an axis each window holds (padding holds none)."""
-    k, s, p, _ = window
+    k, s, p, _, _ = window
     starts = torch.arange(axis_out(size, window)) * s - p
     pos = torch.arange(size)
     return ((pos[None] >= starts[:, None]) & (pos[None] < starts[:, None] + k)).float()
@@ -88,5 +119,10 @@ def window_sums(
     labels: Tensor, grid: tuple[int, int], kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int], ceil_mode: bool = False
 ) -> tuple[Tensor, tuple[int, int]]:
     """The sum of the labels in every window (zero padding adds nothing), and the output grid."""
-    rows, cols = chain_matrices(grid, (axis_windows(kernel, stride, padding, ceil_mode),), False, labels.device)
+    return axes_sums(labels, grid, axis_windows(kernel, stride, padding, ceil_mode))
+
+
+def axes_sums(labels: Tensor, grid: tuple[int, int], axes: tuple[AxisWindow, AxisWindow]) -> tuple[Tensor, tuple[int, int]]:
+    """``window_sums`` of a window given by its two axes on ``grid`` (a 'same' window resolved there)."""
+    rows, cols = chain_matrices(grid, (axes,), False, labels.device)
     return apply_separable(labels, grid, rows, cols), (int(rows.shape[0]), int(cols.shape[0]))

@@ -8,6 +8,7 @@ import pytest
 import timm
 import torch
 from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch, set_fused, sharpen
+from timm.layers.conv2d_same import Conv2dSame
 from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitConvCfg, MaxxVitTransformerCfg
 
 from mixlabels import NoAlign, TLAlign, TokenLabelMap, TransMix, backbones
@@ -26,7 +27,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
                      "transformer": {"use_nchw_attn": True, "head_first": False, "no_block_attn": True, "init_values": 1e-2}},
     # the paper's stride in the first 1x1 conv
     "mbconv_1x1": {"block_type": ("C", "M", "T"), "conv_cfg": MaxxVitConvCfg(stride_mode="1x1")},
+    # TF 'same' padding (maxvit_*_tf_*): Conv2dSame stem and strided depthwise convs, AvgPool2dSame 2x2 shortcuts
+    "maxvit_tf": {"block_type": ("C", "M", "T"), "conv_cfg": MaxxVitConvCfg(padding="same", act_layer="gelu_tanh"),
+                  "transformer": {"head_first": False, "rel_pos_type": "bias_tf"}},
+    # 'same' 3x3/2 MaxPool2dSame on the shortcut and the branch; a strided 1x1 Conv2dSame
+    "coatnet_same": {"block_type": ("C", "C", "T"), "conv_cfg": MaxxVitConvCfg(stride_mode="pool", pool_type="max", padding="same")},
+    "mbconv_1x1_same": {"block_type": ("C", "M", "T"), "conv_cfg": MaxxVitConvCfg(stride_mode="1x1", padding="same", pool_type="avg")},
 }  # fmt: skip
+SAME = ["maxvit_tf", "coatnet_same", "mbconv_1x1_same"]  # at 32 px the 3x3/2 windows pad 32, 16, 8 and 4 by (0, 1)
 
 
 def make(config: str, drop_path_rate: float = 0.0) -> torch.nn.Module:
@@ -48,9 +56,20 @@ def test_fast_path_equals_reference(scheme: str) -> None:
     check_parity(make("maxvit", drop_path_rate=0.4), scheme)
 
 
-@pytest.mark.parametrize("config", ["coatnet", "maxxvit_nchw", "mbconv_1x1"])
+@pytest.mark.parametrize("config", ["coatnet", "maxxvit_nchw", "mbconv_1x1", *SAME])
 def test_fast_path_equals_reference_variants(config: str) -> None:
     check_parity(make(config, drop_path_rate=0.4), "tl_align")
+
+
+@pytest.mark.parametrize("scheme", ["tl_official", "tokens_aligned", "tl_first"])
+def test_same_padding_fast_path_equals_reference(scheme: str) -> None:
+    model = make("maxvit_tf", drop_path_rate=0.4)
+    assert {type(m).__name__ for m in model.modules()} >= {"Conv2dSame", "AvgPool2dSame"}
+    check_parity(model, scheme)
+
+
+def test_same_padding_unmixed_gives_one_hot() -> None:
+    check_unmixed_is_one_hot(make("coatnet_same"), POOLED)
 
 
 def test_explicit_attention_and_mixtoken_fast_equal_reference() -> None:
@@ -75,7 +94,7 @@ def test_refusals() -> None:
     family = next(f for f in backbones.FAMILIES if f.name == "maxxvit")
     with torch.device("meta"):
         tf, parallel = timm.create_model("maxvit_tiny_tf_224"), timm.create_model("maxvit_tiny_pm_256")
-    assert "padding='same'" in (family.refusal(tf) or "") and "maxvit_*_tf_*" in (family.refusal(tf) or "")
+    assert family.refusal(tf) is None  # TF 'same' padding: windows resolved on each grid
     assert "ParallelMaxxVitBlock (block type 'PM'" in (family.refusal(parallel) or "")
     images, lm = cutmix_batch()
     with pytest.raises(ValueError, match="no class token"):
@@ -85,6 +104,10 @@ def test_refusals() -> None:
     grouped.stages[0].blocks[0].conv2_kxk = torch.nn.Conv2d(conv.in_channels, conv.out_channels, 3, 2, 1, groups=2)
     with pytest.raises(TypeError, match="stage 0 block 0's depthwise conv is a grouped"):
         backbones.adapt(grouped, TLAlign())
+    even = make("maxvit_tf")  # a stride-1 'same' conv with an even kernel pads one side more: no rule
+    even.stem.conv2 = Conv2dSame(8, 8, 2)
+    with pytest.raises(TypeError, match=r"the stem's conv2 is a Conv2dSame of stride \(1, 1\).*use conv_padding=''"):
+        backbones.adapt(even, TLAlign())
     maxpooled = make("maxvit")
     maxpooled.reset_classifier(C, global_pool="max")
     with pytest.raises(TypeError, match="global_pool='max' has no label readout"):

@@ -4,9 +4,11 @@ refusals."""
 from __future__ import annotations
 
 import pytest
+import test_backbones_common
 import timm
 import torch
 from test_backbones_common import POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
+from timm.layers.conv2d_same import Conv2dSame
 from torch import nn
 
 from mixlabels import TLAlign, TransMix, backbones
@@ -39,6 +41,23 @@ def test_unmixed_gives_one_hot() -> None:
     check_unmixed_is_one_hot(make(), POOLED)
 
 
+def make_same(drop_path_rate: float = 0.0) -> nn.Module:
+    """TF 'same' padding (the tf_mobilenetv3_* models' pad_type): the strided convs are Conv2dSame."""
+    model = tiny_mobilenetv3(drop_path_rate=drop_path_rate, drop_rate=0.2, pad_type="same")
+    assert any(isinstance(mod, Conv2dSame) for mod in model.modules())
+    return model
+
+
+@pytest.mark.parametrize("size", [32, 30])  # the stride-2 3x3 convs pad 32 by (0, 1); 30 by (0, 1), then 15 by (1, 1)
+def test_same_padding(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_backbones_common, "IMG", size)
+    for scheme in ("none", "tokens_aligned"):
+        check_preservation(make_same(drop_path_rate=0.5), SCHEMES[scheme])
+    for scheme in ("tl_align", "tl_official", "tokens_aligned"):
+        check_parity(make_same(drop_path_rate=0.4), scheme)
+    check_unmixed_is_one_hot(make_same(), POOLED)
+
+
 def test_timm_names_adapt_and_refusals() -> None:
     family = next(f for f in backbones.FAMILIES if f.name == "mobilenetv3")
     names = ("mobilenetv3_large_100", "mobilenetv3_small_050", "mobilenetv3_rw", "fbnetv3_b", "lcnet_100", "hardcorenas_a")
@@ -57,8 +76,7 @@ def test_timm_names_adapt_and_refusals() -> None:
         maxpool = timm.create_model("mobilenetv3_small_100", pretrained=False, global_pool="max")
         effnet = timm.create_model("efficientnet_b0", pretrained=False)
     mnv4_plain.norm_head = nn.Identity()  # timm's MobileNetV4 always has head_norm; without it, a MobileNetV3 head
-    with pytest.raises(TypeError, match="the stem module 0 is Conv2dSame: TF 'same' padding.*without the tf_ prefix"):
-        backbones.AdaptedMobileNetV3(tf, TLAlign())
+    assert family.refusal(tf) is None  # TF 'same' padding: its strided convs' windows resolved per grid
     with pytest.raises(TypeError, match=r"norm_head \(head_norm=True\) is MobileNetV4's head: the mobilenetv4 family takes it"):
         backbones.AdaptedMobileNetV3(mnv4, TLAlign())
     assert family.refusal(mnv4_plain) is None  # its UniversalInvertedResidual blocks have the rules

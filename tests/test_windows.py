@@ -16,13 +16,15 @@ import torch.nn.functional as F
 from einops import rearrange
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from timm.layers.conv2d_same import Conv2dSame
+from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from torch.testing import assert_close
 
 from mixlabels import AlignedTargets, NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TokenLayout
 from mixlabels._mask import BoxMask, CellMask
 from mixlabels.backbones import adapt
 from mixlabels.backbones._common import start_on_windows
-from mixlabels.backbones._convnet import Window, apply_path, path_matrix
+from mixlabels.backbones._convnet import Window, apply_path, path_matrix, window_axes
 from mixlabels.backbones._windows import axis_windows, chain_matrices, window_sums
 from tests.test_backbones_common import sharpen
 
@@ -126,7 +128,7 @@ def test_start_on_windows_equals_starting_on_the_pixels(kind: str) -> None:
         lm = lm.with_token_targets(torch.rand(4, 32, 32, 5, generator=g).softmax(-1))  # pixel maps: the pixel start needs them
     windows = [Window((7, 7), (2, 2), (3, 3)), Window((3, 3), (2, 2), (1, 1))]
     scheme: Scheme = TokenLabeling(aligned=True) if kind == "token_targets" else TLAlign()
-    tracker, grid = start_on_windows(scheme, lm, (32, 32), 1, [w.axes() for w in windows])
+    tracker, grid = start_on_windows(scheme, lm, (32, 32), 1, window_axes(windows, (32, 32)))
     assert grid == (8, 8)
     tracker.pool("mean", 0)
     ours, expected = tracker.finish(), _pixel_start(scheme, lm, windows, 1)
@@ -180,3 +182,64 @@ def test_conv_mix_small_grids_equal_the_conv_and_the_explicit_matrix(
     small = grid[0] * grid[1] <= _common._DENSE_CONV_TOKENS
     monkeypatch.setattr(_common, "_DENSE_CONV_TOKENS", 0 if small else 10**6)  # the other route
     assert_close(_common.conv_mix(labels, grid, kernel, (pad, pad), (dil, dil)), dense)
+
+
+def _same_module(kind: str, kernel: tuple[int, int], stride: tuple[int, int]) -> torch.nn.Module:
+    """timm's TF 'same' module with an all-ones kernel: its output at a position is positive exactly where a
+    one-hot input lies in that position's window."""
+    if kind == "avg":
+        return AvgPool2dSame(kernel, stride)
+    if kind == "max":
+        return MaxPool2dSame(kernel, stride)
+    conv = Conv2dSame(1, 1, kernel, stride, bias=False)
+    torch.nn.init.ones_(conv.weight)
+    return conv
+
+
+@pytest.mark.parametrize("kind", ["conv", "avg", "max"])
+@pytest.mark.parametrize("kernel, stride", [((3, 3), (2, 2)), ((2, 2), (2, 2)), ((5, 3), (2, 3)), ((4, 4), (2, 2)), ((1, 1), (2, 2)), ((3, 3), (1, 2))])
+@pytest.mark.parametrize("grid", [(16, 16), (15, 15), (30, 31), (7, 10)])
+def test_same_windows_equal_timm_modules(kind: str, kernel: tuple[int, int], stride: tuple[int, int], grid: tuple[int, int]) -> None:
+    """A 'same' window's resolved windows, output grid, explicit matrix and separable chain are the positions that
+    feed each output of timm's own Conv2dSame / AvgPool2dSame / MaxPool2dSame (one one-hot input per position)."""
+    n = grid[0] * grid[1]
+    with torch.no_grad():
+        out = _same_module(kind, kernel, stride)(torch.eye(n).reshape(n, 1, *grid))  # input position, 1, i, j
+    brute = (rearrange(out, "n 1 i j -> (i j) n") > 0).double()
+    w = Window(kernel, stride, (0, 0), same=True)
+    assert w.out_grid(grid) == tuple(out.shape[-2:])
+    (kh, sh, top, bottom, _), (kw, sw, left, right, _) = w.axes(grid)
+    assert (top + bottom) % 2 == 0 or bottom == top + 1  # the odd unit goes after, as pad_same does
+    ref, ref_grid = path_matrix((w,), grid)
+    assert ref_grid == w.out_grid(grid)
+    assert_close((ref > 0).double(), brute, rtol=0, atol=0)
+    rows, cols = chain_matrices(grid, (w.axes(grid),), False, torch.device("cpu"))
+    assert_close(torch.kron(rows, cols).double(), brute, rtol=0, atol=0)
+    y = torch.rand(2, n, 3, generator=torch.Generator().manual_seed(0))
+    ours, _ = apply_path((w,), y, grid)
+    assert_close(ours.double(), ref @ y.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_same_padding_is_asymmetric_where_tested() -> None:
+    """The cases above include asymmetric padding (else the brute-force comparison could not tell 'same' from
+    symmetric padding): a 3x3/2 window pads a 16 grid by 0 before and 1 after; a 31 grid's 4x4/2 by 1 and 2."""
+    assert Window((3, 3), (2, 2), (0, 0), same=True).axes((16, 15))[0][2:4] == (0, 1)
+    assert Window((4, 4), (2, 2), (0, 0), same=True).axes((31, 31))[0][2:4] == (1, 2)
+    assert Window((3, 3), (2, 2), (0, 0), same=True).axes((16, 15))[1][2:4] == (1, 1)
+
+
+def test_same_window_chain_equals_timm_modules() -> None:
+    """A chain of 'same' windows resolves each on the grid it receives (15 -> 8 -> 4): as timm's modules run."""
+    grid = (15, 30)
+    modules = [_same_module("conv", (3, 3), (2, 2)), _same_module("max", (3, 3), (2, 2)), _same_module("avg", (2, 2), (2, 2))]
+    path = tuple(Window(tuple(m.kernel_size), tuple(m.stride), (0, 0), same=True) for m in modules)  # type: ignore[arg-type]
+    n = grid[0] * grid[1]
+    x = torch.eye(n).reshape(n, 1, *grid)
+    with torch.no_grad():
+        for m in modules:
+            x = m(x)
+    ref, out = path_matrix(path, grid)
+    assert out == tuple(x.shape[-2:]) == (2, 4)
+    assert_close((ref > 0).double(), (rearrange(x, "n 1 i j -> (i j) n") > 0).double(), rtol=0, atol=0)
+    y = torch.rand(2, n, 3, generator=torch.Generator().manual_seed(1))
+    assert_close(apply_path(path, y, grid)[0].double(), ref @ y.double(), rtol=1e-5, atol=1e-6)

@@ -7,7 +7,8 @@ Events per block ``layer`` (blocks counted over all stages):
   projection; ``DepthwiseSeparableConv``: depthwise conv, SE, 1x1; ``EdgeResidual`` (FusedMBConv):
   a full kxk conv, SE, 1x1; ``ConvBnAct``: one conv. The stride-1 depthwise or full kxk conv mixes
   labels by its channel-averaged normalised absolute kernel (border-renormalised); a strided one
-  aggregates over its windows; 1x1 convs, BatchNormAct, SE are channel ops;
+  aggregates over its windows (a ``Conv2dSame``'s TF 'same' windows, padded by each input's size,
+  resolved on the grid it receives: the tf_* models); 1x1 convs, BatchNormAct, SE are channel ops;
 - a block with a skip (``has_skip``: stride 1, same width): ``residual(layer, keep, mixed=P Y)``
   with ``Y = labels_for(layer)``; a block without one forms every position from its windows:
   ``aggregate`` by its path, aligned layer or not (as a stem does);
@@ -60,10 +61,10 @@ from mixlabels.backbones._family import Family, tiny
 __all__ = ["AdaptedEfficientNet", "EFFICIENTNET_FAMILY", "efficientnet_refusal", "blocks_refusal"]
 
 EFFICIENTNET_FAMILY = (
-    "timm EfficientNet class (EfficientNet/V2, MobileNetV2, MNASNet, FBNet, ... with static padding): "
+    "timm EfficientNet class (EfficientNet/V2, MobileNetV2, MNASNet, FBNet, ..., tf_* with TF 'same' padding): "
     "InvertedResidual, DepthwiseSeparable, EdgeResidual and ConvBnAct blocks; stride-1 depthwise or full kxk convs "
     "mix labels by the channel-averaged normalised |kernel| (border-renormalised), strided convs aggregate over their "
-    "windows, 1x1 convs, BatchNormAct and squeeze-excite as channel ops; a skip block joins its branch's labels by "
+    "windows ('same' windows resolved on each input grid), 1x1 convs, BatchNormAct and squeeze-excite as channel ops; a skip block joins its branch's labels by "
     "the residual rule, a block without skip aggregates; stem from the pixels; global average pooling; stochastic depth"
 )
 

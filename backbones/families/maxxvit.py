@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from timm.layers.classifier import ClassifierHead, NormMlpClassifierHead
+from timm.layers.conv2d_same import Conv2dSame
 from timm.layers.eca import EcaModule
+from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from timm.layers.squeeze_excite import SEModule
 from timm.models.maxxvit import (
     Attention2d,
@@ -71,8 +73,10 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, DenseTracker, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, start_on_convs, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space
+from mixlabels.backbones._convnet import Window, merge_matrix, path_grid, start_on_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._windows import axes_sums
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import through_hooks
 from timm.models.maxxvit import MaxxVitCfg
@@ -95,11 +99,13 @@ MAXXVIT_FAMILY = (
     "stages over the whole grid), MaxxViT/CoAtNeXt (ConvNeXt conv blocks); relative position bias (bias, mlp, "
     "bias_tf) as an additive mask of the head-mean attention; depthwise convs as normalised-absolute-kernel "
     "spatial mixes; conv stem, strided convs and pooled shortcuts as aggregation; SE, 1x1 convs, norms as "
-    "channel ops; static (not 'same') padding; global average pooling; stochastic depth"
+    "channel ops; static or TF 'same' padding (maxvit_*_tf_*: strided convs' and pools' windows resolved on each "
+    "input grid); global average pooling; stochastic depth"
 )
 
-_Window = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]  # kernel, stride, padding
-_Op = tuple[str, Any]  # ("sum", window) or ("conv", a stride-1 depthwise nn.Conv2d)
+_Op = tuple[str, Any]  # ("sum", a Window) or ("conv", a stride-1 depthwise nn.Conv2d)
+_SAME = (Conv2dSame, AvgPool2dSame, MaxPool2dSame)  # TF 'same' padding (maxvit_*_tf_*): windows resolved per grid
+_ONE = Window((1, 1), (1, 1), (0, 0))  # a 1x1 stride-1 conv's window: a channel op
 _CHANNEL_GATES = (SEModule, EcaModule)  # per-sample channel attention: channel ops
 
 BLOCK = "(nh wh) (nw ww)"  # window partition: contiguous windows
@@ -111,21 +117,46 @@ def _pair(v: Any) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-def _window(mod: Any) -> _Window:
-    return _pair(mod.kernel_size), _pair(mod.stride), _pair(mod.padding)
+def _window(mod: Any) -> Window:
+    """A conv's or pool's windows: static padding, or TF 'same' (resolved on the grid each is applied to)."""
+    if type(mod) in _SAME:
+        return Window(_pair(mod.kernel_size), _pair(mod.stride), (0, 0), same=True)
+    return Window(_pair(mod.kernel_size), _pair(mod.stride), _pair(mod.padding))
+
+
+def _same_conv_refusal(conv: Any, what: str) -> str | None:
+    """Why a ``Conv2dSame`` has no window here: only strided undilated ones aggregate (a stride-1 one pads one side
+    more, which no label rule follows); ``None`` for any other module (its own checks apply)."""
+    if type(conv) is not Conv2dSame:
+        return None
+    if _pair(conv.stride) == (1, 1) or _pair(conv.dilation) != (1, 1):
+        return (f"{what} is a Conv2dSame of stride {tuple(conv.stride)}, dilation {tuple(conv.dilation)}: only strided, "
+                "undilated TF 'same' convolutions aggregate here; use conv_padding=''")
+    return None
+
+
+def _full_conv_refusal(conv: Any, what: str) -> str | None:
+    """``check_static_conv``, or a strided TF 'same' conv (its windows resolved per grid)."""
+    return _same_conv_refusal(conv, what) if type(conv) is Conv2dSame else check_static_conv(conv, what)
 
 
 def _pool_refusal(down: Any, what: str) -> str | None:
     if type(down) is not Downsample2d:
         return f"{what} is {type(down).__name__}, not timm's Downsample2d"
     p = down.pool
-    if type(p) not in (nn.AvgPool2d, nn.MaxPool2d) or p.ceil_mode or (type(p) is nn.MaxPool2d and _pair(p.dilation) != (1, 1)):
-        return f"{what}'s pool is {type(p).__name__}; only a static AvgPool2d/MaxPool2d (no ceil_mode or dilation) has a window"
+    pools = (nn.AvgPool2d, nn.MaxPool2d, AvgPool2dSame, MaxPool2dSame)
+    if type(p) not in pools or p.ceil_mode or (isinstance(p, nn.MaxPool2d) and _pair(p.dilation) != (1, 1)):
+        return (f"{what}'s pool is {type(p).__name__}; only an AvgPool2d/MaxPool2d, static or 'same' (no ceil_mode or "
+                "dilation), has a window")
     return None
 
 
 def _dw_refusal(conv: Any, what: str) -> str | None:
-    if type(conv) is not nn.Conv2d:
+    if type(conv) is Conv2dSame:
+        why = _same_conv_refusal(conv, what)
+        if why is not None:
+            return why
+    elif type(conv) is not nn.Conv2d:
         return f"{what} is {type(conv).__name__}, not a plain nn.Conv2d"
     if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
         return f"{what} uses padding {conv.padding!r} ({conv.padding_mode}); only static zero padding is supported"
@@ -140,15 +171,15 @@ def _conv_refusal(blk: Any, where: str) -> str | None:
             return f"{where}'s attention {type(blk.se_early).__name__} is not a channel gate (se, eca)"
         if blk.se is not None and not isinstance(blk.se, (*_CHANNEL_GATES, nn.Identity)):
             return f"{where}'s attention {type(blk.se).__name__} is not a channel gate (se, eca)"
-        why = check_static_conv(blk.conv1_1x1, f"{where}'s conv1_1x1") or check_static_conv(blk.conv3_1x1, f"{where}'s conv3_1x1")
-        if why is None and (_pair(blk.conv1_1x1.kernel_size) != (1, 1) or _window(blk.conv3_1x1) != ((1, 1), (1, 1), (0, 0))):
+        why = _full_conv_refusal(blk.conv1_1x1, f"{where}'s conv1_1x1") or check_static_conv(blk.conv3_1x1, f"{where}'s conv3_1x1")
+        if why is None and (_pair(blk.conv1_1x1.kernel_size) != (1, 1) or _window(blk.conv3_1x1) != _ONE):
             why = f"{where}'s 1x1 convs are not 1x1"
         dw = blk.conv2_kxk
     elif type(blk) is ConvNeXtBlock:
         why = None
         if not isinstance(blk.shortcut, (nn.Identity, Downsample2d)):
             why = check_static_conv(blk.shortcut, f"{where}'s shortcut")
-            if why is None and _window(blk.shortcut) != ((1, 1), (1, 1), (0, 0)):
+            if why is None and _window(blk.shortcut) != _ONE:
                 why = f"{where}'s shortcut conv is not a 1x1 stride-1 conv"
         dw = blk.conv_dw
     else:
@@ -177,20 +208,14 @@ def _maxxvit_refusal(model: nn.Module) -> str | None:
     if type(model) is not MaxxVit:
         return f"{type(model).__name__} is not a timm MaxxVit"
     m: Any = model
-    dynamic = sorted({type(mod).__name__ for mod in m.modules() if type(mod).__name__ in ("Conv2dSame", "AvgPool2dSame", "MaxPool2dSame")})
-    if dynamic:
-        return (
-            f"padding='same' ({', '.join(dynamic)}: the TF-ported maxvit_*_tf_* models) pads each strided layer "
-            "by its input size, asymmetrically, which the label windows do not follow; use the timm-native "
-            "maxvit_*_rw_* / coatnet_* models, or conv_padding=''"
-        )
     if not isinstance(m.head, (ClassifierHead, NormMlpClassifierHead)) or m.head.global_pool.pool_type != "avg":
         return f"global_pool={m.global_pool!r} has no label readout; use 'avg'"
     if not isinstance(m.norm, (nn.Identity, nn.BatchNorm2d)) and type(m.norm).__name__ != "LayerNorm2d":
         return f"the final norm is {type(m.norm).__name__}; only a per-position norm is supported"
-    why = check_static_conv(m.stem.conv1, "the stem's conv1") or check_static_conv(m.stem.conv2, "the stem's conv2")
-    if why is not None:
-        return why
+    for name in ("conv1", "conv2"):
+        why = _full_conv_refusal(getattr(m.stem, name), f"the stem's {name}")
+        if why is not None:
+            return why
     for i, stage in enumerate(m.stages):
         for j, blk in enumerate(stage.blocks):
             where = f"stage {i} block {j}"
@@ -231,7 +256,7 @@ def _units(m: Any) -> list[Any]:
     return units
 
 
-def _shortcut_window(u: Any) -> _Window | None:
+def _shortcut_window(u: Any) -> Window | None:
     return _window(u.shortcut.pool) if isinstance(u.shortcut, Downsample2d) else None
 
 
@@ -257,7 +282,7 @@ def _branch_labels(ops: list[_Op], labels: Tensor, grid: tuple[int, int]) -> tup
     """Labels ``(b, n, l)`` through ``ops``: windows summed and renormalised, depthwise convs mixed."""
     for kind, op in ops:
         if kind == "sum":
-            labels, grid = pool_labels(labels.float(), grid, *op)
+            labels, grid = axes_sums(labels.float(), grid, op.axes(grid))
             labels = labels / labels.sum(dim=-1, keepdim=True)
         else:
             labels = conv_mix(labels, grid, conv_label_kernel(op.weight), op.padding, op.dilation)
@@ -269,7 +294,7 @@ def _branch_matrix(ops: list[_Op], grid: tuple[int, int]) -> tuple[Tensor, tuple
     m: Tensor | None = None  # the identity, never built: a stem-sized (n, n) eye is gigabytes
     for kind, op in ops:
         if kind == "sum":
-            w, grid = conv_matrix(grid, torch.ones(op[0]), op[1], op[2])
+            w, grid = merge_matrix(grid, op)
         else:
             k = op.weight.detach().double().abs()
             k = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
@@ -409,6 +434,11 @@ def _from_cl(u: Any, x: Tensor) -> Tensor:
     return rearrange(x, "b h w c -> b c h w") if isinstance(u, PartitionAttentionCl) else x
 
 
+def _stem_windows(m: Any) -> tuple[Window, Window]:
+    """The stem's two convs as windows: labels start on the pixels summed over both (the stride-1 conv2 too)."""
+    return _window(m.stem.conv1), _window(m.stem.conv2)
+
+
 def embed_stem(stem: nn.Module, stride: tuple[int, int], images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
     """A conv stem of ``stride`` on the images: its output ``(b, c, h, w)``, its grid, and the grid the labels start on
     (the pixels, or the stem's grid for MixToken, which mixes the stem's output)."""
@@ -460,7 +490,7 @@ class AdaptedMaxxVit(AdaptedBase):
         m: Any = self.model
         x, grid, start = embed_stem(m.stem, _pair(m.stem.conv1.stride), images, label_map)
         units = _units(m)
-        tracker = start_on_convs(self.scheme, label_map, start, grid, len(units), (m.stem.conv1, m.stem.conv2))
+        tracker = start_on_path(self.scheme, label_map, start, grid, len(units), _stem_windows(m))
         for layer, u in enumerate(units):
             x, grid = through_hooks(u, functools.partial(self._unit, u, grid=grid, layer=layer, tracker=tracker), x)
         x = m.norm(x)
@@ -488,8 +518,8 @@ class AdaptedMaxxVit(AdaptedBase):
         window = _shortcut_window(u)
         new_grid = grid
         if window is not None:  # the downsampling shortcut: labels summed over its pooling windows
-            merge, new_grid = sum_pool_merge(grid, *window)
-            tracker.aggregate(merge)
+            new_grid, g, w = window.out_grid(grid), grid, window
+            tracker.aggregate(lambda y: axes_sums(y, g, w.axes(g))[0])
         mixed = None
         if pre is not None:  # the branch from the labels before that aggregate
             mixed, branch_grid = _branch_labels(_branch_ops(u), pre, grid)
@@ -517,9 +547,8 @@ class AdaptedMaxxVit(AdaptedBase):
         units = _units(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(units))
         if start != grid:
-            for conv in (m.stem.conv1, m.stem.conv2):
-                k, s, p = _window(conv)
-                merge, start = conv_matrix(start, torch.ones(k), s, p)
+            for stem in _stem_windows(m):
+                merge, start = merge_matrix(start, stem)
                 rules.aggregate(merge)
         for layer, u in enumerate(units):
             pre = rules.y
@@ -535,7 +564,7 @@ class AdaptedMaxxVit(AdaptedBase):
             shortcut = u.shortcut(x)
             window = _shortcut_window(u)
             if window is not None:
-                merge, _ = conv_matrix(grid, torch.ones(window[0]), window[1], window[2])
+                merge, _ = merge_matrix(grid, window)
                 rules.aggregate(merge)
             matrix, grid = _branch_matrix(_branch_ops(u), grid)
             if isinstance(u, TransformerBlock2d):

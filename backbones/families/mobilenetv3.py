@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 MOBILENETV3_FAMILY = (
-    "timm MobileNetV3 class (MobileNetV3 large/small/rw, FBNetV3, LCNet, HardCoRe-NAS with static padding): "
+    "timm MobileNetV3 class (MobileNetV3 large/small/rw, FBNetV3, LCNet, HardCoRe-NAS; tf_* with TF 'same' padding): "
     "EfficientNet's InvertedResidual, DepthwiseSeparable, EdgeResidual and ConvBnAct blocks and rules (stride-1 kxk "
     "convs mix by the channel-averaged normalised |kernel|, strided convs aggregate, 1x1 convs, hard-swish and "
     "squeeze-excite as channel ops); global average pooling before the 1x1 conv_head, a channel op on the pooled "

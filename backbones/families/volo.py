@@ -44,7 +44,7 @@ from mixlabels import AlignedOutput, LabelTracker, Readout, TokenLabelMap
 from mixlabels.backbones._attention import attention_with_labels, class_attention, explicit_mix
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, start_on_windows
-from mixlabels.backbones._convnet import Path, Window, apply_path, path_matrix, path_of, path_refusal
+from mixlabels.backbones._convnet import Path, Window, apply_path, path_matrix, path_of, path_refusal, window_axes
 from mixlabels.backbones._dense import DenseRules, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels.backbones._family import Family, tiny
@@ -242,7 +242,7 @@ class AdaptedVOLO(AdaptedBase):
         x, grid, start, path = _embed(m, images, label_map)
         class_token = m.global_pool == "token"
         lead = 0 if start == grid else _leading_windows(path)  # a MixToken map starts on the patch grid
-        windows = [w.axes() for w in path[:lead] if isinstance(w, Window)]
+        windows = window_axes([w for w in path[:lead] if isinstance(w, Window)], start)
         tracker, mid = start_on_windows(self.scheme, label_map, start, _depth(m), windows, 1, class_token)
         rest = path[lead:] if start != grid else ()
         if rest:  # the stride-1 convs and the rest of the embedding's windows
