@@ -8,5 +8,5 @@ efficientformer on ``metaformer``; gmlp and resmlp on ``mlp_mixer``; mobilenetv3
 itself built on ``vit``). torchvision's families are families like any other: tv_vit runs
 ``vit``'s attention; tv_mobilenet builds on ``tv_efficientnet``; tv_convnext takes ``tv_resnet``'s head check and
 tv_regnet its head; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet) share ``backbones._convnet.AdaptedConvNet``,
-as do densenet, ghostnet and vovnet (whose concatenations are ``_convnet.Parallel`` branches).
+as do densenet, ghostnet, senet and vovnet (whose concatenations are ``_convnet.Parallel`` branches).
 """
