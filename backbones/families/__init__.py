@@ -9,6 +9,6 @@ itself built on ``vit``). torchvision's families are families like any other: tv
 ``vit``'s attention; tv_swin takes ``swin``'s window shift and ``swinv2``'s cosine logits; tv_mobilenet builds on ``tv_efficientnet``; tv_convnext takes ``tv_resnet``'s head check and
 tv_regnet its head; tv_maxvit shares ``maxxvit``'s partition labels and stem and runs its MBConvs by
 ``backbones._convnet``'s block events; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet, repvit,
-starnet, convmixer, densenet, ghostnet, vovnet) share ``backbones._convnet.AdaptedConvNet`` (densenet's, ghostnet's and
+starnet, convmixer, densenet, ghostnet, senet, vovnet) share ``backbones._convnet.AdaptedConvNet`` (densenet's, ghostnet's and
 vovnet's concatenations are ``_convnet.Parallel`` branches); repvit takes ``fastvit``'s ``identity_kernel``.
 """
