@@ -216,6 +216,6 @@ ANY = Family(
     description=ANY_FAMILY,
     refusal=any_refusal,
     build=AdaptedClassifier,
-    example=tiny("test_nfnet"),
+    example=tiny("test_byobnet"),
     timm_modules=None,
 )

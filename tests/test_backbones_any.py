@@ -59,10 +59,10 @@ def _seeded(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 MODELS: dict[str, Callable[[], nn.Module]] = {
     # a torchvision model of no aligning family (its ResNet is tv_resnet's now)
     "torchvision_shufflenet": _seeded(lambda: torchvision.models.shufflenet_v2_x0_5(weights=None, num_classes=C)),
-    "timm_nfnet": _seeded(lambda: timm.create_model("test_nfnet", pretrained=False, num_classes=C)),
+    "timm_dla": _seeded(lambda: timm.create_model("dla46_c", pretrained=False, num_classes=C)),
     "timm_byobnet": _seeded(lambda: timm.create_model("test_byobnet", pretrained=False, num_classes=C)),
     "timm_repghostnet": _seeded(lambda: timm.create_model("repghostnet_050", pretrained=False, num_classes=C)),
-    "timm_ghostnet": _seeded(lambda: timm.create_model("ghostnet_050", pretrained=False, num_classes=C)),
+    "timm_rexnet": _seeded(lambda: timm.create_model("rexnet_100", pretrained=False, num_classes=C)),
     "own_module": _seeded(SmallNet),
 }
 
@@ -93,14 +93,14 @@ def test_cutmix_training_step_and_function_preserved(name: str) -> None:
 
 @pytest.mark.parametrize("scheme", [TLAlign(), TransMix(), TokenLabeling(beta=0.5), TokenLabeling(beta=0.5, aligned=True)])
 def test_aligning_schemes_refuse_other_models_naming_the_families_and_noalign(scheme: object) -> None:
-    model = MODELS["timm_nfnet"]()
+    model = MODELS["timm_byobnet"]()
     with pytest.raises(TypeError) as err:
         backbones.adapt(model, scheme)  # type: ignore[arg-type]
     text = str(err.value)
     assert text.startswith("aligned targets follow labels through a model's token mixers")
     assert "NoAlign() (the image-level CutMix/MixUp target) works for any classifier" in text
-    assert f"{type(scheme).__name__} cannot adapt NormFreeNet, which is none of them: " in text
-    assert "NormFreeNet is not a timm VisionTransformer" in text  # the vit family's reason, among every family's
+    assert f"{type(scheme).__name__} cannot adapt ByobNet, which is none of them: " in text
+    assert "ByobNet is not a timm VisionTransformer" in text  # the vit family's reason, among every family's
     for family in backbones.FAMILIES[:-1]:
         assert f"{family.name}: {family.description}" in text
 
@@ -161,7 +161,7 @@ def test_tuple_output_uses_its_first_item_and_wrong_class_count_is_refused() -> 
     images, lm = cutmix_batch()
     out = backbones.adapt(AuxNet(), NoAlign())(images, lm)
     assert isinstance(out.output, tuple) and out.logits is out.output[0]
-    wrong = timm.create_model("test_nfnet", pretrained=False, num_classes=C + 1)
+    wrong = timm.create_model("test_byobnet", pretrained=False, num_classes=C + 1)
     with pytest.raises(ValueError, match=r"returned \(4, 11\).*num_classes=10"):
         backbones.adapt(wrong, NoAlign())(images, lm)
     with pytest.raises(ValueError, match="do not match the label map"):
@@ -174,7 +174,7 @@ def test_counts_of_timm_names_per_tier() -> None:
     families = [f.name for f in backbones.FAMILIES[:-1] if f.timm_modules]
     union = set().union(*(counts[f"TLAlign: {f}"].names for f in families))
     assert counts["TLAlign"].names == tuple(sorted(union)) and 0 < counts["TLAlign"].count < counts["NoAlign"].count
-    assert "vit_base_patch16_224" in counts["TLAlign: vit"].names and "nfnet_l0" not in counts["TLAlign"].names
+    assert "vit_base_patch16_224" in counts["TLAlign: vit"].names and "dla34" not in counts["TLAlign"].names
 
 
 def test_counts_of_torchvision_builders_per_tier() -> None:

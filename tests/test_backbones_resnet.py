@@ -113,8 +113,8 @@ def test_timm_names_adapt_and_refusals() -> None:
     with pytest.raises(TypeError, match="global_pool='max' has no label readout"):
         backbones.adapt(maxpooled, TLAlign())
     assert type(backbones.adapt(maxpooled, NoAlign())).__name__ == "AdaptedClassifier"  # any classifier
-    gc = ResNet(BasicBlock, (1, 1, 1, 1), num_classes=C, block_args={"attn_layer": "gc"})
-    with pytest.raises(TypeError, match="block 0's branch module 7 is GlobalContext, which has no label rule"):
+    gc = ResNet(BasicBlock, (1, 1, 1, 1), num_classes=C, block_args={"attn_layer": "gca"})  # 'gc' is a gate: adapts
+    with pytest.raises(TypeError, match=r"block 0's branch module 7 is GlobalContext with fuse_add \('gca'\)"):
         backbones.adapt(gc, TLAlign())
     circular = make("resnet_d")
     circular.layer1[0].conv2.padding_mode = "circular"

@@ -247,10 +247,10 @@ def test_torch_compile_aot_eager_matches_eager() -> None:
 
 # ---------------------------------------------------------------------------- errors
 def test_unsupported_model_lists_supported_families() -> None:
-    nfnet = timm.create_model("test_nfnet", pretrained=False, num_classes=C)
+    nfnet = timm.create_model("test_byobnet", pretrained=False, num_classes=C)
     with pytest.raises(TypeError, match="Supported families") as err:
         backbones.adapt(nfnet, TLAlign())
-    assert "VisionTransformer" in str(err.value) and "NormFreeNet" in str(err.value)
+    assert "VisionTransformer" in str(err.value) and "ByobNet" in str(err.value)
     maxpooled = VisionTransformer(**BASE, global_pool="max", class_token=False)
     with pytest.raises(TypeError, match="global_pool"):
         backbones.adapt(maxpooled, TLAlign())

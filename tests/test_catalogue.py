@@ -315,7 +315,7 @@ def _bad() -> list[Bad]:
         ("adapter class with a scheme class", lambda _: AdaptedViT(vit(), TransMix), TypeError, r"pass TransMix\(\)"),  # type: ignore[arg-type]
         ("adapt a compiled model", lambda _: adapt(torch.compile(vit()), TLAlign()), TypeError, r"torch.compile'd.*_orig_mod"),  # type: ignore[arg-type]
         ("adapt DataParallel", lambda _: adapt(nn.DataParallel(vit()), TLAlign()), TypeError, r"DataParallel wrapper.*dp.module"),
-        ("adapt an NFNet", lambda _: adapt(timm.create_model("test_nfnet", num_classes=C), TLAlign()), TypeError, r"(?s)cannot adapt NormFreeNet.*Supported families"),
+        ("adapt a ByobNet with dark blocks", lambda _: adapt(timm.create_model("test_byobnet", num_classes=C), TLAlign()), TypeError, r"(?s)cannot adapt ByobNet.*Supported families"),
         ("adapt a function", lambda _: adapt(print, TLAlign()), TypeError, r"takes a torch.nn.Module"),  # type: ignore[arg-type]
         ("aligned with class ids", lambda _: adapt(vit(), TLAlign())(X, Y), TypeError, r"TokenLabelMap.*TokenLabelMap.unmixed"),
         ("aligned map of other size", lambda _: adapt(vit(), TLAlign())(X, cutmix_map(big)), ValueError, r"made for 32x32 images but the images are 16x16"),

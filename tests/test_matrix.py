@@ -39,8 +39,8 @@ MIXERS: dict[str, Callable[[torch.Generator], Any]] = {
 NO_CLASS_TOKEN_READ = r"no class token|the class token that the head reads"
 POOLED_FAMILIES = [f.name for f in backbones.FAMILIES[:-1] if not f.class_token]  # each family declares it
 REFUSED = {(f, "TransMix") for f in POOLED_FAMILIES}
-# The "any" family (a timm NFNet here) takes NoAlign only; adapt refuses the rest, and MixToken
-# needs a `patch_embed` the NFNet lacks.
+# The "any" family (timm's test_byobnet here, dark blocks) takes NoAlign only; adapt refuses the rest, and MixToken
+# needs a `patch_embed` the ByobNet lacks.
 ANY_REFUSED = {("any", s) for s in SCHEMES if s != "NoAlign"}
 
 

@@ -296,9 +296,7 @@ class AdaptedTvSwin(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
-    def fsdp_units(self) -> tuple[nn.Module, ...]:
-        m: Any = self.model
-        return tuple(blk for unit in list(m.features)[1:] if not isinstance(unit, _MERGES) for blk in unit)
+    # No fsdp_units: the adapted root is sharded, as for the other torchvision families (docs/distributed.md).
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         """torchvision's block forward (v1 pre-norm, v2 post-norm) with its events and stochastic-depth draws."""
