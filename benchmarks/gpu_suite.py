@@ -191,7 +191,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
     p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
-    p.add_argument("--test-workers", type=int, default=8)
+    p.add_argument("--test-workers", type=int, default=16)
     p.add_argument("--test-budget-s", type=float, default=150.0)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes and the registry's 32 px models: try every part anywhere")
     args = p.parse_args(argv)
