@@ -27,6 +27,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` positions, ``l`` label 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn.functional as F
@@ -134,11 +135,16 @@ def _block(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
     return _last_act(blk)(h + shortcut), keep
 
 
+BlockForward = Callable[[Any, Tensor], tuple[Tensor, Tensor | None]]
+"""A block's forward with its drop-path draw exposed: the output and who kept the branch."""
+
+
 def _aligned_block(
-    blk: Any, layer: int, grid: tuple[int, int], tracker: LabelTracker, paths: tuple[Path, Path], kernels: Kernels | None, x: Tensor
+    forward: BlockForward, blk: Any, layer: int, grid: tuple[int, int], tracker: LabelTracker, paths: tuple[Path, Path],
+    kernels: Kernels | None, x: Tensor,
 ) -> tuple[Tensor, tuple[int, int]]:
     """One block and its label events (``kernels`` ``None``: read here, while the block's parameters are gathered)."""
-    x, keep = _block(blk, x)
+    x, keep = forward(blk, x)
     return x, block_labels(tracker, layer, grid, *paths, keep, kernels)
 
 
@@ -160,17 +166,27 @@ class AdaptedResNet(AdaptedBase):
     family = RESNET_FAMILY
     refusal = staticmethod(resnet_refusal)
 
+    # A block's forward and its (branch, shortcut) paths: a family of timm ResNets built with other blocks (Res2Net's)
+    # replaces these two and keeps the rest.
+    @staticmethod
+    def block_forward(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        return _block(blk, x)
+
+    @staticmethod
+    def block_paths(blk: Any) -> tuple[Path, Path]:
+        return _paths(blk)
+
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         x, stem, grid, start = _stem(m, images, label_map)
         blocks = _blocks(m)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
-        paths = [_paths(blk) for blk in blocks]
+        paths = [self.block_paths(blk) for blk in blocks]
         # all label kernels at once (few operators); under FSDP2's per-block sharding each block's parameters are
         # whole only inside its own hooked call, so each block computes its kernels there
         kernels = None if any(is_sharded(blk) for blk in blocks) else block_kernels(tracker, paths)
         for layer, blk in enumerate(blocks):
-            work = functools.partial(_aligned_block, blk, layer, grid, tracker, paths[layer], kernels)
+            work = functools.partial(_aligned_block, self.block_forward, blk, layer, grid, tracker, paths[layer], kernels)
             x, grid = through_hooks(blk, work, x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -190,8 +206,8 @@ class AdaptedResNet(AdaptedBase):
         if start != grid:
             rules.aggregate(path_matrix(stem, start)[0])
         for layer, blk in enumerate(blocks):
-            x, keep = _block(blk, x)
-            grid = block_labels_reference(rules, layer, grid, *_paths(blk), keep)
+            x, keep = self.block_forward(blk, x)
+            grid = block_labels_reference(rules, layer, grid, *self.block_paths(blk), keep)
         output = m.forward_head(x)
         token_logits = _token_logits(m, x) if self.scheme.needs_token_logits else None
         return rules.result(output, output, "mean", token_logits)
