@@ -3,6 +3,7 @@ that are timm's own, the two-state fusion rule, every timm name, refusals."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -40,7 +41,7 @@ from torch.testing import assert_close
 from mixlabels import TLAlign, TokenLabeling, TokenLabelMap, TransMix, backbones
 from mixlabels.backbones._common import conv_mix, conv_mix_pair
 from mixlabels.backbones._dense import conv_matrix, row_normalise
-from mixlabels.backbones.families.byobnet import _linear_attention, _vit_attention, byobnet_refusal, tiny_mobilevit
+from mixlabels.backbones.families.byobnet import _linear_attention, _vit_attention, byobnet_refusal, rep_kernel, tiny_mobilevit
 
 
 def make(version: int, drop: float = 0.0) -> nn.Module:
@@ -269,7 +270,10 @@ def test_mlp_head_with_batchnorm_refuses_token_logits() -> None:
 
 NEWLY_ACCEPTED = ("gc_efficientnetv2_rw_t", "test_efficientnet_evos", "regnetz_b16_evos", "regnetz_c16_evos",
                   "regnetz_d8_evos", "ese_vovnet39b_evos", "resnet61q",
-                  "resnet50_mlp")  # fmt: skip
+                  "resnet50_mlp",
+                  "repvgg_a0", "repvgg_a1", "repvgg_a2", "repvgg_b0", "repvgg_b1", "repvgg_b1g4", "repvgg_b2",
+                  "repvgg_b2g4", "repvgg_b3", "repvgg_b3g4", "repvgg_d2se",
+                  "mobileone_s0", "mobileone_s1", "mobileone_s2", "mobileone_s3", "mobileone_s4")  # fmt: skip
 
 
 def test_newly_accepted_names() -> None:
@@ -279,3 +283,100 @@ def test_newly_accepted_names() -> None:
             model = timm.create_model(name, pretrained=False)
         accepting = [f.name for f in backbones.FAMILIES if f.name != "any" and f.refusal(model) is None]
         assert len(accepting) == 1, (name, accepting)
+
+
+# ---------------------------------------------------------------------------------------------- RepVGG, MobileOne
+def _randomise_norms(model: nn.Module) -> nn.Module:
+    """Random running statistics and affine norms: the fused kernel then weighs every branch differently (at init
+    they are 0 and 1 with near-equal weights, which would hide a wrong fusion)."""
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                c = mod.num_features
+                # a train-mode forward moves the running statistics the fused kernels read; the parity checks run
+                # the fast path, then the reference, on one model: with momentum 0 both see the same kernels
+                mod.momentum = 0.0
+                mod.running_mean.copy_(torch.randn(c, generator=g) * 0.1)
+                mod.running_var.copy_(torch.rand(c, generator=g) * 2 + 0.2)
+                mod.weight.copy_(torch.randn(c, generator=g))
+                mod.bias.copy_(torch.randn(c, generator=g) * 0.1)
+    return model
+
+
+def tiny_repvgg(drop: float = 0.0) -> nn.Module:
+    """A RepVGG as timm's configs build it: a strided rep stem, rep stages (a grouped one), SE in the last."""
+    torch.manual_seed(0)
+    cfg = ByoModelCfg(
+        blocks=(ByoBlockCfg(type="rep", d=2, c=8, s=2, gs=0, br=1.0), ByoBlockCfg(type="rep", d=2, c=16, s=2, gs=4, br=1.0),
+                ByoBlockCfg(type="rep", d=2, c=16, s=1, gs=0, br=1.0, attn_layer="se")),
+        stem_type="rep", stem_pool="maxpool", stem_chs=8, num_features=0, downsample="conv1x1",
+    )  # fmt: skip
+    return _randomise_norms(ByobNet(cfg, num_classes=10, drop_path_rate=drop, drop_rate=0.1))
+
+
+def tiny_mobileone() -> nn.Module:
+    """A MobileOne as timm's configs build it: depthwise kxk blocks (several conv branches, a 1x1 scale branch,
+    the identity) alternating with pointwise ones, SE at the end."""
+    torch.manual_seed(0)
+    one = partial(ByoBlockCfg, type="one", d=1, br=1.0)
+    cfg = ByoModelCfg(
+        blocks=[[one(c=8, s=2, gs=1, block_kwargs=dict(num_conv_branches=3)), one(c=16, s=2, gs=0, block_kwargs=dict(kernel_size=1, num_conv_branches=3))],
+                [one(c=16, s=1, gs=1, block_kwargs=dict(num_conv_branches=2)), one(c=16, s=1, gs=0, block_kwargs=dict(kernel_size=1)),
+                 one(c=16, s=1, gs=1, attn_layer="se"), one(c=24, s=1, gs=0, attn_layer="se", block_kwargs=dict(kernel_size=1))]],
+        stem_type="one", stem_pool="maxpool", stem_chs=8, num_features=0, downsample="conv1x1",
+    )  # fmt: skip
+    return _randomise_norms(ByobNet(cfg, num_classes=10, drop_rate=0.1))
+
+
+_REP = {"repvgg": tiny_repvgg, "mobileone": tiny_mobileone}
+
+
+@pytest.mark.parametrize("kind", sorted(_REP))
+def test_reparameterisable_blocks(kind: str) -> None:
+    model = _REP[kind]()
+    assert byobnet_refusal(model) is None
+    for scheme in ("none", "tl_align", "tokens_aligned"):
+        check_preservation(model, SCHEMES[scheme])
+    for scheme in ("tl_align", "tl_last", "tokens_aligned", "tl_official"):
+        check_parity(model, scheme)
+    check_parity(model, "tokens_aligned", token_space=True)
+    check_unmixed_is_one_hot(model, POOLED)
+
+
+@pytest.mark.parametrize("kind", sorted(_REP))
+def test_reparameterised_model_has_the_same_targets(kind: str) -> None:
+    """timm's own ``reparameterize`` (one plain conv per block) gives the targets the branches give: the fused kernel
+    the adapter reads is the one timm writes (in eval mode the two models compute the same function)."""
+    branches = _REP[kind]().eval()
+    fused = copy.deepcopy(branches)
+    for mod in fused.modules():
+        if hasattr(mod, "reparameterize"):
+            mod.reparameterize()
+    assert not any(isinstance(mod, nn.BatchNorm2d) for blk in _blocks_of(fused) for mod in blk.modules())
+    assert byobnet_refusal(fused) is None
+    images, lm = cutmix_batch()
+    for scheme in ("tl_align", "tokens_aligned"):
+        a = backbones.adapt(branches, SCHEMES[scheme])(images, lm)
+        b = backbones.adapt(fused, SCHEMES[scheme])(images, lm)
+        assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        assert_close(a.target, b.target, rtol=1e-5, atol=1e-5)
+        assert (a.target - lm.image_targets()).abs().max() > 1e-3
+
+
+def _blocks_of(model: nn.Module) -> list[nn.Module]:
+    m: Any = model
+    return [m.stem, *(blk for stage in m.stages for blk in stage.children())]
+
+
+def test_rep_kernel_is_timms() -> None:
+    """The kernel the adapter reads is what timm's ``_get_kernel_bias`` returns (grouped identity included)."""
+    for model in (tiny_repvgg(), tiny_mobileone()):
+        for blk in _blocks_of(model):
+            assert_close(rep_kernel(blk), copy.deepcopy(blk)._get_kernel_bias()[0])  # type: ignore[operator]
+
+
+def test_rep_drop_path_is_refused() -> None:
+    """timm's experimental drop path around a RepVGG block's conv branches keeps the identity norm: refused."""
+    why = byobnet_refusal(tiny_repvgg(drop=0.2))
+    assert why is not None and "drop path" in why and "drop_path_rate=0" in why

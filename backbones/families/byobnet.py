@@ -1,4 +1,4 @@
-"""Adapter for timm's ByobNet: MobileViT v1/v2 and the ResNet-style ByobNets built from basic and bottleneck blocks.
+"""Adapter for timm's ByobNet: MobileViT v1/v2, RepVGG, MobileOne and the ResNet-style ByobNets (basic and bottleneck blocks).
 
 Every position of a feature map is a token (as in ``backbones._convnet``, whose rules the conv
 blocks take). Events per ``layer`` (each conv block is one, each transformer block inside a
@@ -11,6 +11,13 @@ MobileViT block is one):
   pooled context to every position, is refused); an identity or
   downsampling shortcut joins the branch by the residual rule; a block without a shortcut
   (timm's ``downsample=''`` where the width or stride changes) ``aggregate``\\ s;
+- ``RepVggBlock`` / ``MobileOneBlock`` (RepVGG, MobileOne; a rep or one stem too): kxk conv branches, a 1x1 and
+  an identity batch norm summed, no shortcut around them: one conv with the kernel timm's ``reparameterize``
+  writes (each branch scaled by its norm's ``gamma / sqrt(running_var + eps)``, the 1x1 and the identity as
+  centre taps), as ``repvit``'s RepVggDw and ``fastvit``'s MobileOne (whose ``_scaled`` it takes): the block
+  ``aggregate``\ s by that conv's rule (strided: its windows; a 1x1: a channel op). The kernel reads the running
+  statistics in training too, so a model trained with branches and the same model reparameterised have one rule.
+  timm's experimental drop path around the conv branches (``drop_path_rate > 0``) is refused;
 - ``MobileVitBlock`` (v1), ``conv_fusion(cat(x, proj(fold(T(unfold(conv_kxk(x)))))))``: the
   block's input ``x`` and its transformer path meet in one ``kxk`` conv, with no residual
   around the block. The labels carry both states side by side, ``(b, 2n, l)``: the input's
@@ -46,6 +53,7 @@ channels, ``p`` offsets in a patch (``ph pw``), ``m`` patches (``nh nw``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -54,7 +62,18 @@ from einops import rearrange, reduce
 from timm.layers.attention import Attention
 from timm.layers.classifier import ClassifierHead, NormMlpClassifierHead
 from timm.layers.drop import DropPath
-from timm.models.byobnet import BasicBlock, BottleneckBlock, ByoBlockCfg, ByobNet, ByoModelCfg, DownsampleAvg, EdgeBlock
+from timm.layers.conv_bn_act import ConvNormAct
+from timm.models.byobnet import (
+    BasicBlock,
+    BottleneckBlock,
+    ByoBlockCfg,
+    ByobNet,
+    ByoModelCfg,
+    DownsampleAvg,
+    EdgeBlock,
+    MobileOneBlock,
+    RepVggBlock,
+)
 from timm.models.mobilevit import LinearSelfAttention, LinearTransformerBlock, MobileVitBlock, MobileVitV2Block
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
@@ -63,11 +82,13 @@ from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._attention import attention_with_labels, explicit_mix
 from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels
 from mixlabels.backbones._convnet import (
+    KernelConv,
     Path,
+    Window,
     apply_path,
     block_labels,
     conv_norm_act_ops,
-    run_module_stem,
+    run_stem,
     block_labels_reference,
     path_matrix,
     path_of,
@@ -77,13 +98,16 @@ from mixlabels.backbones._convnet import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family
 from mixlabels.backbones.families.convnext import _token_logits as _head_on_positions
+from mixlabels.backbones.families.repvit import _scaled
 
-__all__ = ["AdaptedByobNet", "BYOBNET_FAMILY", "byobnet_refusal", "tiny_mobilevit"]
+__all__ = ["AdaptedByobNet", "BYOBNET_FAMILY", "byobnet_refusal", "rep_kernel", "tiny_mobilevit"]
 
 BYOBNET_FAMILY = (
-    "timm ByobNet built from BasicBlock, BottleneckBlock, EdgeBlock, MobileVitBlock and MobileVitV2Block (MobileViT "
-    "v1/v2, GENet, the ResNet-*ts with SE/ECA/GlobalContext gates, EvoNorm RegNetZs): every position a token; stride-1 kxk convs mix labels by the (out, "
-    "in)-averaged normalised |kernel|, strided convs and pools aggregate, channel ops leave labels alone, shortcuts "
+    "timm ByobNet built from BasicBlock, BottleneckBlock, EdgeBlock, RepVggBlock, MobileOneBlock, MobileVitBlock and "
+    "MobileVitV2Block (MobileViT v1/v2, GENet, RepVGG, MobileOne, the ResNet-*ts with SE/ECA/GlobalContext gates, EvoNorm "
+    "RegNetZs): every position a token; stride-1 kxk convs mix labels by the (out, "
+    "in)-averaged normalised |kernel|, RepVGG/MobileOne blocks by the kernel they reparameterise into, strided convs "
+    "and pools aggregate, channel ops leave labels alone, shortcuts "
     "join by the residual rule; MobileViT's attention over the pixels at one patch offset mixes labels by its "
     "head-mean rows (v2's separable attention by its context scores), and v1's fusion conv over the block's input and "
     "its transformer path weighs each half's labels by that half's normalised |kernel|; stem from the pixels; global "
@@ -118,6 +142,118 @@ def _blocks(m: Any) -> list[Any]:
 
 def _depth(m: Any) -> int:
     return sum(len(blk.transformer) if isinstance(blk, _MOBILEVIT_BLOCKS) else 1 for blk in _blocks(m))
+
+
+# ---------------------------------------------------------------------------------------------- re-parameterisable blocks
+_REP_BLOCKS = (RepVggBlock, MobileOneBlock)
+"""Blocks whose branches timm's ``reparameterize`` fuses into one conv: RepVGG (kxk, 1x1, identity norm) and
+MobileOne (several kxk, a 1x1 scale branch, identity norm), all summed with no shortcut around them."""
+
+
+def _rep_branches(blk: Any) -> tuple[list[Any], Any]:
+    """A re-parameterisable block's kxk ``ConvNormAct`` branches and its 1x1 one (``None``: none)."""
+    if type(blk) is RepVggBlock:
+        return [blk.conv_kxk], blk.conv_1x1
+    return list(blk.conv_kxk), blk.conv_scale
+
+
+def _plain_norm(norm: Any) -> bool:
+    """A batch norm timm's ``_fuse_bn_tensor`` folds: no activation or drop inside it (``apply_act=False``)."""
+    return isinstance(norm, nn.BatchNorm2d) and all(
+        isinstance(getattr(norm, name, nn.Identity()), nn.Identity) for name in ("act", "drop"))
+
+
+def _rep_refusal(blk: Any, where: str) -> str | None:
+    """Why a ``RepVggBlock`` / ``MobileOneBlock`` is not one conv whose kernel timm's ``reparameterize`` writes."""
+    name = type(blk).__name__
+    after = path_refusal([blk.attn, blk.act], f"{where}'s attn and act")
+    if blk.reparam_conv is not None:
+        conv = blk.reparam_conv
+        (kh, kw), (dh, dw) = conv.kernel_size, conv.dilation
+        if conv.padding_mode != "zeros" or isinstance(conv.padding, str) or tuple(conv.padding) != (dh * (kh // 2), dw * (kw // 2)):
+            return f"{where} ({name}, reparameterised) has a conv without the centred zero padding its branches had"
+        return path_refusal([conv], f"{where}'s reparam_conv") or after
+    if not isinstance(blk.drop_path, nn.Identity):
+        # timm's experimental drop path drops the conv branches per sample but keeps the identity norm: a kept sample
+        # sees the fused conv (its branches rescaled), a dropped one the identity; no single conv rule covers both
+        return (f"{where} ({name}) has drop path around its conv branches (timm's experimental drop_path_rate on "
+                "RepVGG/MobileOne blocks), which has no label rule here; build the model with drop_path_rate=0")
+    convs, scale = _rep_branches(blk)
+    for branch_ in [*convs, *([] if scale is None else [scale])]:
+        if type(branch_) is not ConvNormAct or type(branch_.conv) is not nn.Conv2d or not _plain_norm(branch_.bn):
+            return f"{where} ({name}) has a branch that is not a plain nn.Conv2d and BatchNorm2d (ConvNormAct, no act)"
+        if getattr(branch_, "aa", None) is not None and not isinstance(branch_.aa, nn.Identity):
+            return f"{where} ({name}) has an anti-aliased branch, which timm's reparameterize does not fuse"
+    first = convs[0].conv
+    (kh, kw), pad = first.kernel_size, tuple(first.padding) if not isinstance(first.padding, str) else None
+    geometry = {(c.conv.kernel_size, c.conv.stride, c.conv.padding, c.conv.dilation, c.conv.groups, c.conv.padding_mode) for c in convs}
+    if len(geometry) != 1 or first.padding_mode != "zeros" or first.dilation != (1, 1) or kh % 2 == 0 or kw % 2 == 0 or pad != (kh // 2, kw // 2):
+        return (f"{where} ({name}) is not timm's re-parameterisable block (undilated odd kxk convs of one geometry, "
+                "centred zero padding)")
+    if scale is not None and (scale.conv.kernel_size != (1, 1) or scale.conv.stride != first.stride
+                              or scale.conv.groups != first.groups or tuple(scale.conv.padding) != (0, 0)):
+        return f"{where} ({name})'s 1x1 branch does not sit at the centre tap of its kxk conv"
+    if blk.identity is not None and not (_plain_norm(blk.identity) and first.stride == (1, 1)
+                                         and first.in_channels == first.out_channels):
+        return f"{where} ({name})'s identity branch is not a BatchNorm2d on an unchanged map"
+    return after
+
+
+def _identity(weight: Tensor, groups: int) -> Tensor:
+    """The identity as a ``(o, i/g, kh, kw)`` kernel: channel ``c`` reads itself (index ``c mod i/g`` in its group)
+    at the centre tap, as timm's ``_fuse_bn_tensor`` writes it."""
+    eye = torch.zeros_like(weight)
+    per_group = int(weight.shape[1])
+    channels = torch.arange(int(weight.shape[0]), device=weight.device)
+    eye[channels, channels % per_group, weight.shape[-2] // 2, weight.shape[-1] // 2] = 1.0
+    return eye
+
+
+def rep_kernel(blk: nn.Module) -> Tensor:
+    """The kernel timm's ``reparameterize`` writes for a ``RepVggBlock`` / ``MobileOneBlock``: every branch's kernel
+    scaled by its norm's ``gamma / sqrt(running_var + eps)`` and summed, the 1x1 and the identity as centre taps.
+    Computed here rather than by timm's ``_get_kernel_bias``, which caches an identity tensor on the module."""
+    b: Any = blk
+    with torch.no_grad():
+        if b.reparam_conv is not None:
+            return b.reparam_conv.weight.detach()  # type: ignore[no-any-return]
+        convs, scale = _rep_branches(b)
+        k = sum((_scaled(c.conv.weight, c.bn) for c in convs), torch.zeros_like(convs[0].conv.weight))
+        ph, pw = k.shape[-2] // 2, k.shape[-1] // 2
+        if scale is not None:
+            k = k + F.pad(_scaled(scale.conv.weight, scale.bn), [pw, pw, ph, ph])
+        if b.identity is not None:
+            k = k + _scaled(_identity(k, int(convs[0].conv.groups)), b.identity)
+        return k.detach()
+
+
+def _rep_path(blk: Any) -> Path:
+    """A re-parameterisable block as the one conv it fuses into: a strided one's windows, a stride-1 kxk as a
+    ``KernelConv`` with the fused kernel (a 1x1: a channel op)."""
+    if blk.reparam_conv is not None:
+        return path_of([blk.reparam_conv])
+    conv = _rep_branches(blk)[0][0].conv
+    geometry = (int(conv.kernel_size[0]), int(conv.kernel_size[1])), (int(conv.padding[0]), int(conv.padding[1]))
+    if conv.stride != (1, 1):
+        return (Window(geometry[0], (int(conv.stride[0]), int(conv.stride[1])), geometry[1]),)
+    if conv.kernel_size == (1, 1):
+        return ()
+    return (KernelConv(functools.partial(rep_kernel, blk), geometry[1]),)
+
+
+def _ops_refusal(modules: list[nn.Module], where: str) -> str | None:
+    """``path_refusal`` of a stem's or shortcut's modules, a re-parameterisable block among them by its own rule."""
+    for i, module in enumerate(modules):
+        why = (_rep_refusal(module, f"{where} module {i}") if type(module) in _REP_BLOCKS
+               else path_refusal([module], f"{where} module {i}"))
+        if why is not None:
+            return why
+    return None
+
+
+def _ops(modules: list[nn.Module]) -> Path:
+    """``path_of`` of modules that may hold re-parameterisable blocks (each as its fused conv)."""
+    return tuple(op for module in modules for op in (_rep_path(module) if type(module) in _REP_BLOCKS else path_of([module])))
 
 
 def _plain_conv(conv: Any, where: str) -> str | None:
@@ -170,7 +306,7 @@ def byobnet_refusal(model: nn.Module) -> str | None:
     if not (plain or type(head) is NormMlpClassifierHead) or head.global_pool.pool_type != "avg":
         return (f"the head ({type(head).__name__}) has no label readout; use ClassifierHead with 'avg' pooling and a "
                 "linear fc, or NormMlpClassifierHead with 'avg' pooling")
-    why = path_refusal(_flat(m.stem), "the stem") or path_refusal(_flat(m.final_conv), "the final_conv")
+    why = _ops_refusal(_flat(m.stem), "the stem") or path_refusal(_flat(m.final_conv), "the final_conv")
     if why is not None:
         return why
     if path_of(_flat(m.final_conv)):
@@ -184,9 +320,11 @@ def byobnet_refusal(model: nn.Module) -> str | None:
                 return f"{where}'s drop_path is {type(blk.drop_path).__name__}, not timm's DropPath"
             why = (path_refusal(_branch_modules(blk) + [blk.act], f"{where}'s branch")
                    or path_refusal(_flat(blk.shortcut), f"{where}'s shortcut"))
+        elif type(blk) in _REP_BLOCKS:
+            why = _rep_refusal(blk, where)
         else:
-            why = (f"{where} is {type(blk).__name__}; only BasicBlock, BottleneckBlock, EdgeBlock, MobileVitBlock and "
-                   "MobileVitV2Block have label rules here")
+            why = (f"{where} is {type(blk).__name__}; only BasicBlock, BottleneckBlock, EdgeBlock, RepVggBlock, "
+                   "MobileOneBlock, MobileVitBlock and MobileVitV2Block have label rules here")
         if why is not None:
             return why
     return None
@@ -194,7 +332,10 @@ def byobnet_refusal(model: nn.Module) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- shared pieces
 def _conv_block(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
-    """timm's conv block forward with the branch's drop-path draw exposed: the output and who kept the branch."""
+    """timm's conv block forward with the branch's drop-path draw exposed: the output and who kept the branch (a
+    re-parameterisable block: timm's own forward, no drop path)."""
+    if type(blk) in _REP_BLOCKS:
+        return blk(x), None
     h = x
     for module in _branch_modules(blk):
         h = module(h)
@@ -205,6 +346,8 @@ def _conv_block(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
 
 
 def _conv_paths(blk: Any) -> tuple[Path, Path | None]:
+    if type(blk) in _REP_BLOCKS:
+        return _rep_path(blk), None  # one conv, no shortcut: the block aggregates
     return path_of(_branch_modules(blk)), (None if blk.shortcut is None else path_of(_flat(blk.shortcut)))
 
 
@@ -338,7 +481,8 @@ class AdaptedByobNet(AdaptedBase):
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
-        x, stem, grid, start = run_module_stem(m.stem, images, label_map)
+        stem = _ops(_flat(m.stem))
+        x, grid, start = run_stem(m.stem, stem, images, label_map)
         tracker = start_on_path(self.scheme, label_map, start, grid, _depth(m), stem)
         size, layer = (int(images.shape[2]), int(images.shape[3])), 0
         for blk in _blocks(m):
@@ -416,7 +560,8 @@ class AdaptedByobNet(AdaptedBase):
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         """Explicit float64 matrices of every path, attention and fusion on dense labels."""
         m: Any = self.model
-        x, stem, grid, start = run_module_stem(m.stem, images, label_map)
+        stem = _ops(_flat(m.stem))
+        x, grid, start = run_stem(m.stem, stem, images, label_map)
         rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
         if start != grid:
             rules.aggregate(path_matrix(stem, start)[0])
