@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from timm.layers.blur_pool import BlurPool2d
 from timm.layers.conv2d_same import Conv2dSame
 from timm.layers.conv_bn_act import ConvNormAct
@@ -55,6 +57,7 @@ from timm.layers.evo_norm import (
     EvoNorm2dS2,
 )
 from timm.layers.global_context import GlobalContext
+from timm.layers.mixed_conv2d import MixedConv2d
 from timm.layers.separable_conv import SeparableConvNormAct
 from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
@@ -230,6 +233,8 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
         return (f"{where} is GlobalContext with fuse_add ('gca'): it adds a context pooled over all positions to "
                 "every position, which moves content between positions and has no label rule here; build the model "
                 "with attn_layer='gc' (a gate only) or 'se'")
+    if type(module) is MixedConv2d:
+        return _mixed_conv_refusal(module, where)
     if type(module) is Conv2dSame:
         conv: Any = module
         if conv.stride == (1, 1):  # timm builds this only where 'same' is asymmetric: an even (dilated) kernel
@@ -265,6 +270,69 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
     return f"{where} is {type(module).__name__}, which has no label rule here (a conv, pool, norm, activation or channel gate)"
 
 
+def _mixed_groups(module: MixedConv2d) -> list[Any]:
+    return list(module.values())
+
+
+def _mixed_conv_refusal(module: MixedConv2d, where: str) -> str | None:
+    """Why a ``MixedConv2d`` is not the one conv its groups make, kernels zero-padded (centred) to the largest.
+
+    Its channel groups each run a conv of their own kernel size on their split and are concatenated: with odd
+    kernels, one stride and dilation, and each group's padding centred on the largest kernel's (static
+    ``(k-1)d/2``, or all TF 'same': its extra ``k``-``K`` padding splits evenly), that is exactly one block-diagonal
+    conv whose smaller kernels are zero-padded, and the conv rule (or a strided conv's windows) applies to it.
+    """
+    groups = _mixed_groups(module)
+    kinds = {type(g) for g in groups}
+    if not kinds <= {nn.Conv2d, Conv2dSame} or len(kinds) != 1:
+        return f"{where} is a MixedConv2d of {sorted(k.__name__ for k in kinds)}; only all nn.Conv2d or all Conv2dSame groups have a rule"
+    if len({(g.stride, g.dilation) for g in groups}) != 1 or any(g.padding_mode != "zeros" for g in groups):
+        return f"{where} is a MixedConv2d whose groups differ in stride or dilation, or pad by other than zeros; it is not one conv"
+    if any(k % 2 == 0 for g in groups for k in g.kernel_size):
+        return f"{where} is a MixedConv2d with an even kernel: it cannot be centred in the largest one, so it is not one conv"
+    stride, dilation = groups[0].stride, groups[0].dilation
+    if kinds == {Conv2dSame}:
+        if stride == (1, 1) or dilation != (1, 1):
+            return f"{where} is a MixedConv2d of Conv2dSame groups with stride {stride}, dilation {dilation}: only strided undilated ones aggregate"
+        return None
+    if stride != (1, 1) and dilation != (1, 1):
+        return f"{where} is a strided dilated MixedConv2d; only undilated strided convolutions aggregate here"
+    big = tuple(max(int(g.kernel_size[a]) for g in groups) for a in (0, 1))
+    for g in groups:
+        if isinstance(g.padding, str) or any(
+            int(g.padding[a]) != (int(g.kernel_size[a]) - 1) * dilation[a] // 2 for a in (0, 1)
+        ):  # odd kernels: centred in the largest exactly when each pads (k-1)d/2
+            return (f"{where} is a MixedConv2d whose group of kernel {tuple(g.kernel_size)} pads {g.padding!r}, not centred on "
+                    f"its largest kernel {big}: it is not one conv, and has no label rule here")
+    return None
+
+
+def _mixed_conv_ops(module: MixedConv2d) -> list[Op]:
+    """A ``MixedConv2d`` (``_mixed_conv_refusal``: none) as the one conv it is: a stride-1 one's kernel is every
+    group's ``(out, in)`` pairs, each zero-padded centred to the largest kernel (the conv rule weighs every pair
+    alike: a group's weight is its pair count); a strided one's windows are the largest kernel's."""
+    groups = _mixed_groups(module)
+    first = groups[0]
+    big = (max(int(g.kernel_size[0]) for g in groups), max(int(g.kernel_size[1]) for g in groups))
+    dilation = _pair(first.dilation)
+    pad = ((big[0] - 1) * dilation[0] // 2, (big[1] - 1) * dilation[1] // 2)
+    if first.stride != (1, 1):
+        same = type(first) is Conv2dSame
+        return [Window(big, _pair(first.stride), (0, 0) if same else pad, same=same)]
+    if big == (1, 1):
+        return []  # 1x1 groups: a channel op
+
+    def kernel() -> Tensor:
+        def centred(w: Tensor) -> Tensor:
+            dh, dw = big[0] - int(w.shape[-2]), big[1] - int(w.shape[-1])
+            flat = rearrange(w, "o i kh kw -> (o i) 1 kh kw")  # one row per (out, in) pair the group connects
+            return F.pad(flat, (dw // 2, dw // 2, dh // 2, dh // 2))
+
+        return torch.cat([centred(effective_weight(g)) for g in groups])
+
+    return [KernelConv(kernel, pad, dilation)]
+
+
 def path_refusal(modules: Sequence[nn.Module], where: str, gates: tuple[type[nn.Module], ...] = ()) -> str | None:
     """Why a sequence of a block's modules has no label rule (``None``: every module has one)."""
     for i, module in enumerate(modules):
@@ -279,7 +347,9 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
     ops: list[Op] = []
     for module in modules:
         mod: Any = module
-        if type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
+        if type(module) is MixedConv2d:
+            ops.extend(_mixed_conv_ops(module))
+        elif type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
             ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), (0, 0), same=True))  # resolved on each grid
         elif isinstance(module, nn.Conv2d) and type(module) in _CONVS:
             if module.stride != (1, 1):
