@@ -238,8 +238,10 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
     if type(module) is Conv2dSame:
         conv: Any = module
         if conv.stride == (1, 1):  # timm builds this only where 'same' is asymmetric: an even (dilated) kernel
-            return (f"{where} is a stride-1 Conv2dSame with kernel {tuple(conv.kernel_size)}: TF 'same' padding pads one "
-                    "side more, which no label rule here follows; use an odd kernel (a static nn.Conv2d) or pad_type=''")
+            if conv.dilation != (1, 1):
+                return (f"{where} is a stride-1 dilated Conv2dSame with kernel {tuple(conv.kernel_size)}: TF 'same' padding "
+                        "pads one side more, which no label rule here follows; use an odd kernel (a static nn.Conv2d) or pad_type=''")
+            return None  # its padding is the same on every grid: a static conv with one zero tap before (_same_kernel_conv)
         if conv.dilation != (1, 1):
             return f"{where} is a strided dilated Conv2dSame; only undilated strided convolutions aggregate here"
         return None
@@ -268,6 +270,18 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
             return f"{where} pads by {blur.pad_mode!r}; only reflect, replicate or zero padding stays inside its window"
         return None
     return f"{where} is {type(module).__name__}, which has no label rule here (a conv, pool, norm, activation or channel gate)"
+
+
+def _same_kernel_conv(conv: Conv2dSame) -> KernelConv:
+    """An undilated stride-1 ``Conv2dSame`` as the static conv it equals on every grid: TF 'same' pads ``k - 1`` in
+    all, ``(k - 1) // 2`` before (an even ``k``: one less than after, as the s2d blocks' 2x2 depthwise conv); one
+    zero tap put before the kernel on such an axis makes it odd and its padding symmetric, ``k // 2`` each side."""
+    extra = tuple(1 - int(k) % 2 for k in conv.kernel_size)  # 1 on an axis with an even kernel
+
+    def kernel() -> Tensor:
+        return F.pad(effective_weight(conv), (extra[1], 0, extra[0], 0))
+
+    return KernelConv(kernel, (int(conv.kernel_size[0]) // 2, int(conv.kernel_size[1]) // 2))
 
 
 def _mixed_groups(module: MixedConv2d) -> list[Any]:
@@ -349,6 +363,8 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
         mod: Any = module
         if type(module) is MixedConv2d:
             ops.extend(_mixed_conv_ops(module))
+        elif type(module) is Conv2dSame and mod.stride == (1, 1):
+            ops.append(_same_kernel_conv(mod))
         elif type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
             ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), (0, 0), same=True))  # resolved on each grid
         elif isinstance(module, nn.Conv2d) and type(module) in _CONVS:

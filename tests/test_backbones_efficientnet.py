@@ -12,7 +12,7 @@ import test_backbones_common
 from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
 from timm.layers.conv2d_same import Conv2dSame
 from timm.layers.mixed_conv2d import MixedConv2d
-from timm.models.efficientnet import _gen_mixnet_m
+from timm.models.efficientnet import _gen_efficientnet_x, _gen_mixnet_m
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
@@ -197,3 +197,45 @@ def test_mixed_conv_refusals() -> None:
     off["1"].padding = (1, 1)  # not centred on the 5x5: not one conv
     assert "not centred" in str(path_refusal([off], "m"))
     assert path_of([MixedConv2d(8, 8, [1, 1])]) == ()  # 1x1 groups: a channel op
+
+
+# efficientnet_x_*/h_*: block 0 starts with a space-to-depth conv (s2d: 2x2 stride-2 'same') and runs a 2x2 'same'
+# depthwise conv (stride 1: one zero tap before); shrunk to a quarter width and depth.
+def make_x(drop_path_rate: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    model: nn.Module = _gen_efficientnet_x("efficientnet_x_b3", channel_multiplier=0.25, depth_multiplier=0.25,
+                                           pretrained=False, num_classes=C, drop_path_rate=drop_path_rate, drop_rate=0.2)
+    assert any(isinstance(mod, Conv2dSame) and mod.stride == (1, 1) for mod in model.modules())
+    return model
+
+
+@pytest.mark.parametrize("size", SAME_SIZES)
+def test_space_to_depth_preservation_and_parity(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_backbones_common, "IMG", size)  # 30: the s2d conv on a 15x15 grid pads (0, 1)
+    check_preservation(make_x(0.5), SCHEMES["tokens_aligned"])
+    check_parity(make_x(0.4), "tl_align")
+
+
+def test_space_to_depth_unmixed_and_schemes() -> None:
+    check_parity(make_x(0.4), "tokens_aligned")
+    check_unmixed_is_one_hot(make_x(), ["tl_align"])
+
+
+def test_stride1_same_conv_is_the_static_conv_it_equals() -> None:
+    """By hand: a stride-1 2x2 Conv2dSame (pads 0 before, 1 after) equals a 3x3 conv, padding 1, whose first row and
+    column are zero, on every grid; its labels are that conv's."""
+    torch.manual_seed(0)
+    same = Conv2dSame(6, 6, 2, 1, groups=6, bias=False)
+    conv = nn.Conv2d(6, 6, 3, 1, 1, groups=6, bias=False)
+    with torch.no_grad():
+        conv.weight.copy_(F.pad(same.weight, (1, 0, 1, 0)))
+    assert path_refusal([same], "same") is None
+    for size in (7, 8):
+        x = torch.randn(2, 6, size, size)
+        assert_close(same(x), conv(x), rtol=1e-5, atol=1e-5)
+        (m_same, out), (m_conv, _) = path_matrix(path_of([same]), (size, size)), path_matrix(path_of([conv]), (size, size))
+        assert out == (size, size)
+        assert_close(m_same, m_conv, rtol=0, atol=1e-12)
+        assert (m_same.diagonal() > 0).all() and m_same[0, 1] > 0 and m_same[1, 0] == 0  # reads itself, right, below
+    dilated = Conv2dSame(6, 6, 2, 1, dilation=3, groups=6, bias=False)
+    assert "dilated Conv2dSame" in str(path_refusal([dilated], "d"))

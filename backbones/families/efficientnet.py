@@ -82,10 +82,12 @@ def _conv_norm_act(module: nn.Module) -> list[nn.Module]:
 
 def _branch_modules(blk: Any) -> list[nn.Module]:
     """The block's modules in the order of timm's ``forward`` (before drop-path and the skip)."""
+    # space-to-depth (s2d, efficientnet_x/h): a 2x2 stride-2 'same' conv first, a window like any strided conv
+    s2d = [blk.conv_s2d, blk.bn_s2d] if getattr(blk, "conv_s2d", None) is not None else []
     if type(blk) is InvertedResidual:
-        return [blk.conv_pw, blk.bn1, blk.conv_dw, blk.bn2, blk.aa, blk.se, blk.conv_pwl, blk.bn3]
+        return [*s2d, blk.conv_pw, blk.bn1, blk.conv_dw, blk.bn2, blk.aa, blk.se, blk.conv_pwl, blk.bn3]
     if type(blk) is DepthwiseSeparableConv:
-        return [blk.conv_dw, blk.bn1, blk.aa, blk.se, blk.conv_pw, blk.bn2]
+        return [*s2d, blk.conv_dw, blk.bn1, blk.aa, blk.se, blk.conv_pw, blk.bn2]
     if type(blk) is EdgeResidual:
         return [blk.conv_exp, blk.bn1, blk.aa, blk.se, blk.conv_pwl, blk.bn2]
     if type(blk) is UniversalInvertedResidual:  # MobileNetV4's UIB: optional depthwise convs around the 1x1s
@@ -113,8 +115,8 @@ def blocks_refusal(m: Any) -> str | None:
         if type(blk) not in _BLOCKS:
             return (f"{where} is {type(blk).__name__}; only InvertedResidual, DepthwiseSeparableConv, EdgeResidual, "
                     "ConvBnAct and UniversalInvertedResidual are supported")  # fmt: skip
-        if getattr(blk, "conv_s2d", None) is not None:
-            return f"{where} uses a space-to-depth conv (s2d), which has no label rule here; build it with s2d=0"
+        if getattr(blk, "conv_s2d", None) is not None and blk.has_skip:  # timm's forward would add maps of two sizes
+            return f"{where} has a space-to-depth conv (s2d) and a skip, whose maps differ in size; build it with s2d=0"
         why = path_refusal(_branch_modules(blk), f"{where}'s branch", (SqueezeExcite, LayerScale2d))
         if why is not None:
             return why
