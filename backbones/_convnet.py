@@ -18,9 +18,11 @@ the rules of TL-Align Table 10 and Appendix D apply to the layers a CNN is made 
   and leave labels alone;
 - branches run on the same map and joined (``Parallel``): a concatenation along channels gives
   every channel its branch's labels, so the join weighs each branch by its channel count (as
-  the conv rule weighs every (out, in) channel pair alike: a ``MixedConv2d`` or a conv over
-  concatenated maps reads them so); a sum gives every channel all the branches' labels, so it
-  weighs them equally (as the residual rule does). Every branch must end on the same grid.
+  the conv rule weighs every (out, in) channel pair alike: a conv over concatenated maps reads
+  them so); a sum gives every channel all the branches' labels, so it weighs them equally (as
+  the residual rule does). Every branch must end on the same grid. A ``MixedConv2d`` (MixNet) is
+  not such a join: it equals one conv, its groups' kernels zero-padded centred to the largest,
+  and takes that conv's rule (one renormalisation over the taps, not one per group).
 
 A block is a ``Path`` of such ops. A residual block ``x <- f(x) + s(x)`` gives, with
 ``Y = labels_for(layer)``: the shortcut ``s`` aggregates when it has a window (a

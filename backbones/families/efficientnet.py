@@ -9,6 +9,11 @@ Events per block ``layer`` (blocks counted over all stages):
   labels by its channel-averaged normalised absolute kernel (border-renormalised); a strided one
   aggregates over its windows (a ``Conv2dSame``'s TF 'same' windows, padded by each input's size,
   resolved on the grid it receives: the tf_* models); 1x1 convs, BatchNormAct, SE are channel ops;
+- MixNet's ``MixedConv2d`` (channel groups of kernels 3, 5, 7, ... concatenated) is the one conv it equals, every
+  group's kernel zero-padded centred to the largest: stride 1, the conv rule over all groups' (out, in) pairs (a group
+  weighs by its pair count); strided, the largest kernel's windows. A space-to-depth block (``s2d``,
+  efficientnet_x/h) starts with its 2x2 stride-2 'same' conv's windows; its 2x2 stride-1 'same' depthwise conv is the
+  static 3x3 conv with a zero first row and column;
 - a block with a skip (``has_skip``: stride 1, same width): ``residual(layer, keep, mixed=P Y)``
   with ``Y = labels_for(layer)``; a block without one forms every position from its windows:
   ``aggregate`` by its path, aligned layer or not (as a stem does);
@@ -62,7 +67,8 @@ __all__ = ["AdaptedEfficientNet", "EFFICIENTNET_FAMILY", "efficientnet_refusal",
 
 EFFICIENTNET_FAMILY = (
     "timm EfficientNet class (EfficientNet/V2, MobileNetV2, MNASNet, FBNet, ..., tf_* with TF 'same' padding): "
-    "InvertedResidual, DepthwiseSeparable, EdgeResidual and ConvBnAct blocks; stride-1 depthwise or full kxk convs "
+    "InvertedResidual, DepthwiseSeparable, EdgeResidual and ConvBnAct blocks (space-to-depth too: efficientnet_x/h); "
+    "MixNet's MixedConv2d as the one conv with its groups' kernels zero-padded to the largest; stride-1 depthwise or full kxk convs "
     "mix labels by the channel-averaged normalised |kernel| (border-renormalised), strided convs aggregate over their "
     "windows ('same' windows resolved on each input grid), 1x1 convs, BatchNormAct and squeeze-excite as channel ops; a skip block joins its branch's labels by "
     "the residual rule, a block without skip aggregates; stem from the pixels; global average pooling; stochastic depth"
