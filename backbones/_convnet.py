@@ -18,9 +18,11 @@ the rules of TL-Align Table 10 and Appendix D apply to the layers a CNN is made 
   and leave labels alone;
 - branches run on the same map and joined (``Parallel``): a concatenation along channels gives
   every channel its branch's labels, so the join weighs each branch by its channel count (as
-  the conv rule weighs every (out, in) channel pair alike: a ``MixedConv2d`` or a conv over
-  concatenated maps reads them so); a sum gives every channel all the branches' labels, so it
-  weighs them equally (as the residual rule does). Every branch must end on the same grid.
+  the conv rule weighs every (out, in) channel pair alike: a conv over concatenated maps reads
+  them so); a sum gives every channel all the branches' labels, so it weighs them equally (as
+  the residual rule does). Every branch must end on the same grid. A ``MixedConv2d`` (MixNet) is
+  not such a join: it equals one conv, its groups' kernels zero-padded centred to the largest,
+  and takes that conv's rule (one renormalisation over the taps, not one per group).
 
 A block is a ``Path`` of such ops. A residual block ``x <- f(x) + s(x)`` gives, with
 ``Y = labels_for(layer)``: the shortcut ``s`` aggregates when it has a window (a
@@ -41,6 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from timm.layers.blur_pool import BlurPool2d
 from timm.layers.conv2d_same import Conv2dSame
 from timm.layers.conv_bn_act import ConvNormAct
@@ -55,6 +59,7 @@ from timm.layers.evo_norm import (
     EvoNorm2dS2,
 )
 from timm.layers.global_context import GlobalContext
+from timm.layers.mixed_conv2d import MixedConv2d
 from timm.layers.separable_conv import SeparableConvNormAct
 from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
@@ -230,11 +235,15 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
         return (f"{where} is GlobalContext with fuse_add ('gca'): it adds a context pooled over all positions to "
                 "every position, which moves content between positions and has no label rule here; build the model "
                 "with attn_layer='gc' (a gate only) or 'se'")
+    if type(module) is MixedConv2d:
+        return _mixed_conv_refusal(module, where)
     if type(module) is Conv2dSame:
         conv: Any = module
         if conv.stride == (1, 1):  # timm builds this only where 'same' is asymmetric: an even (dilated) kernel
-            return (f"{where} is a stride-1 Conv2dSame with kernel {tuple(conv.kernel_size)}: TF 'same' padding pads one "
-                    "side more, which no label rule here follows; use an odd kernel (a static nn.Conv2d) or pad_type=''")
+            if conv.dilation != (1, 1):
+                return (f"{where} is a stride-1 dilated Conv2dSame with kernel {tuple(conv.kernel_size)}: TF 'same' padding "
+                        "pads one side more, which no label rule here follows; use an odd kernel (a static nn.Conv2d) or pad_type=''")
+            return None  # its padding is the same on every grid: a static conv with one zero tap before (_same_kernel_conv)
         if conv.dilation != (1, 1):
             return f"{where} is a strided dilated Conv2dSame; only undilated strided convolutions aggregate here"
         return None
@@ -265,6 +274,81 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
     return f"{where} is {type(module).__name__}, which has no label rule here (a conv, pool, norm, activation or channel gate)"
 
 
+def _same_kernel_conv(conv: Conv2dSame) -> KernelConv:
+    """An undilated stride-1 ``Conv2dSame`` as the static conv it equals on every grid: TF 'same' pads ``k - 1`` in
+    all, ``(k - 1) // 2`` before (an even ``k``: one less than after, as the s2d blocks' 2x2 depthwise conv); one
+    zero tap put before the kernel on such an axis makes it odd and its padding symmetric, ``k // 2`` each side."""
+    extra = tuple(1 - int(k) % 2 for k in conv.kernel_size)  # 1 on an axis with an even kernel
+
+    def kernel() -> Tensor:
+        return F.pad(effective_weight(conv), (extra[1], 0, extra[0], 0))
+
+    return KernelConv(kernel, (int(conv.kernel_size[0]) // 2, int(conv.kernel_size[1]) // 2))
+
+
+def _mixed_groups(module: MixedConv2d) -> list[Any]:
+    return list(module.values())
+
+
+def _mixed_conv_refusal(module: MixedConv2d, where: str) -> str | None:
+    """Why a ``MixedConv2d`` is not the one conv its groups make, kernels zero-padded (centred) to the largest.
+
+    Its channel groups each run a conv of their own kernel size on their split and are concatenated: with odd
+    kernels, one stride and dilation, and each group's padding centred on the largest kernel's (static
+    ``(k-1)d/2``, or all TF 'same': its extra ``k``-``K`` padding splits evenly), that is exactly one block-diagonal
+    conv whose smaller kernels are zero-padded, and the conv rule (or a strided conv's windows) applies to it.
+    """
+    groups = _mixed_groups(module)
+    kinds = {type(g) for g in groups}
+    if not kinds <= {nn.Conv2d, Conv2dSame} or len(kinds) != 1:
+        return f"{where} is a MixedConv2d of {sorted(k.__name__ for k in kinds)}; only all nn.Conv2d or all Conv2dSame groups have a rule"
+    if len({(g.stride, g.dilation) for g in groups}) != 1 or any(g.padding_mode != "zeros" for g in groups):
+        return f"{where} is a MixedConv2d whose groups differ in stride or dilation, or pad by other than zeros; it is not one conv"
+    if any(k % 2 == 0 for g in groups for k in g.kernel_size):
+        return f"{where} is a MixedConv2d with an even kernel: it cannot be centred in the largest one, so it is not one conv"
+    stride, dilation = groups[0].stride, groups[0].dilation
+    if kinds == {Conv2dSame}:
+        if stride == (1, 1) or dilation != (1, 1):
+            return f"{where} is a MixedConv2d of Conv2dSame groups with stride {stride}, dilation {dilation}: only strided undilated ones aggregate"
+        return None
+    if stride != (1, 1) and dilation != (1, 1):
+        return f"{where} is a strided dilated MixedConv2d; only undilated strided convolutions aggregate here"
+    big = tuple(max(int(g.kernel_size[a]) for g in groups) for a in (0, 1))
+    for g in groups:
+        if isinstance(g.padding, str) or any(
+            int(g.padding[a]) != (int(g.kernel_size[a]) - 1) * dilation[a] // 2 for a in (0, 1)
+        ):  # odd kernels: centred in the largest exactly when each pads (k-1)d/2
+            return (f"{where} is a MixedConv2d whose group of kernel {tuple(g.kernel_size)} pads {g.padding!r}, not centred on "
+                    f"its largest kernel {big}: it is not one conv, and has no label rule here")
+    return None
+
+
+def _mixed_conv_ops(module: MixedConv2d) -> list[Op]:
+    """A ``MixedConv2d`` (``_mixed_conv_refusal``: none) as the one conv it is: a stride-1 one's kernel is every
+    group's ``(out, in)`` pairs, each zero-padded centred to the largest kernel (the conv rule weighs every pair
+    alike: a group's weight is its pair count); a strided one's windows are the largest kernel's."""
+    groups = _mixed_groups(module)
+    first = groups[0]
+    big = (max(int(g.kernel_size[0]) for g in groups), max(int(g.kernel_size[1]) for g in groups))
+    dilation = _pair(first.dilation)
+    pad = ((big[0] - 1) * dilation[0] // 2, (big[1] - 1) * dilation[1] // 2)
+    if first.stride != (1, 1):
+        same = type(first) is Conv2dSame
+        return [Window(big, _pair(first.stride), (0, 0) if same else pad, same=same)]
+    if big == (1, 1):
+        return []  # 1x1 groups: a channel op
+
+    def kernel() -> Tensor:
+        def centred(w: Tensor) -> Tensor:
+            dh, dw = big[0] - int(w.shape[-2]), big[1] - int(w.shape[-1])
+            flat = rearrange(w, "o i kh kw -> (o i) 1 kh kw")  # one row per (out, in) pair the group connects
+            return F.pad(flat, (dw // 2, dw // 2, dh // 2, dh // 2))
+
+        return torch.cat([centred(effective_weight(g)) for g in groups])
+
+    return [KernelConv(kernel, pad, dilation)]
+
+
 def path_refusal(modules: Sequence[nn.Module], where: str, gates: tuple[type[nn.Module], ...] = ()) -> str | None:
     """Why a sequence of a block's modules has no label rule (``None``: every module has one)."""
     for i, module in enumerate(modules):
@@ -279,7 +363,11 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
     ops: list[Op] = []
     for module in modules:
         mod: Any = module
-        if type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
+        if type(module) is MixedConv2d:
+            ops.extend(_mixed_conv_ops(module))
+        elif type(module) is Conv2dSame and mod.stride == (1, 1):
+            ops.append(_same_kernel_conv(mod))
+        elif type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
             ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), (0, 0), same=True))  # resolved on each grid
         elif isinstance(module, nn.Conv2d) and type(module) in _CONVS:
             if module.stride != (1, 1):

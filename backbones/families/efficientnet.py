@@ -9,6 +9,11 @@ Events per block ``layer`` (blocks counted over all stages):
   labels by its channel-averaged normalised absolute kernel (border-renormalised); a strided one
   aggregates over its windows (a ``Conv2dSame``'s TF 'same' windows, padded by each input's size,
   resolved on the grid it receives: the tf_* models); 1x1 convs, BatchNormAct, SE are channel ops;
+- MixNet's ``MixedConv2d`` (channel groups of kernels 3, 5, 7, ... concatenated) is the one conv it equals, every
+  group's kernel zero-padded centred to the largest: stride 1, the conv rule over all groups' (out, in) pairs (a group
+  weighs by its pair count); strided, the largest kernel's windows. A space-to-depth block (``s2d``,
+  efficientnet_x/h) starts with its 2x2 stride-2 'same' conv's windows; its 2x2 stride-1 'same' depthwise conv is the
+  static 3x3 conv with a zero first row and column;
 - a block with a skip (``has_skip``: stride 1, same width): ``residual(layer, keep, mixed=P Y)``
   with ``Y = labels_for(layer)``; a block without one forms every position from its windows:
   ``aggregate`` by its path, aligned layer or not (as a stem does);
@@ -62,7 +67,8 @@ __all__ = ["AdaptedEfficientNet", "EFFICIENTNET_FAMILY", "efficientnet_refusal",
 
 EFFICIENTNET_FAMILY = (
     "timm EfficientNet class (EfficientNet/V2, MobileNetV2, MNASNet, FBNet, ..., tf_* with TF 'same' padding): "
-    "InvertedResidual, DepthwiseSeparable, EdgeResidual and ConvBnAct blocks; stride-1 depthwise or full kxk convs "
+    "InvertedResidual, DepthwiseSeparable, EdgeResidual and ConvBnAct blocks (space-to-depth too: efficientnet_x/h); "
+    "MixNet's MixedConv2d as the one conv with its groups' kernels zero-padded to the largest; stride-1 depthwise or full kxk convs "
     "mix labels by the channel-averaged normalised |kernel| (border-renormalised), strided convs aggregate over their "
     "windows ('same' windows resolved on each input grid), 1x1 convs, BatchNormAct and squeeze-excite as channel ops; a skip block joins its branch's labels by "
     "the residual rule, a block without skip aggregates; stem from the pixels; global average pooling; stochastic depth"
@@ -82,10 +88,12 @@ def _conv_norm_act(module: nn.Module) -> list[nn.Module]:
 
 def _branch_modules(blk: Any) -> list[nn.Module]:
     """The block's modules in the order of timm's ``forward`` (before drop-path and the skip)."""
+    # space-to-depth (s2d, efficientnet_x/h): a 2x2 stride-2 'same' conv first, a window like any strided conv
+    s2d = [blk.conv_s2d, blk.bn_s2d] if getattr(blk, "conv_s2d", None) is not None else []
     if type(blk) is InvertedResidual:
-        return [blk.conv_pw, blk.bn1, blk.conv_dw, blk.bn2, blk.aa, blk.se, blk.conv_pwl, blk.bn3]
+        return [*s2d, blk.conv_pw, blk.bn1, blk.conv_dw, blk.bn2, blk.aa, blk.se, blk.conv_pwl, blk.bn3]
     if type(blk) is DepthwiseSeparableConv:
-        return [blk.conv_dw, blk.bn1, blk.aa, blk.se, blk.conv_pw, blk.bn2]
+        return [*s2d, blk.conv_dw, blk.bn1, blk.aa, blk.se, blk.conv_pw, blk.bn2]
     if type(blk) is EdgeResidual:
         return [blk.conv_exp, blk.bn1, blk.aa, blk.se, blk.conv_pwl, blk.bn2]
     if type(blk) is UniversalInvertedResidual:  # MobileNetV4's UIB: optional depthwise convs around the 1x1s
@@ -113,8 +121,8 @@ def blocks_refusal(m: Any) -> str | None:
         if type(blk) not in _BLOCKS:
             return (f"{where} is {type(blk).__name__}; only InvertedResidual, DepthwiseSeparableConv, EdgeResidual, "
                     "ConvBnAct and UniversalInvertedResidual are supported")  # fmt: skip
-        if getattr(blk, "conv_s2d", None) is not None:
-            return f"{where} uses a space-to-depth conv (s2d), which has no label rule here; build it with s2d=0"
+        if getattr(blk, "conv_s2d", None) is not None and blk.has_skip:  # timm's forward would add maps of two sizes
+            return f"{where} has a space-to-depth conv (s2d) and a skip, whose maps differ in size; build it with s2d=0"
         why = path_refusal(_branch_modules(blk), f"{where}'s branch", (SqueezeExcite, LayerScale2d))
         if why is not None:
             return why
