@@ -22,7 +22,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import branch as through_drop_path
 from mixlabels import AlignedOutput, DenseTracker, Scheme, TokenLabelMap, TokenLayout
 
-__all__ = ["reference_forward"]
+__all__ = ["parallel_scaling_output", "reference_forward"]
 
 
 def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
@@ -125,15 +125,20 @@ def _parallel_scaling(blk: Any, i: int, x: Tensor, tracker: DenseTracker) -> Ten
     q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=blk.num_heads) for t in (q, k, v))
     q, k = blk.q_norm(q), blk.k_norm(k)
     a = torch.softmax(q @ k.transpose(-2, -1) * blk.scale, dim=-1)  # b h n n
-    attn_out = rearrange(F.dropout(a, blk.attn_drop.p, blk.training) @ v, "b h n d -> b n (h d)")
-    mlp_out = blk.mlp_drop(blk.mlp_act(mlp_in))
-    if blk.out_proj is not None:
-        y = blk.out_proj(torch.cat((attn_out, mlp_out), dim=-1))
-    else:
-        y = blk.attn_out_proj(attn_out) + blk.mlp_out_proj(mlp_out)
-    branch, keep = through_drop_path(blk.drop_path, blk.ls(y))
+    heads = F.dropout(a, blk.attn_drop.p, blk.training) @ v  # b h n d
+    branch, keep = through_drop_path(blk.drop_path, blk.ls(parallel_scaling_output(blk, heads, mlp_in)))
     eye = torch.eye(x.shape[1], dtype=torch.float64)
     tracker.mix(i, (a.detach().double().mean(dim=1) + eye) / 2, keep)  # the MLP branch is the identity's half
     if tracker.wants_class_attention(i):
         tracker.attend_class(a.detach().double()[:, :, 0].mean(dim=1))
     return x + branch
+
+
+def parallel_scaling_output(blk: Any, heads: Tensor, mlp_in: Tensor) -> Tensor:
+    """timm's ``ParallelScalingBlock`` output before layer scale: the attention heads ``(b, h, n, d)`` and the
+    MLP's hidden ``(b, n, f)`` projected (fused or separately) and summed, as timm does (channel ops only)."""
+    attn_out = rearrange(heads, "b h n d -> b n (h d)")
+    mlp_out = blk.mlp_drop(blk.mlp_act(mlp_in))
+    if blk.out_proj is not None:
+        return blk.out_proj(torch.cat((attn_out, mlp_out), dim=-1))  # type: ignore[no-any-return]
+    return blk.attn_out_proj(attn_out) + blk.mlp_out_proj(mlp_out)  # type: ignore[no-any-return]

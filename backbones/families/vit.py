@@ -24,7 +24,7 @@ from mixlabels.backbones._attention import attention_with_labels, class_attentio
 from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import through_hooks
-from mixlabels.backbones._vit_reference import reference_forward
+from mixlabels.backbones._vit_reference import parallel_scaling_output, reference_forward
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 
@@ -230,15 +230,9 @@ class AdaptedViT(AdaptedBase):
         v = rearrange(v, "b n (h d) -> b h n d", h=blk.num_heads)
         labels = tracker.labels_for(layer)
         heads, mixed = attend(blk, q, k, v, layer, tracker)  # the block holds scale, fused_attn and attn_drop
-        attn_out = rearrange(heads, "b h n d -> b n (h d)")
-        mlp_out = blk.mlp_drop(blk.mlp_act(mlp_in))
-        if blk.out_proj is not None:
-            y = blk.out_proj(torch.cat((attn_out, mlp_out), dim=-1))
-        else:
-            y = blk.attn_out_proj(attn_out) + blk.mlp_out_proj(mlp_out)
-        out, keep = branch(blk.drop_path, blk.ls(y))
+        out, keep = branch(blk.drop_path, blk.ls(parallel_scaling_output(blk, heads, mlp_in)))
         tracker.residual(layer, keep, mixed=None if mixed is None or labels is None else (mixed + labels) / 2)
-        return x + out  # type: ignore[no-any-return]
+        return x + out
 
     def _attention(
         self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker, class_row: bool = True
