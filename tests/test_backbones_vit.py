@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -9,7 +10,11 @@ import timm
 import torch
 from timm.layers import drop_path
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import VisionTransformer
+from timm.layers import RmsNorm
+from timm.layers.attention import Attention
+from timm.models.vision_transformer import (
+    DiffParallelScalingBlock, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock, VisionTransformer,
+)
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,6 +23,7 @@ from test_backbones_common import cutmix_batch, grads
 from mixlabels import backbones
 import mixlabels
 from mixlabels.backbones._attention import drop_path_with_keep
+from mixlabels.backbones.families.vit import join_branches
 from mixlabels import NoAlign, TLAlign, TokenLabeling, TokenLabelMap, TransMix
 
 B, IMG, PATCH, DIM, HEADS, DEPTH, C = 4, 32, 8, 32, 2, 3, 10
@@ -29,7 +35,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "pooled": {"class_token": False, "global_pool": "avg"},
     "qk_norm": {"qk_norm": True},
     "layer_scale": {"init_values": 0.1},
+    "res_post": {"block_fn": ResPostBlock, "init_values": 0.5},  # x + norm(f(x)), the norms' weights 0.5
+    "parallel_things": {"block_fn": ParallelThingsBlock, "init_values": 0.1},  # 2 attentions, then 2 MLPs
+    "parallel_scaling": {  # vit_*_xp: attention and MLP from one RmsNorm, qk norm
+        "block_fn": ParallelScalingBlock, "norm_layer": RmsNorm, "qk_norm": True, "pre_norm": True, "no_embed_class": True,
+    },
+    "parallel_scaling_gap": {  # vit_pwee: a register token, average pooling, and here the fused output projection
+        "block_fn": functools.partial(ParallelScalingBlock, fuse_out_proj=True), "init_values": 0.1,
+        "class_token": False, "reg_tokens": 1, "no_embed_class": True, "global_pool": "avg",
+    },
 }
+POOLED_CONFIGS = ("pooled", "parallel_scaling_gap")  # no class token: TransMix refuses
 SCHEMES: dict[str, Any] = {
     "none": NoAlign(),
     "transmix": TransMix(),
@@ -54,8 +70,11 @@ def make_model(name: str, drop_path_rate: float = 0.0, sharpen: float = 1.0, see
         # Random-init ViTs attend almost uniformly; scaled q and k make attention peaked,
         # so alignment moves the targets and a parity test can fail.
         with torch.no_grad():
-            for blk in model.blocks:
-                blk.attn.qkv.weight[: 2 * DIM] *= sharpen
+            for mod in model.blocks.modules():
+                if isinstance(mod, Attention):
+                    mod.qkv.weight[: 2 * DIM] *= sharpen
+                if isinstance(mod, ParallelScalingBlock):  # in_proj: [mlp, q, k, v]
+                    mod.in_proj.weight[mod.in_split[0] : mod.in_split[0] + 2 * DIM] *= sharpen
     return model
 
 
@@ -113,7 +132,7 @@ def test_drop_path_matches_timm_draw() -> None:
 
 # ---------------------------------------------------------------------------- fast = reference
 def parity_cases() -> list[tuple[str, str]]:
-    cases = [(c, s) for c in CONFIGS for s in SCHEMES if not (c == "pooled" and s == "transmix")]
+    cases = [(c, s) for c in CONFIGS for s in SCHEMES if not (c in POOLED_CONFIGS and s == "transmix")]
     return cases
 
 
@@ -294,3 +313,23 @@ def test_scheme_config_builds_for_adapt() -> None:
     images, lm = cutmix_batch()
     out = backbones.adapt(make_model("cls"), scheme)(images, lm)
     assert out.token_logits is not None and out.token_logits.shape == (B, (IMG // PATCH) ** 2, C)
+
+
+def test_parallel_branches_join_where_kept() -> None:
+    """Two parallel attentions: a sample counts the branches it kept; one that kept none keeps its labels."""
+    m1, m2 = torch.zeros(3, 1, 2), torch.zeros(3, 1, 2)
+    m1[..., 0], m2[..., 1] = 1.0, 1.0
+    mixed, keep = join_branches([m1, m2], [torch.tensor([True, False, False]), torch.tensor([True, True, False])])
+    assert keep is not None and keep.tolist() == [True, True, False]
+    assert_close(mixed[:, 0], torch.tensor([[0.5, 0.5], [0.0, 1.0], [0.5, 0.5]]))
+    mixed, keep = join_branches([m1, m2], [None, None])
+    assert keep is None and mixed[:, 0].tolist() == [[0.5, 0.5]] * 3
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"attn_layer": "diff"}, {"block_fn": DiffParallelScalingBlock}], ids=["diff_attention", "diff_parallel"]
+)
+def test_differential_attention_is_refused(kwargs: dict[str, Any]) -> None:
+    model = VisionTransformer(**BASE, **kwargs)
+    with pytest.raises(TypeError, match="negative"):
+        backbones.adapt(model, TLAlign())

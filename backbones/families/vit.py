@@ -9,11 +9,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 import torch.nn.functional as F
-from einops import rearrange
+from einops import einsum, rearrange, reduce
 from timm.layers.attention import Attention
 from timm.layers.patch_embed import PatchEmbed
-from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import (
+    Block, DiffParallelScalingBlock, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock, VisionTransformer,
+)
 from torch import Tensor, nn
 
 from mixlabels.backbones._attention_pool import latent_rows, map_refusal, map_token_targets_refusal
@@ -21,17 +24,19 @@ from mixlabels.backbones._attention import attention_with_labels, class_attentio
 from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import through_hooks
-from mixlabels.backbones._vit_reference import reference_forward
+from mixlabels.backbones._vit_reference import parallel_scaling_output, reference_forward
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 
-__all__ = ["AdaptedViT", "VIT_FAMILY", "attend", "attend_sdpa", "vit_refusal"]
+__all__ = ["AdaptedViT", "VIT_FAMILY", "attend", "attend_sdpa", "join_branches", "vit_refusal"]
 
 VIT_FAMILY = (
     "timm VisionTransformer (ViT/DeiT with a class token; VisionTransformerDistilled with its distillation "
     "token; register tokens; class_token=False with global_pool='avg'; qk_norm; layer scale (init_values); "
     "stochastic depth (drop_path_rate); attention pooling (global_pool='map': the latent's label is its attention row "
-    "over the tokens' labels)) built from timm Block + Attention"
+    "over the tokens' labels)) built from timm Block + Attention; also ResPostBlock (post-norm branches), "
+    "ParallelThingsBlock (parallel attentions: their labels' mean, then parallel MLPs) and ParallelScalingBlock "
+    "(attention and MLP from one norm: Norm(A Y + Y))"
 )
 
 
@@ -40,11 +45,9 @@ def vit_refusal(model: nn.Module) -> str | None:
     if not isinstance(model, VisionTransformer):
         return f"{type(model).__name__} is not a timm VisionTransformer"
     for i, blk in enumerate(model.blocks):
-        if type(blk) is not Block or type(blk.attn) is not Attention:
-            return (
-                f"block {i} is {type(blk).__name__} with {type(getattr(blk, 'attn', None)).__name__}; "
-                "only timm's pre-norm Block with its Attention is supported"
-            )
+        why = _block_refusal(blk)
+        if why is not None:
+            return f"block {i}: {why}"
     if model.global_pool not in ("token", "avg", "map"):
         return f"global_pool={model.global_pool!r} has no label readout; use 'token', 'avg' or 'map'"
     why = map_refusal(model)
@@ -59,6 +62,57 @@ def vit_refusal(model: nn.Module) -> str | None:
     if getattr(model.patch_embed, "dynamic_img_pad", False):
         return "dynamic_img_pad pads images, so patches no longer tile the label map; disable it"
     return None
+
+
+def _block_refusal(blk: nn.Module) -> str | None:
+    """Why a block has no label rule here (``None`` if it has)."""
+    if type(blk) is ParallelScalingBlock:
+        return None
+    if type(blk) is DiffParallelScalingBlock:
+        return (
+            "DiffParallelScalingBlock mixes tokens by differential attention A1 - lambda * A2, whose weights can be "
+            "negative: no TL-Align label rule; use ParallelScalingBlock or timm's Attention"
+        )
+    attns = [sub.attn for sub in blk.attns] if type(blk) is ParallelThingsBlock else [getattr(blk, "attn", None)]
+    if type(blk) not in (Block, ResPostBlock, ParallelThingsBlock) or any(type(a) is not Attention for a in attns):
+        names = ", ".join(sorted({type(a).__name__ for a in attns}))
+        return (
+            f"{type(blk).__name__} with {names}; only timm's Block, ResPostBlock or ParallelThingsBlock with its "
+            "Attention, or ParallelScalingBlock, is supported (DiffAttention's A1 - lambda * A2 has negative weights: "
+            "no label rule)"
+        )
+    return None
+
+
+def join_branches(mixes: list[Tensor], keeps: list[Tensor | None]) -> tuple[Tensor, Tensor | None]:
+    """The labels of parallel attention branches added to one residual, and the samples that kept any of them.
+
+    The sum of the branches weighs them equally (``_convnet.Parallel.sum``): ``g(Y) = mean_i A_i Y``. Each
+    branch draws its own stochastic depth: a branch counts only where it was kept (the ``follow`` rule, written
+    into the mixed labels for every scheme, as TNT's per-patch draws); a sample that dropped every branch is the
+    residual's ``keep=False`` (the scheme's drop-path rule decides), its mix the mean of all branches.
+
+    Args:
+        mixes: each branch's mixed labels ``(b, n, l)``.
+        keeps: each branch's kept samples ``(b,)`` bool, or ``None`` (all kept).
+
+    Returns:
+        The joined labels ``(b, n, l)`` and the samples that kept any branch ``(b,)`` (``None``: all).
+    """
+    stacked = torch.stack(mixes)  # r b n l
+    if all(k is None for k in keeps):
+        return reduce(stacked, "r b n l -> b n l", "mean"), None
+    kept = torch.stack([torch.ones(stacked.shape[1], dtype=torch.bool, device=stacked.device) if k is None else k for k in keeps])
+    anyone = kept.any(dim=0)  # b
+    weights = torch.where(anyone, kept.to(stacked.dtype), 1.0)  # r b
+    total = einsum(weights, stacked, "r b, r b n l -> b n l")
+    return total / reduce(weights, "r b -> b", "sum")[:, None, None], anyone
+
+
+def project_qk_v(attn: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k (normed) and v ``(b, h, n, d)`` of timm's ``Attention`` on its input ``x``."""
+    q, k, v = rearrange(attn.qkv(x), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
+    return attn.q_norm(q), attn.k_norm(k), v
 
 
 class AdaptedViT(AdaptedBase):
@@ -129,20 +183,64 @@ class AdaptedViT(AdaptedBase):
         return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
-        out, mixed = self._attention(blk.attn, blk.norm1(x), layer, tracker)
-        out, keep = branch(blk.drop_path1, blk.ls1(out))
+        if isinstance(blk, ParallelScalingBlock):
+            return self._parallel_scaling(blk, x, layer, tracker)
+        if isinstance(blk, ParallelThingsBlock):
+            return self._parallel_things(blk, x, layer, tracker)
+        post = isinstance(blk, ResPostBlock)  # x + norm(f(x)): the norms are per token, channel ops
+        out, mixed = self._attention(blk.attn, x if post else blk.norm1(x), layer, tracker)
+        out, keep = branch(blk.drop_path1, blk.norm1(out) if post else blk.ls1(out))
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out
-        out, keep = branch(blk.drop_path2, blk.ls2(blk.mlp(blk.norm2(x))))
+        out, keep = branch(blk.drop_path2, blk.norm2(blk.mlp(x)) if post else blk.ls2(blk.mlp(blk.norm2(x))))
         tracker.residual(layer, keep, mixed=None)  # channel mixing: labels unchanged
         return x + out
 
-    def _attention(self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker) -> tuple[Tensor, Tensor | None]:
+    def _parallel_things(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        """Parallel attentions on one input, summed into one residual (their labels: ``join_branches``); then
+        parallel MLPs (channel mixing). TransMix reads the mean of the branches' class rows."""
+        outs, mixes, keeps, rows = [], [], [], []
+        for sub in blk.attns:  # timm's order: each branch's attention, layer scale, then its drop-path draw
+            h = sub.norm(x)
+            out, mixed = self._attention(sub.attn, h, layer, tracker, class_row=False)
+            if tracker.wants_class_attention(layer):
+                q, k, _ = project_qk_v(sub.attn, h)
+                rows.append(class_attention(q, k, sub.attn.scale))
+            out, keep = branch(sub.drop_path, sub.ls(out))
+            outs.append(out)
+            keeps.append(keep)
+            if mixed is not None:
+                mixes.append(mixed)
+        if rows:
+            tracker.class_attention(layer, reduce(torch.stack(rows), "r b n -> b n", "mean"))
+        mixed, keep = join_branches(mixes, keeps) if mixes else (None, None)
+        tracker.residual(layer, keep, mixed=mixed)
+        x = x + torch.stack(outs).sum(dim=0)
+        x = x + torch.stack([branch(f.drop_path, f.ls(f.mlp(f.norm(x))))[0] for f in blk.ffns]).sum(dim=0)
+        return x  # the MLPs mix channels: labels unchanged
+
+    def _parallel_scaling(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+        """Attention and MLP from one norm, summed into one residual: the MLP keeps the labels and a sum weighs
+        its branches equally (``_convnet.Parallel.sum``), so ``g(Y) = Norm(A Y + Y) = (A Y + Y) / 2``."""
+        mlp_in, q, k, v = torch.split(blk.in_proj(blk.in_norm(x)), blk.in_split, dim=-1)
+        if blk.mlp_bias is not None:
+            mlp_in = mlp_in + blk.mlp_bias
+        q = blk.q_norm(rearrange(q, "b n (h d) -> b h n d", h=blk.num_heads))
+        k = blk.k_norm(rearrange(k, "b n (h d) -> b h n d", h=blk.num_heads))
+        v = rearrange(v, "b n (h d) -> b h n d", h=blk.num_heads)
+        labels = tracker.labels_for(layer)
+        heads, mixed = attend(blk, q, k, v, layer, tracker)  # the block holds scale, fused_attn and attn_drop
+        out, keep = branch(blk.drop_path, blk.ls(parallel_scaling_output(blk, heads, mlp_in)))
+        tracker.residual(layer, keep, mixed=None if mixed is None or labels is None else (mixed + labels) / 2)
+        return x + out
+
+    def _attention(
+        self, attn: Any, x: Tensor, layer: int, tracker: LabelTracker, class_row: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """The attention branch's output and, when the scheme aligns ``layer``, its mixed labels ``(b, n, l)``."""
         gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
-        q, k, v = rearrange(attn.qkv(x), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        out, mixed = attend(attn, q, k, v, layer, tracker)
+        q, k, v = project_qk_v(attn, x)
+        out, mixed = attend(attn, q, k, v, layer, tracker, class_row=class_row)
         out = rearrange(out, "b h n d -> b n (h d)")
         out = attn.norm(out) if hasattr(attn, "norm") else out
         if gate is not None:
@@ -151,7 +249,8 @@ class AdaptedViT(AdaptedBase):
 
 
 def attend(
-    attn: Any, q: Tensor, k: Tensor, v: Tensor, layer: int, tracker: LabelTracker, bias: Tensor | None = None
+    attn: Any, q: Tensor, k: Tensor, v: Tensor, layer: int, tracker: LabelTracker, bias: Tensor | None = None,
+    class_row: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Self-attention of a timm attention module (``scale``, ``attn_drop``, ``fused_attn``) with its events.
 
@@ -159,14 +258,17 @@ def attend(
         q, k, v: ``(b, h, n, d)``, after any q/k norm or rotary embedding (the mixing weights are
             the attention rows whatever made q and k).
         bias: an additive bias broadcastable to ``(b, h, n, n)`` (a relative position bias), or ``None``.
+        class_row: report the class token's row where TransMix reads it (``False``: the caller reports it, as
+            parallel branches report their mean).
 
     Returns:
         The output ``(b, h, n, d)`` as timm computes it (its explicit path when ``fused_attn`` is off)
         and, when the scheme aligns ``layer``, the mixed labels ``(b, n, l)``.
     """
     if attn.fused_attn:
-        return attend_sdpa(q, k, v, attn.scale, attn.attn_drop.p if attn.training else 0.0, layer, tracker, bias)
-    if tracker.wants_class_attention(layer):
+        dropout_p = attn.attn_drop.p if attn.training else 0.0
+        return attend_sdpa(q, k, v, attn.scale, dropout_p, layer, tracker, bias, class_row=class_row)
+    if class_row and tracker.wants_class_attention(layer):
         tracker.class_attention(layer, class_attention(q, k, attn.scale, bias=bias))  # b n, from q_cls only
     labels, mixed = tracker.labels_for(layer), None
     # timm's explicit path, kept for bit-exact parity; the matrix exists anyway here.
@@ -179,7 +281,7 @@ def attend(
 
 def attend_sdpa(
     q: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float, layer: int, tracker: LabelTracker,
-    bias: Tensor | None = None,
+    bias: Tensor | None = None, class_row: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Self-attention by ``scaled_dot_product_attention`` with its events (timm's fused ``Attention``, and
     ``nn.MultiheadAttention`` as torchvision's ViT calls it: ``backbones.families.tv_vit``).
@@ -190,11 +292,12 @@ def attend_sdpa(
             default ``1/sqrt(d)``, as timm's ``Attention`` and ``nn.MultiheadAttention`` call it.
         dropout_p: attention dropout (0 in eval mode).
         bias: an additive bias broadcastable to ``(b, h, n, n)``, or ``None``.
+        class_row: report the class token's row where TransMix reads it (``False``: the caller does).
 
     Returns:
         The output ``(b, h, n, d)`` and, when the scheme aligns ``layer``, the mixed labels ``(b, n, l)``.
     """
-    if tracker.wants_class_attention(layer):
+    if class_row and tracker.wants_class_attention(layer):
         tracker.class_attention(layer, class_attention(q, k, scale, bias=bias))  # b n, from q_cls only
     labels = tracker.labels_for(layer)
     if labels is not None:
