@@ -43,7 +43,8 @@ VGG_FAMILY = (
 
 def _keeps_grid(conv: nn.Conv2d) -> bool:
     """Whether a stride-1 conv's output has its input's grid (the padding covers the dilated kernel's reach)."""
-    return all(2 * p == d * (k - 1) for p, d, k in zip(conv.padding, conv.dilation, conv.kernel_size))  # type: ignore[arg-type]
+    c: Any = conv  # padding is a pair here: path_refusal has refused a string
+    return all(2 * int(p) == int(d) * (int(k) - 1) for p, d, k in zip(c.padding, c.dilation, c.kernel_size))
 
 
 def _pre_logits_refusal(pre: nn.Module) -> str | None:
