@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from timm.layers.drop import DropPath
 from torch import Tensor, nn
-from timm.layers.std_conv import ScaledStdConv2d, StdConv2d
+from timm.layers.std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d
 from torchvision.ops import StochasticDepth
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
@@ -206,15 +206,15 @@ def check_static_conv(conv: nn.Module, what: str, depthwise: bool = False) -> st
 def effective_weight(conv: nn.Conv2d) -> Tensor:
     """The weight ``(o, i, kh, kw)`` ``conv``'s forward convolves with, detached (label kernels carry no gradient).
 
-    A weight-standardised conv (timm's ``StdConv2d``, ``ScaledStdConv2d``) standardises each output
+    A weight-standardised conv (timm's ``StdConv2d``, ``ScaledStdConv2d``, ``ScaledStdConv2dSame``) standardises each output
     channel's weight over ``i kh kw`` in its forward (then scales it by ``gain * scale``): ``|w - mean|``
     is not ``|w|``, so its label kernel is read from that weight, computed as timm's forward does.
     """
-    if not isinstance(conv, (StdConv2d, ScaledStdConv2d)):
+    if not isinstance(conv, (StdConv2d, ScaledStdConv2d, ScaledStdConv2dSame)):
         return conv.weight.detach()
     scaled: Any = conv
     with torch.no_grad():
-        gamma = (scaled.gain * scaled.scale).view(-1) if isinstance(conv, ScaledStdConv2d) else None
+        gamma = (scaled.gain * scaled.scale).view(-1) if isinstance(conv, (ScaledStdConv2d, ScaledStdConv2dSame)) else None
         flat = conv.weight.reshape(1, conv.out_channels, -1)  # 1 o (i kh kw): batch norm's statistics per output channel
         return F.batch_norm(flat, None, None, weight=gamma, training=True, momentum=0.0, eps=scaled.eps).reshape_as(conv.weight)
 

@@ -63,7 +63,7 @@ from timm.layers.mixed_conv2d import MixedConv2d
 from timm.layers.separable_conv import SeparableConvNormAct
 from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from timm.layers.squeeze_excite import EffectiveSEModule, SEModule
-from timm.layers.std_conv import ScaledStdConv2d, StdConv2d
+from timm.layers.std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
@@ -252,6 +252,15 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
         if same.ceil_mode or _pair(getattr(same, "dilation", 1)) != (1, 1):
             return f"{where} is a {type(module).__name__} with ceil_mode or dilation; only plain 'same' pooling windows have a rule"
         return None
+    if type(module) is ScaledStdConv2dSame:  # NFNet's dm_nfnet_*: a static conv where 'same' is symmetric
+        scaled: Any = module
+        if not scaled.same_pad:
+            return None if module.padding_mode == "zeros" else f"{where} (ScaledStdConv2dSame) pads by {module.padding_mode!r}; only zero padding has a label rule"
+        if module.stride == (1, 1) or module.dilation != (1, 1):  # dynamic: pad_same before the conv, as Conv2dSame
+            return (f"{where} is a ScaledStdConv2dSame with kernel {tuple(module.kernel_size)}, stride {tuple(module.stride)} and "
+                    f"dilation {tuple(module.dilation)}: its TF 'same' padding pads one side more, which has a label rule only "
+                    "for undilated strided convolutions (windows); build the model with same_padding=False")
+        return None
     if type(module).__name__ in ("StdConv2dSame", "ScaledStdConv2dSame"):
         return (f"{where} is {type(module).__name__}: TF 'same' padding, decided per input size, has no static windows; "
                 "build the model with static padding (NFNet: same_padding=False)")
@@ -367,7 +376,12 @@ def path_of(modules: Sequence[nn.Module]) -> Path:
             ops.extend(_mixed_conv_ops(module))
         elif type(module) is Conv2dSame and mod.stride == (1, 1):
             ops.append(_same_kernel_conv(mod))
-        elif type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame):  # a strided conv (path_refusal) or a pool:
+        elif type(module) is ScaledStdConv2dSame and not mod.same_pad:  # its 'same' padding static: a plain conv
+            if module.stride != (1, 1):
+                ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), _pair(mod.padding)))
+            elif module.kernel_size != (1, 1):
+                ops.append(module)
+        elif type(module) in (Conv2dSame, AvgPool2dSame, MaxPool2dSame, ScaledStdConv2dSame):  # strided (path_refusal), pools:
             ops.append(Window(_pair(mod.kernel_size), _pair(mod.stride), (0, 0), same=True))  # resolved on each grid
         elif isinstance(module, nn.Conv2d) and type(module) in _CONVS:
             if module.stride != (1, 1):

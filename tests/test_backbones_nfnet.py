@@ -10,9 +10,10 @@ import pytest
 import timm
 import torch
 from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
-from timm.layers import ScaledStdConv2d
+from timm.layers import ScaledStdConv2d, ScaledStdConv2dSame
 from timm.models.nfnet import NormFreeNet, model_cfgs
 from torch import nn
+from torch.testing import assert_close
 
 from mixlabels import TLAlign, TransMix, backbones
 from mixlabels.backbones.families.nfnet import tiny_cfg
@@ -28,6 +29,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "resnet": {"stem_type": "7x7_pool", "attn_layer": "eca", "attn_kwargs": {}, "num_features": 0, "group_size": None,
                "extra_conv": False, "act_layer": "relu"},
     "skipinit": {"stem_type": "deep_pool", "skipinit": True, "gamma_in_act": True, "attn_layer": None},
+    "same": {"same_padding": True},  # dm_nfnet_*: ScaledStdConv2dSame, strided ones padded per input size
 }  # fmt: skip
 
 
@@ -38,7 +40,7 @@ def make(config: str, drop_path_rate: float = 0.0) -> nn.Module:
     model = NormFreeNet(tiny_cfg(**CONFIGS[config]), num_classes=C, drop_rate=0.2, drop_path_rate=drop_path_rate)
     with torch.no_grad():
         for mod in model.modules():
-            if isinstance(mod, ScaledStdConv2d):
+            if isinstance(mod, (ScaledStdConv2d, ScaledStdConv2dSame)):
                 mod.gain.uniform_(0.5, 1.5)
             if getattr(mod, "skipinit_gain", None) is not None:
                 mod.skipinit_gain.fill_(0.7)
@@ -56,7 +58,7 @@ def test_fast_path_equals_reference(scheme: str) -> None:
     check_parity(make("nfnet", drop_path_rate=0.4), scheme)
 
 
-@pytest.mark.parametrize("config", ["regnet", "resnet", "skipinit"])
+@pytest.mark.parametrize("config", ["regnet", "resnet", "skipinit", "same"])
 def test_fast_path_equals_reference_variants(config: str) -> None:
     check_parity(make(config, drop_path_rate=0.4), "tl_align")
 
@@ -69,23 +71,33 @@ def test_unmixed_gives_one_hot() -> None:
     check_unmixed_is_one_hot(make("regnet"), POOLED)
 
 
-def test_every_timm_name_adapts_but_tf_same_padding() -> None:
-    """Every name is accepted but those timm builds with TF 'same' padding (``ScaledStdConv2dSame``), which are
-    refused with that reason and accepted when built with static padding."""
+def test_every_timm_name_adapts() -> None:
+    """Every name is accepted, those timm builds with TF 'same' padding (``ScaledStdConv2dSame``) included."""
     names = timm.list_models(module="nfnet")
-    same = {name for name in names if model_cfgs[name].same_padding}
-    assert same and len(same) < len(names)
+    assert any(model_cfgs[name].same_padding for name in names)
     for name in names:
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
-        why = FAMILY.refusal(model)
-        if name in same:
-            assert why is not None and "is ScaledStdConv2dSame: TF 'same' padding" in why and "same_padding=False" in why, name
-            with torch.device("meta"):
-                model = timm.create_model(name, pretrained=False, same_padding=False)
-            assert FAMILY.refusal(model) is None, name
-        else:
-            assert why is None, name
+        assert FAMILY.refusal(model) is None, name
+
+
+def test_same_padding_paths() -> None:
+    """A 'same' model's strided convs are windows resolved per grid (32 px: the stem's stride-2 3x3 pads (0, 1)),
+    its stride-1 3x3s static convs, and their label kernels read from the standardised weight."""
+    from mixlabels.backbones._common import effective_weight
+    from mixlabels.backbones._convnet import Window, path_of
+
+    model: Any = make("same")
+    stem = path_of(list(model.stem.children()))
+    assert isinstance(stem[0], Window) and stem[0].same and stem[0].axes((32, 32))[0][2:4] == (0, 1)
+    conv = model.stages[0][0].conv2b
+    assert type(conv) is ScaledStdConv2dSame and not conv.same_pad and path_of([conv]) == (conv,)
+    assert_close(effective_weight(conv), ScaledStdConv2d.forward.__globals__["F"].batch_norm(
+        conv.weight.reshape(1, conv.out_channels, -1), None, None, weight=(conv.gain * conv.scale).view(-1),
+        training=True, momentum=0.0, eps=conv.eps).reshape_as(conv.weight))
+    dilated: Any = make("same")
+    dilated.stages[1][0].conv2.dilation = (2, 2)
+    assert "ScaledStdConv2dSame with kernel (3, 3), stride (2, 2) and dilation (2, 2)" in str(FAMILY.refusal(dilated))
 
 
 def test_refusals() -> None:

@@ -18,8 +18,9 @@ The label rules of ``backbones._convnet`` (both walks in its ``AdaptedConvNet``)
 - ``final_conv`` (1x1) and ``final_act`` are channel ops; readout ``pool("mean", 0)`` (global average pooling,
   then the linear classifier; no class token: TransMix refuses).
 
-TF-'same' padded models (``dm_nfnet_*``: ``ScaledStdConv2dSame``) are refused: build them with
-``same_padding=False``.
+TF-'same' padded models (``dm_nfnet_*``: ``ScaledStdConv2dSame``): a stride-1 conv with an odd kernel is padded
+statically (symmetric: the same rule), a strided one pads each input by its size, its windows resolved on the grid
+it gets (``_convnet.Window(..., same=True)``, as ``Conv2dSame``).
 
 Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` positions.
 """
@@ -40,10 +41,10 @@ from mixlabels.backbones.families.resnetv2 import head_per_position, head_refusa
 __all__ = ["AdaptedNFNet", "NFNET_FAMILY", "nfnet_refusal"]
 
 NFNET_FAMILY = (
-    "timm NormFreeNet (NFNet-F/L, ECA-NFNet, NF-RegNet, NF-ResNet, NF-SE/ECA-ResNet; static padding, so dm_nfnet_* "
-    "only with same_padding=False): every position a token; stride-1 kxk convs mix labels by the (out, in)-averaged "
-    "normalised |kernel| of the scaled standardised weight the forward uses (border-renormalised); strided convs and "
-    "pools aggregate over their windows; 1x1 convs, activations, SE/ECA and scalar gains as channel ops; a block's "
+    "timm NormFreeNet (NFNet-F/L, DM-NFNet-F with TF 'same' padding, ECA-NFNet, NF-RegNet, NF-ResNet, NF-SE/ECA-ResNet): "
+    "every position a token; stride-1 kxk convs mix labels by the (out, in)-averaged normalised |kernel| of the "
+    "scaled standardised weight the forward uses (border-renormalised); strided convs ('same'-padded ones on the "
+    "windows their padding gives each grid) and pools aggregate over their windows; 1x1 convs, activations, SE/ECA and scalar gains as channel ops; a block's "
     "shortcut keeps (or aggregates) the labels and its branch's labels join by the residual rule; stem from the "
     "pixels; global average pooling; stochastic depth"
 )
