@@ -58,7 +58,7 @@ def test_every_timm_name_adapts_and_only_here() -> None:
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
         assert FAMILY.refusal(model) is None, name
-        assert [f.name for f in backbones.FAMILIES if f.refusal(model) is None] == ["vit_hybrid"], name
+        assert [f.name for f in backbones.FAMILIES[:-1] if f.refusal(model) is None] == ["vit_hybrid"], name  # "any": the fallback
 
 
 def test_refusals() -> None:
