@@ -40,8 +40,6 @@ from timm.layers.hybrid_embed import HybridEmbed
 from timm.layers.norm_act import GroupNormAct
 from timm.layers.std_conv import StdConv2dSame
 from timm.models._features import FeatureListNet
-from timm.models.resnet import BasicBlock
-from timm.models.resnet import Bottleneck as ResNetBottleneck
 from timm.models.resnetv2 import Bottleneck, DownsampleConv, ResNetStage, ResNetV2, create_resnetv2_stem
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer_hybrid import ConvStem
@@ -221,20 +219,7 @@ def _backbone_refusal(bb: Any) -> str | None:
             return f"the features_only backbone's modules {names} are not a timm ResNet's"
         if names[-1] not in bb.return_layers:
             return "the features_only backbone's last feature is not its last module's output"
-        why = path_refusal(resnet._stem_modules(bb), "the backbone's stem")
-        if why is not None:
-            return why
-        for i, blk in enumerate(_resnet_blocks(bb)):
-            where = f"the backbone's block {i}"
-            if type(blk) not in (BasicBlock, ResNetBottleneck):
-                return f"{where} is {type(blk).__name__}; only timm's BasicBlock and Bottleneck are supported"
-            if blk.drop_path is not None and type(blk.drop_path) is not DropPath:
-                return f"{where}'s drop_path is {type(blk.drop_path).__name__}, not timm's DropPath"
-            why = path_refusal(resnet._branch_modules(blk) + [resnet._last_act(blk)], f"{where}'s branch")
-            why = why or path_refusal(resnet._flat(blk.downsample), f"{where}'s shortcut")  # type: ignore[arg-type]  # timm is untyped
-            if why is not None:
-                return why
-        return None
+        return path_refusal(resnet._stem_modules(bb), "the backbone's stem") or resnet.blocks_refusal(_resnet_blocks(bb), "the backbone's block")
     if type(bb) is ConvStem or (type(bb) is nn.Sequential and all(type(m) is not nn.Sequential for m in bb)):
         return _refusal(_ops([bb]), "the backbone")
     return f"the backbone is {type(bb).__name__}; only a ResNetV2, its stem, a features_only ResNet or a ConvStem has a label rule here"
