@@ -54,7 +54,7 @@ from mixlabels.backbones._dense import DenseRules
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
-__all__ = ["AdaptedResNet", "RESNET_FAMILY", "resnet_refusal"]
+__all__ = ["AdaptedResNet", "RESNET_FAMILY", "resnet_refusal", "blocks_refusal"]
 
 RESNET_FAMILY = (
     "timm ResNet (ResNet/ResNeXt/SE-/ECA-ResNet/ResNet-RS/wide, 7x7 or deep stem, conv or avg-pool (ResNet-D) "
@@ -101,11 +101,14 @@ def resnet_refusal(model: nn.Module) -> str | None:
     m: Any = model
     if m.global_pool.pool_type != "avg":
         return f"global_pool={m.global_pool.pool_type!r} has no label readout; use 'avg'"
-    why = path_refusal(_stem_modules(m), "the stem")
-    if why is not None:
-        return why
-    for i, blk in enumerate(_blocks(m)):
-        where = f"block {i}"
+    return path_refusal(_stem_modules(m), "the stem") or blocks_refusal(_blocks(m))
+
+
+def blocks_refusal(blocks: list[Any], where_first: str = "block") -> str | None:
+    """Why a run of timm ResNet blocks has no label rule (``None``: every block has one); ``vit_hybrid`` asks it of a
+    features_only ResNet's, naming them ``where_first``."""
+    for i, blk in enumerate(blocks):
+        where = f"{where_first} {i}"
         if type(blk) not in (BasicBlock, Bottleneck):
             return f"{where} is {type(blk).__name__}; only timm's BasicBlock and Bottleneck are supported"
         if blk.drop_path is not None and type(blk.drop_path) is not DropPath:

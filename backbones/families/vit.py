@@ -40,8 +40,9 @@ VIT_FAMILY = (
 )
 
 
-def vit_refusal(model: nn.Module) -> str | None:
-    """Why ``model`` cannot be adapted as a ViT (``None`` if it can)."""
+def vit_refusal(model: nn.Module, embed: type[nn.Module] = PatchEmbed) -> str | None:
+    """Why ``model`` cannot be adapted as a ViT (``None`` if it can); ``embed``: the patch embedding's class
+    (``vit_hybrid`` asks with ``HybridEmbed``)."""
     if not isinstance(model, VisionTransformer):
         return f"{type(model).__name__} is not a timm VisionTransformer"
     for i, blk in enumerate(model.blocks):
@@ -55,10 +56,10 @@ def vit_refusal(model: nn.Module) -> str | None:
         return why
     if not isinstance(model.patch_drop, nn.Identity):
         return "patch dropout (patch_drop_rate > 0) drops tokens the labels cannot follow; set patch_drop_rate=0"
-    if type(model.patch_embed) is not PatchEmbed:
+    if type(model.patch_embed) is not embed:
         # Hybrid (ResNet stem) and ViTamin (MBConv stages) embeddings: their token grid is not
         # patch_embed.patch_size, so the labels would not follow the tokens.
-        return f"patch_embed is {type(model.patch_embed).__name__}, not timm's PatchEmbed (a conv stem's token grid has no label rule here)"
+        return f"patch_embed is {type(model.patch_embed).__name__}, not timm's {embed.__name__} (a conv stem's token grid has no label rule here)"
     if getattr(model.patch_embed, "dynamic_img_pad", False):
         return "dynamic_img_pad pads images, so patches no longer tile the label map; disable it"
     return None
