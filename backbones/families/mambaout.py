@@ -121,7 +121,8 @@ class AdaptedMambaOut(AdaptedConvNet):
         path = path_of(_stem_modules(m.stem))
 
         def run(images: Tensor) -> Tensor:
-            return rearrange(m.stem(images), "b h w c -> b c h w")
+            out: Tensor = m.stem(images)  # b h w c
+            return rearrange(out, "b h w c -> b c h w")
 
         x, grid, start = run_stem(run, path, images, label_map)
         return rearrange(x, "b c h w -> b h w c"), path, grid, start
@@ -136,7 +137,7 @@ class AdaptedMambaOut(AdaptedConvNet):
         """timm's ``GatedConvBlock.forward`` with the drop-path draw exposed; a downsampler as itself."""
         if type(blk) is not GatedConvBlock:
             return blk(x), None
-        g, i, c = torch.split(blk.fc1(blk.norm(x)), blk.split_indices, dim=-1)  # b h w c
+        g, i, c = torch.split(blk.fc1(blk.norm(x)), list(blk.split_indices), dim=-1)  # b h w c
         c = rearrange(blk.conv(rearrange(c, "b h w c -> b c h w")), "b c h w -> b h w c")
         h = blk.ls(blk.fc2(blk.act(g) * torch.cat((i, c), dim=-1)))  # the gate: channels at one position
         h, keep = branch(blk.drop_path, h)
