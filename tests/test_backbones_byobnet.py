@@ -164,7 +164,7 @@ def test_every_timm_name_adapts_and_refusals() -> None:
         with torch.device("meta"):
             model = timm.create_model(name, pretrained=False)
         assert family.refusal(model) is None, name
-    for name, why in (("repvgg_a0", "the stem module 0 is RepVggBlock, which has no label rule here"),
+    for name, why in (("bat_resnext26ts", "block 0's branch module 5 is BatNonLocalAttn, which has no label rule here"),
                       ("gcresnet33ts", "block 0's branch module 5 is GlobalContext with fuse_add ('gca')"),
                       ("resnet50_clip", "the head (AttentionPool2d) has no label readout")):  # fmt: skip
         with torch.device("meta"):

@@ -94,7 +94,7 @@ def test_timm_names_adapt_and_refusals() -> None:
         backbones.adapt(circular, TLAlign())
     shrinking: Any = make()
     shrinking.features[3] = nn.Conv2d(8, 16, 3)
-    with pytest.raises(TypeError, match=r"features module 3 is a conv that changes the grid"):
+    with pytest.raises(TypeError, match=r"features module 3 is a stride-1 \(3, 3\) conv with padding \(0, 0\) \(dilation \(1, 1\)\): it changes the grid"):
         backbones.adapt(shrinking, TLAlign())
     padded: Any = make()
     padded.pre_logits.fc1.padding = (1, 1)

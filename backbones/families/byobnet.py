@@ -15,7 +15,7 @@ MobileViT block is one):
   an identity batch norm summed, no shortcut around them: one conv with the kernel timm's ``reparameterize``
   writes (each branch scaled by its norm's ``gamma / sqrt(running_var + eps)``, the 1x1 and the identity as
   centre taps), as ``repvit``'s RepVggDw and ``fastvit``'s MobileOne (whose ``_scaled`` it takes): the block
-  ``aggregate``\ s by that conv's rule (strided: its windows; a 1x1: a channel op). The kernel reads the running
+  ``aggregate``\\ s by that conv's rule (strided: its windows; a 1x1: a channel op). The kernel reads the running
   statistics in training too, so a model trained with branches and the same model reparameterised have one rule.
   timm's experimental drop path around the conv branches (``drop_path_rate > 0``) is refused;
 - ``MobileVitBlock`` (v1), ``conv_fusion(cat(x, proj(fold(T(unfold(conv_kxk(x)))))))``: the
