@@ -269,11 +269,12 @@ def _op_refusal(module: nn.Module, where: str, gates: tuple[type[nn.Module], ...
             return f"{where} ({type(module).__name__}) uses padding {module.padding!r} ({module.padding_mode}); only static zero padding has a label rule"
         if module.stride != (1, 1) and module.dilation != (1, 1):
             return f"{where} is a strided dilated convolution; only undilated strided convolutions aggregate here"
-        if module.stride == (1, 1) and any(2 * p != d * (k - 1) for p, d, k in zip(module.padding, module.dilation, module.kernel_size)):
+        static: Any = module
+        kernel, padding, dilation = _pair(static.kernel_size), _pair(static.padding), _pair(static.dilation)
+        if static.stride == (1, 1) and any(2 * p != d * (k - 1) for p, d, k in zip(padding, dilation, kernel)):
             # the conv rule maps a grid to itself (every output position centred on its input position)
-            return (f"{where} is a stride-1 {tuple(module.kernel_size)} conv with padding {tuple(module.padding)} (dilation "
-                    f"{tuple(module.dilation)}): it changes the grid, which no stride-1 label rule here follows; pad by "
-                    "dilation * (kernel - 1) / 2")
+            return (f"{where} is a stride-1 {kernel} conv with padding {padding} (dilation {dilation}): it changes the "
+                    "grid, which no stride-1 label rule here follows; pad by dilation * (kernel - 1) / 2")
         return None
     if type(module) in (nn.MaxPool2d, nn.AvgPool2d):
         pool: Any = module
