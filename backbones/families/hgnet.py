@@ -109,7 +109,8 @@ def _stem_v2_refusal(stem: Any) -> str | None:
         if why is None and (type(conv) is not nn.Conv2d or conv.kernel_size != (2, 2) or conv.stride != (1, 1)
                             or conv.padding != (0, 0) or conv.dilation != (1, 1)):  # fmt: skip
             why = f"the stem's {name} is not a 2x2 stride-1 unpadded nn.Conv2d (the right-bottom padded kernel rule)"
-        why = why or path_refusal(_ops(getattr(stem, name)), f"the stem's {name}", _GATES)
+        # the conv itself is checked above (padded right-bottom by the stem, so not grid-keeping alone): its norm-act here
+        why = why or path_refusal([op for op in _ops(getattr(stem, name)) if op is not conv], f"the stem's {name}", _GATES)
     p = stem.pool
     if why is None and (type(p) is not nn.MaxPool2d or p.kernel_size not in (2, (2, 2)) or p.stride not in (1, (1, 1))
                         or p.padding not in (0, (0, 0)) or p.dilation not in (1, (1, 1))):  # fmt: skip
