@@ -12,7 +12,7 @@ import timm
 import torch
 from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
 from timm.layers import BatchNormAct2d, EvoNorm2dS0, FilterResponseNormTlu2d, GroupNormAct, StdConv2d
-from timm.layers.std_conv import ScaledStdConv2dSame, StdConv2dSame
+from timm.layers.std_conv import StdConv2dSame
 from timm.models.resnetv2 import ResNetV2
 from torch import nn
 
@@ -88,7 +88,7 @@ def test_refusals() -> None:
     lopsided.stem.pad = nn.ConstantPad2d((0, 1, 0, 1), 0.0)  # not one window's padding
     with pytest.raises(TypeError, match="the stem module 1 is ConstantPad2d, which has no label rule"):
         backbones.adapt(lopsided, TLAlign())
-    for cls in (StdConv2dSame, ScaledStdConv2dSame):
+    for cls in (StdConv2dSame,):  # a strided ScaledStdConv2dSame aggregates over its 'same' windows (dm_nfnet)
         tf_same: Any = make("bit")
         tf_same.stages[1].blocks[0].conv2 = cls(8, 8, 3, stride=2)
         with pytest.raises(TypeError, match=f"block 1's branch module 3 is {cls.__name__}: TF 'same' padding.*same_padding=False"):

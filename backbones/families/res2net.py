@@ -28,7 +28,7 @@ from timm.models.res2net import Bottle2neck
 from timm.models.resnet import ResNet
 from torch import Tensor, nn
 
-from mixlabels.backbones._common import branch
+from mixlabels.backbones._common import AdaptedBase, branch
 from mixlabels.backbones._convnet import Parallel, Path, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones.families.resnet import AdaptedResNet, _blocks, _flat, _stem_modules
@@ -109,6 +109,8 @@ class AdaptedRes2Net(AdaptedResNet):
 
     family = RES2NET_FAMILY
     refusal = staticmethod(res2net_refusal)
+    # per-block FSDP2 sharding has not been run on Bottle2neck (tests/test_fsdp.py): the adapted root alone is sharded
+    fsdp_units = AdaptedBase.fsdp_units
 
     @staticmethod
     def block_forward(blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:

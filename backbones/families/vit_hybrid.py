@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, AlignedTargets, LabelTracker, Readout, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention_pool import map_token_targets_refusal
-from mixlabels.backbones._common import branch, start_on_windows
+from mixlabels.backbones._common import AdaptedBase, branch, start_on_windows
 from mixlabels.backbones._convnet import (
     _op_refusal,
     KernelConv,
@@ -307,6 +307,8 @@ class AdaptedViTHybrid(AdaptedViT):
 
     family = VIT_HYBRID_FAMILY
     refusal = staticmethod(vit_hybrid_refusal)  # type: ignore[assignment]  # vit's takes the embedding's class too
+    # per-block FSDP2 sharding has not been run with the CNN embedding (tests/test_fsdp.py): the adapted root alone
+    fsdp_units = AdaptedBase.fsdp_units
 
     def __init__(self, model: nn.Module, scheme: Any, reference: bool = False) -> None:
         super().__init__(model, scheme, reference)
