@@ -30,6 +30,8 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import torch
@@ -101,19 +103,33 @@ def _metaformer_refusal(model: nn.Module) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _pooling_weights(grid: tuple[int, int], kernel: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(1, n, 1)`` fp32 each: row ``i``'s weight on its own labels and on its window's mean (a constant of the grid
+    and the window: cached; ``torch.compile`` traces it as constants)."""
+    ones = torch.ones(1, 1, grid[0], grid[1], device=device)
+    count = F.avg_pool2d(ones, kernel, 1, kernel // 2, count_include_pad=True) * (kernel * kernel)  # in-grid taps
+    count = rearrange(count, "1 1 h w -> 1 (h w) 1")
+    several = count > 1
+    others = 1 / (2 * (count - 1).clamp_min(1.0))  # each other tap's weight, where there are others
+    own = torch.where(several, 0.5 - others, torch.ones_like(count))
+    mean = torch.where(several, count * others, torch.zeros_like(count))  # the mean of all m taps, own included
+    return own, mean
+
+
 def pooling_mix(labels: Tensor, grid: tuple[int, int], kernel: int) -> Tensor:
     """Labels through PoolFormer's ``pool(x) - x`` by its normalised absolute weights ``(b, n, l)`` fp32.
 
     Row ``i``: ``Y_i / 2 + (S_i - Y_i) / (2 (m_i - 1))`` with ``S_i`` the sum of the labels in
-    token ``i``'s in-grid window of ``m_i`` taps; ``Y_i`` where ``m_i = 1`` (the branch is zero).
+    token ``i``'s in-grid window of ``m_i`` taps; ``Y_i`` where ``m_i = 1`` (the branch is zero). Computed as
+    ``own_i Y_i + mean_i (S_i / m_i)``: the window mean is the same average pool timm runs (in-grid taps only, on
+    the labels viewed ``(b, l, h, w)``), the two weights constants of the grid, three operators a block.
     """
     with torch.autocast(device_type=labels.device.type, enabled=False):
         y = labels.float()
-        pad = (kernel // 2, kernel // 2)
-        summed, _ = pool_labels(y, grid, (kernel, kernel), (1, 1), pad)  # b n l
-        count, _ = pool_labels(torch.ones_like(y[:1, :, :1]), grid, (kernel, kernel), (1, 1), pad)  # 1 n 1
-        others = (summed - y) / (count - 1).clamp_min(1.0)
-        return torch.where(count > 1, (y + others) / 2, y)
+        window_mean = F.avg_pool2d(rearrange(y, "b (h w) l -> b l h w", h=grid[0]), kernel, 1, kernel // 2, count_include_pad=False)
+        own, mean = _pooling_weights(grid, kernel, y.device)
+        return torch.addcmul(y * own, rearrange(window_mean, "b l h w -> b (h w) l"), mean)
 
 
 def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
