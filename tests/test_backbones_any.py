@@ -190,12 +190,19 @@ def test_counts_of_torchvision_builders_per_tier() -> None:
 
 
 def test_vits_with_a_conv_stem_embedding_refuse_tlalign_and_take_noalign() -> None:
-    """ViTamin is a timm VisionTransformer whose patch_embed is a conv stem: its token grid is not
-    patch_embed.patch_size, so TL-Align refuses it (it crashed before); NoAlign takes it. (The hybrid ResNet-ViTs,
-    refused here before, align now by the vit_hybrid family: tests/test_backbones_vit_hybrid.py.)"""
-    for name in ("vitamin_small_224",):
-        with torch.device("meta"):
-            model = timm.create_model(name, pretrained=False)
-        with pytest.raises(TypeError, match="patch_embed is HybridEmbed, not timm's PatchEmbed"):
-            backbones.adapt(model, TLAlign())
-        assert type(backbones.adapt(model, NoAlign())) is AdaptedClassifier
+    """A timm VisionTransformer whose patch_embed is a conv stem no family has a label rule for (a features_only
+    ConvNeXt): its token grid is not patch_embed.patch_size, so TL-Align refuses it (such ViTs crashed before);
+    NoAlign takes it. (The hybrid ResNet-ViTs and ViTamin, refused here before, align now by the vit_hybrid and
+    vitamin families: tests/test_backbones_vit_hybrid.py, tests/test_backbones_vitamin.py.)"""
+    from functools import partial
+
+    from timm.layers.hybrid_embed import HybridEmbed
+    from timm.models.vision_transformer import VisionTransformer
+
+    with torch.device("meta"):
+        convnext = timm.create_model("convnext_atto", pretrained=False, features_only=True, out_indices=[2])
+        model = VisionTransformer(img_size=64, patch_size=1, embed_dim=32, depth=1, num_heads=2,
+                                  embed_layer=partial(HybridEmbed, backbone=convnext))  # fmt: skip
+    with pytest.raises(TypeError, match="patch_embed is HybridEmbed, not timm's PatchEmbed"):
+        backbones.adapt(model, TLAlign())
+    assert type(backbones.adapt(model, NoAlign())) is AdaptedClassifier

@@ -70,7 +70,7 @@ from mixlabels.backbones._fsdp import through_hooks
 from mixlabels.backbones.families import resnet, resnetv2
 from mixlabels.backbones.families.vit import AdaptedViT, vit_refusal
 
-__all__ = ["AdaptedViTHybrid", "VIT_HYBRID_FAMILY", "vit_hybrid_refusal"]
+__all__ = ["AdaptedViTHybrid", "VIT_HYBRID_FAMILY", "transformer_refusal", "vit_hybrid_refusal"]
 
 VIT_HYBRID_FAMILY = (
     "timm hybrid VisionTransformer (HybridEmbed: R26/R50 ResNetV2 or its stem alone with TF 'same' weight-standardised "
@@ -138,7 +138,7 @@ def _path(modules: Sequence[nn.Module]) -> Path:
 @dataclass(frozen=True, eq=False)
 class _CNN:
     """A hybrid's CNN as its stem, its residual blocks (each with its forward and its branch's and shortcut's paths)
-    and its tail (after the last block: channel ops only)."""
+    and its tail (after the last block, its spatial ops ``tail_path``: aggregated with the projection's)."""
 
     stem: Callable[[Tensor], Tensor]
     stem_path: Path
@@ -146,6 +146,7 @@ class _CNN:
     forward: Callable[[Any, Tensor], tuple[Tensor, Tensor | None]]
     paths: tuple[tuple[Path, Path], ...]
     tail: Callable[[Tensor], Tensor]
+    tail_path: Path = ()
 
 
 def _sequence(modules: Sequence[nn.Module]) -> Callable[[Tensor], Tensor]:
@@ -227,6 +228,13 @@ def _backbone_refusal(bb: Any) -> str | None:
 
 def vit_hybrid_refusal(model: nn.Module) -> str | None:
     """Why ``model`` is not a timm hybrid ViT this adapter carries labels through (``None``: it is)."""
+    m: Any = model
+    return transformer_refusal(model) or _backbone_refusal(m.patch_embed.backbone)
+
+
+def transformer_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` is not a timm ViT over a ``HybridEmbed`` this adapter carries labels through, its backbone
+    aside (``None``: it is; the ``vitamin`` family asks too)."""
     if not isinstance(model, VisionTransformer):
         return f"{type(model).__name__} is not a timm VisionTransformer"
     m: Any = model
@@ -243,7 +251,7 @@ def vit_hybrid_refusal(model: nn.Module) -> str | None:
     why = path_refusal([pe.proj], "HybridEmbed's projection")
     if why is None and isinstance(pe.proj, nn.Conv2d) and pe.proj.kernel_size != pe.proj.stride:
         why = "HybridEmbed's projection overlaps its windows"
-    return why or _backbone_refusal(pe.backbone)
+    return why
 
 
 # ---------------------------------------------------------------------------------------------- the tracker's views
@@ -313,8 +321,12 @@ class AdaptedViTHybrid(AdaptedViT):
     def __init__(self, model: nn.Module, scheme: Any, reference: bool = False) -> None:
         super().__init__(model, scheme, reference)
         m: Any = model
-        self._cnn = _cnn(m.patch_embed.backbone)  # built once: the StdConv2dSame label kernels are ops made here
-        self._proj = path_of([m.patch_embed.proj])
+        self._cnn = self._backbone(m.patch_embed.backbone)  # built once: the StdConv2dSame label kernels are ops made here
+        self._proj = self._cnn.tail_path + path_of([m.patch_embed.proj])
+
+    def _backbone(self, bb: Any) -> _CNN:
+        """The parts of the embedding's backbone (the refusal accepted it)."""
+        return _cnn(bb)
 
     def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
         return label_map.image_size[0], label_map.image_size[1]  # the pixels: the stem sums them
