@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import timm
 import torch
-from test_backbones_common import B, C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch, sharpen
+from test_backbones_common import B, C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch, set_fused, sharpen
 from timm.models.naflexvit import NaFlexVit, batch_patchify
 from torch.testing import assert_close
 
@@ -31,12 +31,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
               "pos_embed_align_corners": True, "init_values": 0.5},
     # a conv patch embedding, average over the prefix tokens too
     "conv_prefix": {**GAP, "embed_proj_type": "conv", "pool_include_prefix": True},
-    # per-patch input norm and embedding norm, channels-first patches, pre-norm, qk norm
+    # per-patch input norm and embedding norm, channels-first patches, pre-norm, qk norm, attention and MLP scale norms
     "norms": {**TOKEN, "input_norm_layer": "layernorm", "embed_norm_layer": "layernorm", "patchify_channels_last": False,
-              "pre_norm": True, "qk_norm": True},
+              "pre_norm": True, "qk_norm": True, "scale_attn_inner_norm": True, "scale_mlp_norm": True},
     # EvaBlocks with a model-level rotary embedding
     "rope_axial": {**TOKEN, "rope_type": "axial", "pos_embed": "none", "attn_type": "rope", "swiglu_mlp": True},
     "rope_mixed": {**GAP, "rope_type": "mixed", "rope_temperature": 10.0, "attn_type": "eva"},
+    "rope_mrope": {**TOKEN, "rope_type": "mrope", "rope_mrope_section": (2, 3, 3), "rope_shift_coords": 1.0, "attn_type": "rope"},
     "rope_dinov3_gqa": {**TOKEN, "rope_type": "dinov3", "rope_rotate_half": True, "rope_rescale_coords": 2.0,
                         "attn_type": "rope", "qkv_fused": False, "num_kv_heads": 1, "qk_norm": True, "reg_tokens": 2, "attn_gated": True},
 }  # fmt: skip
@@ -88,6 +89,12 @@ def test_mixtoken_fast_equals_reference(config: str) -> None:
     images, lm = cutmix_batch(token_space=True)
     out = backbones.adapt(model.eval(), TLAlign())(images, lm)
     assert (out.logits - model(images)).abs().max() > 1e-4  # the embeddings were mixed, not the pixels
+
+
+def test_explicit_attention_fast_equals_reference() -> None:
+    """timm's explicit (unfused) attention path: the class row and the labels from the same softmax."""
+    check_parity(set_fused(make("radio", drop_path_rate=0.2), False), "transmix")
+    check_parity(set_fused(make("rope_mixed", drop_path_rate=0.2), False), "tl_align")
 
 
 def test_unmixed_gives_one_hot() -> None:
@@ -147,7 +154,9 @@ def test_naflex_batches_are_refused() -> None:
         adapted(batch, lm)
     with pytest.raises(ValueError, match="look pre-patchified"):
         adapted(patches, lm)
-    assert adapted(images).shape == (B, C)  # without a label map: timm's own forward
+    model.eval()
+    assert_close(adapted(batch), model(batch), rtol=0, atol=0)  # without a label map: timm's own NaFlex forward
+    assert_close(adapted(images), model(images), rtol=0, atol=0)
     with pytest.raises(ValueError, match="not divisible by the patch size"):
         adapted(torch.randn(B, 3, 36, 36), TokenLabelMap.unmixed(torch.arange(B), C, (36, 36)))
 

@@ -53,7 +53,7 @@ _BLOCKS = {Block: (Attention,), EvaBlock: (EvaAttention, AttentionRope)}
 
 def naflexvit_refusal(model: nn.Module) -> str | None:
     """Why ``model`` cannot be adapted as a NaFlexVit on images (``None`` if it can)."""
-    if not isinstance(model, NaFlexVit):
+    if type(model) is not NaFlexVit:  # a subclass may change the forward the walk re-runs
         return f"{type(model).__name__} is not a timm NaFlexVit"
     m: Any = model
     for i, blk in enumerate(m.blocks):
