@@ -29,8 +29,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "radio": {**TOKEN, "reg_tokens": 2, "final_norm": False, "pos_embed_grid_size": (12, 12),
               "pos_embed_interp_mode": "bilinear", "pos_embed_ar_preserving": True, "pos_embed_antialias": False,
               "pos_embed_align_corners": True, "init_values": 0.5},
-    # a conv patch embedding, average over the prefix tokens too
-    "conv_prefix": {**GAP, "embed_proj_type": "conv", "pool_include_prefix": True},
+    # a conv patch embedding (padding only images the input check refuses), average over the prefix tokens too
+    "conv_prefix": {**GAP, "embed_proj_type": "conv", "pool_include_prefix": True, "dynamic_img_pad": True},
     # per-patch input norm and embedding norm, channels-first patches, pre-norm, qk norm, attention and MLP scale norms
     "norms": {**TOKEN, "input_norm_layer": "layernorm", "embed_norm_layer": "layernorm", "patchify_channels_last": False,
               "pre_norm": True, "qk_norm": True, "scale_attn_inner_norm": True, "scale_mlp_norm": True},
