@@ -7,7 +7,8 @@ way a token is its own patch, as timm's ``PatchEmbed``), normalises them (``inpu
 ``embed_norm_layer``: per patch, channel ops), adds a position embedding resampled to the grid
 (learned or factorised; the resampling acts on the table, never between tokens), then prepends the
 class and register tokens. ``dynamic_img_pad`` pads nothing here: the input check refuses images that
-do not divide into patches. ``enable_patch_interpolator`` resizes only NaFlex patch batches' kernels. Its blocks are timm's ``Block`` with ``Attention`` (every registered name)
+do not divide into patches; ``enable_patch_interpolator`` resizes kernels for NaFlex patch batches
+only. Its blocks are timm's ``Block`` with ``Attention`` (every registered name)
 or ``EvaBlock`` with a model-level rotary embedding (``rope_type``); the attention mask is ``None`` on
 this path (it comes only from a NaFlex batch's ``patch_valid``), so the labels move by
 ``mean_h(A_h) Y`` (TL-Align Eq. 9) as in any ViT. The walk is eva's (``backbones.families.eva``, on
@@ -43,10 +44,10 @@ __all__ = ["AdaptedNaFlexViT", "NAFLEXVIT_FAMILY", "naflexvit_refusal"]
 
 NAFLEXVIT_FAMILY = (
     "timm NaFlexVit on image batches (every naflexvit_* name: linear or conv patch embedding, learned or factorised "
-    "position embedding resampled to the grid, aspect-preserving or not; dynamic_img_pad on images that divide into patches; class and/or register tokens; Block with "
-    "Attention, or EvaBlock with EvaAttention/AttentionRope and a rotary embedding of any rope_type; qk_norm, layer "
-    "scale, scale norms, SwiGLU; 'token', 'avg' (prefix tokens included or not) or 'map' head; stochastic depth; "
-    "NaFlex dict/patch-sequence batches refused with a label map)"
+    "position embedding resampled to the grid, aspect-preserving or not; dynamic_img_pad on images that divide into "
+    "patches; class and/or register tokens; Block with Attention, or EvaBlock with EvaAttention/AttentionRope and a "
+    "rotary embedding of any rope_type; qk_norm, layer scale, scale norms, SwiGLU; 'token', 'avg' (prefix tokens "
+    "included or not) or 'map' head; stochastic depth; NaFlex dict/patch-sequence batches refused with a label map)"
 )
 
 _BLOCKS = {Block: (Attention,), EvaBlock: (EvaAttention, AttentionRope)}
