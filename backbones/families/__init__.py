@@ -5,7 +5,7 @@ share. A family that builds on another's helpers imports them from that family's
 says so in its docstring (davit, gcvit and swinv2 on ``swin``; swinv2_cr on ``swinv2``;
 efficientformer on ``metaformer``; gmlp and resmlp on ``mlp_mixer``; mobilenetv3 on
 ``efficientnet``; mobilenetv4 on ``mobilenetv3`` (and ghostnet on its head); beit, eva and vit_relpos on ``_prefix_vit``,
-itself built on ``vit``). torchvision's families are families like any other: tv_vit runs
+itself built on ``vit``; naflexvit on ``eva``, building its tokens as timm's ``NaFlexEmbeds``). torchvision's families are families like any other: tv_vit runs
 ``vit``'s attention; tv_swin takes ``swin``'s window shift and ``swinv2``'s cosine logits; tv_mobilenet builds on ``tv_efficientnet``; tv_convnext takes ``tv_resnet``'s head check and
 tv_regnet its head; tv_maxvit shares ``maxxvit``'s partition labels and stem and runs its MBConvs by
 ``backbones._convnet``'s block events; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet, repvit,

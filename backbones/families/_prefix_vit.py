@@ -101,8 +101,17 @@ class PrefixViT(AdaptedBase):
 
     def reference_grid(self, label_map: TokenLabelMap) -> tuple[int, int]:
         """The reference's labels start on the patch grid (see ``AdaptedBase.reference_bytes``)."""
+        return stride_grid(label_map, self._patch_size())
+
+    def _patch_size(self) -> tuple[int, int]:
+        """The patch embedding's patch ``(h, w)``: the token grid's stride on the pixels."""
         m: Any = self.model
-        return stride_grid(label_map, tuple(m.patch_embed.patch_size))
+        return tuple(m.patch_embed.patch_size)
+
+    def _patches(self, images: Tensor) -> Tensor:
+        """The patch tokens ``b n c`` (``b h w c`` with ``dynamic_img_size``) before position embeddings."""
+        m: Any = self.model
+        return m.patch_embed(images)  # type: ignore[no-any-return]
 
     def fsdp_units(self) -> tuple[nn.Module, ...]:
         return tuple(self.model.blocks)  # type: ignore[arg-type]  # timm is untyped
@@ -123,8 +132,8 @@ class PrefixViT(AdaptedBase):
     # ------------------------------------------------------------------ shared
     def _tokens(self, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, Any, TokenLayout]:
         m: Any = self.model
-        grid = check_batch(images, label_map, tuple(m.patch_embed.patch_size))
-        x = m.patch_embed(images)  # b n c (b h w c with dynamic_img_size)
+        grid = check_batch(images, label_map, self._patch_size())
+        x = self._patches(images)  # b n c (b h w c with dynamic_img_size)
         if label_map.token_space:  # MixToken: mix the patch embeddings, not the pixels
             flat = label_map.mix_tokens(x.flatten(1, 2) if x.ndim == 4 else x, grid)
             x = flat.view_as(x)
@@ -168,7 +177,7 @@ class PrefixViT(AdaptedBase):
             tracker.aggregate(lambda y: rows @ y)
             tracker.pool("token" if m.attn_pool.pool == "token" else "mean", 0)
         else:
-            tracker.pool("token", 0) if layout.class_token else tracker.pool("mean", layout.num_prefix)
+            tracker.pool("token", 0) if layout.class_token else tracker.pool("mean", self._first_pooled())
         output, logits, token_logits = self._head(x)
         t = tracker.finish()
         return AlignedOutput(output, logits, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
@@ -210,4 +219,10 @@ class PrefixViT(AdaptedBase):
             return tracker.result(output, logits, "token" if m.attn_pool.pool == "token" else "mean", token_logits, first=0)
         if layout.class_token:
             return tracker.result(output, logits, "token", token_logits)
-        return tracker.result(output, logits, "mean", token_logits, first=layout.num_prefix)
+        return tracker.result(output, logits, "mean", token_logits, first=self._first_pooled())
+
+    def _first_pooled(self) -> int:
+        """The first token an average head pools: the first patch, or 0 where timm's ``pool_include_prefix``
+        averages the prefix tokens too (NaFlexViT)."""
+        m: Any = self.model
+        return 0 if getattr(m, "pool_include_prefix", False) else int(m.num_prefix_tokens)

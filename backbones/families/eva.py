@@ -74,15 +74,19 @@ class AdaptedEva(PrefixViT):
         return m.norm_pre(x), rope
 
     def _qkv(self, blk: Any, x: Tensor, layer: int, shared: Any) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        m: Any = self.model
         attn = blk.attn
-        rope = shared[layer] if shared is not None and getattr(m, "rope_mixed", False) else shared  # mixed: per block
+        rope = self._block_rope(shared, layer)
         q, k, v = project_qkv(attn, x)
         q, k = rotate(q, rope, attn).type_as(v), rotate(k, rope, attn).type_as(v)
         groups = getattr(attn, "num_kv_groups", 1)
         if groups > 1:  # grouped-query attention: head h reads kv head h // groups
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return q, k, v, None
+
+    def _block_rope(self, shared: Any, layer: int) -> Tensor | None:
+        """The rotary embedding block ``layer`` applies: mixed rope makes one per block."""
+        m: Any = self.model
+        return shared[layer] if shared is not None and getattr(m, "rope_mixed", False) else shared  # type: ignore[no-any-return]
 
     def _post_norm(self, blk: Any) -> bool:
         return isinstance(blk, EvaBlockPostNorm)  # not type(): fully_shard subclasses a sharded block
