@@ -75,3 +75,19 @@ def test_refusals() -> None:
         backbones.AdaptedViTHybrid(attn_pool, TLAlign())
     vit = next(f for f in backbones.FAMILIES if f.name == "vit")
     assert "patch_embed is HybridEmbed, not timm's PatchEmbed" in str(vit.refusal(tiny_hybrid("resnetv2")))
+
+
+def test_blocks_the_reference_does_not_walk_are_refused() -> None:
+    """vit's refusal takes post-norm and parallel blocks (the vit family's reference walks them); a hybrid's walks
+    take timm's pre-norm ``Block`` with a per-token MLP only."""
+    from timm.layers.mlp import Mlp
+    from timm.models.vision_transformer import ResPostBlock
+
+    post: Any = tiny_hybrid("resnetv2", block_fn=ResPostBlock)
+    assert FAMILY.refusal(post) == "block 0 is ResPostBlock; only timm's Block is supported after a hybrid's CNN"
+    mixing: Any = tiny_hybrid("resnetv2")
+    mixing.blocks[1].mlp = nn.Sequential(Mlp(32, 64))  # a module of no rule standing where the MLP is
+    assert FAMILY.refusal(mixing) == (
+        "block 1's MLP is Sequential; only Mlp, GluMlp, SwiGLU or GeGluMlp (per-token channel mixing) has a rule here"
+    )
+    assert FAMILY.refusal(tiny_hybrid("resnetv2")) is None

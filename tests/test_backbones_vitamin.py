@@ -90,7 +90,7 @@ def test_refusals() -> None:
     assert "the backbone's stem module 2 is a stride-1 (2, 2) conv with padding (1, 1)" in str(FAMILY.refusal(stem))
     post: Any = tiny_vitamin()
     post.blocks[1] = ResPostBlock(32, 2)
-    assert FAMILY.refusal(post) == "block 1 is ResPostBlock; only timm's Block is supported after ViTamin's conv stages"
+    assert FAMILY.refusal(post) == "block 1 is ResPostBlock; only timm's Block is supported after a hybrid's CNN"
     mlp: Any = tiny_vitamin()
     mlp.blocks[0].mlp = nn.Sequential()
     assert "block 0's MLP is Sequential" in str(FAMILY.refusal(mlp))

@@ -37,11 +37,13 @@ from timm.layers.classifier import ClassifierHead
 from timm.layers.drop import DropPath
 from timm.layers.format import Format, nchw_to
 from timm.layers.hybrid_embed import HybridEmbed
+from timm.layers.mlp import GluMlp, Mlp, SwiGLU
 from timm.layers.norm_act import GroupNormAct
 from timm.layers.std_conv import StdConv2dSame
 from timm.models._features import FeatureListNet
 from timm.models.resnetv2 import Bottleneck, DownsampleConv, ResNetStage, ResNetV2, create_resnetv2_stem
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vitamin import GeGluMlp
 from timm.models.vision_transformer_hybrid import ConvStem
 from torch import Tensor, nn
 
@@ -251,7 +253,18 @@ def transformer_refusal(model: nn.Module) -> str | None:
     why = path_refusal([pe.proj], "HybridEmbed's projection")
     if why is None and isinstance(pe.proj, nn.Conv2d) and pe.proj.kernel_size != pe.proj.stride:
         why = "HybridEmbed's projection overlaps its windows"
+    for i, blk in enumerate(m.blocks):
+        # the reference walks timm's pre-norm Block (vit_refusal also takes ResPostBlock and the parallel blocks,
+        # which the vit family's reference walks); a block's MLP must act on each token alone
+        if why is None and type(blk) is not Block:
+            why = f"block {i} is {type(blk).__name__}; only timm's Block is supported after a hybrid's CNN"
+        if why is None and type(blk.mlp) not in TOKEN_MLPS:
+            why = f"block {i}'s MLP is {type(blk.mlp).__name__}; only Mlp, GluMlp, SwiGLU or GeGluMlp (per-token channel mixing) has a rule here"
     return why
+
+
+TOKEN_MLPS = (Mlp, GluMlp, SwiGLU, GeGluMlp)
+"""Per-token MLPs (channel ops): what a hybrid's blocks may hold."""
 
 
 # ---------------------------------------------------------------------------------------------- the tracker's views
