@@ -22,7 +22,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import branch as through_drop_path
 from mixlabels import AlignedOutput, DenseTracker, Scheme, TokenLabelMap, TokenLayout
 
-__all__ = ["parallel_scaling_output", "reference_forward"]
+__all__ = ["parallel_scaling_output", "reference_block", "reference_forward"]
 
 
 def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
@@ -55,21 +55,7 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
     x = m.norm_pre(m.patch_drop(m._pos_embed(x)))  # b n d
 
     for i, blk in enumerate(m.blocks):
-        if isinstance(blk, ParallelScalingBlock):
-            x = _parallel_scaling(blk, i, x, tracker)
-            continue
-        if isinstance(blk, ParallelThingsBlock):
-            x = _parallel_things(blk, i, x, tracker)
-            continue
-        post = isinstance(blk, ResPostBlock)  # x + norm(f(x)): the norms are per token
-        out, a = _attention(blk.attn, x if post else blk.norm1(x))
-        branch, keep = through_drop_path(blk.drop_path1, blk.norm1(out) if post else blk.ls1(out))
-        tracker.mix(i, a.detach().double().mean(dim=1), keep)  # Eq. 9: head-mean attention on the labels
-        if tracker.wants_class_attention(i):
-            tracker.attend_class(a.detach().double()[:, :, 0].mean(dim=1))  # b n: the class token's row
-        x = x + branch
-        mlp = blk.norm2(blk.mlp(x)) if post else blk.ls2(blk.mlp(blk.norm2(x)))
-        x = x + through_drop_path(blk.drop_path2, mlp)[0]  # MLP residual: Norm(Y + Y) = Y
+        x = reference_block(blk, i, x, tracker)
     x = m.norm(x)
     output = m.forward_head(x)
     logits = output[0] if isinstance(output, tuple) else output
@@ -81,6 +67,27 @@ def reference_forward(model: nn.Module, scheme: Scheme, images: Tensor, label_ma
     if reads_token:
         return tracker.result(output, logits, "token", token_logits)
     return tracker.result(output, logits, "mean", token_logits, first=0 if m.pool_include_prefix else p)
+
+
+def reference_block(blk: Any, i: int, x: Tensor, tracker: DenseTracker, grid: tuple[int, int] | None = None) -> Tensor:
+    """One timm ViT block (``Block``, ``ResPostBlock``, ``ParallelThingsBlock``, ``ParallelScalingBlock``) as layer
+    ``i`` by explicit attention matrices on the dense labels; returns its output ``(b, n, c)``.
+
+    ``grid``: the patch grid of the class row where TransMix reads it, when the model changed it (PiT's pooling).
+    """
+    if isinstance(blk, ParallelScalingBlock):
+        return _parallel_scaling(blk, i, x, tracker)
+    if isinstance(blk, ParallelThingsBlock):
+        return _parallel_things(blk, i, x, tracker)
+    post = isinstance(blk, ResPostBlock)  # x + norm(f(x)): the norms are per token
+    out, a = _attention(blk.attn, x if post else blk.norm1(x))
+    branch, keep = through_drop_path(blk.drop_path1, blk.norm1(out) if post else blk.ls1(out))
+    tracker.mix(i, a.detach().double().mean(dim=1), keep)  # Eq. 9: head-mean attention on the labels
+    if tracker.wants_class_attention(i):
+        tracker.attend_class(a.detach().double()[:, :, 0].mean(dim=1), grid)  # b n: the class token's row
+    x = x + branch
+    mlp = blk.norm2(blk.mlp(x)) if post else blk.ls2(blk.mlp(blk.norm2(x)))
+    return x + through_drop_path(blk.drop_path2, mlp)[0]  # MLP residual: Norm(Y + Y) = Y
 
 
 def _attention(attn: Any, h: Tensor) -> tuple[Tensor, Tensor]:

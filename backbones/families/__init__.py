@@ -15,5 +15,7 @@ Round 3's later CNNs: res2net is ``resnet``'s adapter with Bottle2neck's block f
 ``Parallel`` branches); resnest takes ``resnet``'s stem and head helpers; cspnet (DarkNet stages), vgg, hgnet,
 mambaout and resnest build on ``AdaptedConvNet`` (cspnet and vgg read ``vovnet``'s ClassifierHead helpers; hgnet's HG
 blocks and mambaout's gated blocks are ``Parallel`` concatenations); vit_hybrid runs ``resnet``'s or ``resnetv2``'s
-CNN paths as its patch embedding, then ``vit``'s blocks.
+CNN paths as its patch embedding, then ``vit``'s blocks. pit runs ``vit``'s blocks (``AdaptedViT``'s block walk,
+``_vit_reference.reference_block``) with ``vit_hybrid``'s prefix-passing view; edgenext builds on ``AdaptedConvNet``
+(its SDTA split chain as ``res2net``'s ``Parallel`` groups) with ``convnext``'s per-position head.
 """
