@@ -1,5 +1,5 @@
 """Adapter for timm's InceptionNeXt (``inception_next_*``, the ``MetaNeXt`` class): MetaNeXt blocks of Inception depthwise
-convs.
+convs; builds on ``mambaout``'s stage walk (``_units``).
 
 The label rules of ``backbones._convnet`` (both walks in its ``AdaptedConvNet``) on MetaNeXt's parts. Units after the
 stem, in order: each stage's downsampler (not a layer), then its ``MetaNeXtBlock``\\ s, one layer each:
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from mixlabels.backbones._common import branch
 from mixlabels.backbones._convnet import AdaptedConvNet, Parallel, Path, Window, conv_norm_act_ops, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones.families.mambaout import _units
 
 __all__ = ["AdaptedInceptionNeXt", "INCEPTION_NEXT_FAMILY", "inception_next_refusal", "partial_concat", "stride_one_refusal"]
 
@@ -66,10 +67,6 @@ def _mlp_modules(mlp: Any) -> list[nn.Module]:
 def _branch_path(blk: Any) -> Path:
     return (*_mixer_path(blk.token_mixer), *path_of([blk.norm, *_mlp_modules(blk.mlp)]))
 
-
-def _units(m: Any) -> list[nn.Module]:
-    """Every unit after the stem: each stage's downsampler (an identity left out), then its blocks."""
-    return [u for stage in m.stages for u in ([] if isinstance(stage.downsample, nn.Identity) else [stage.downsample]) + list(stage.blocks)]
 
 
 def stride_one_refusal(path: Path, where: str) -> str | None:
