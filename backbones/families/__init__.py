@@ -17,5 +17,8 @@ mambaout and resnest build on ``AdaptedConvNet`` (cspnet and vgg read ``vovnet``
 blocks and mambaout's gated blocks are ``Parallel`` concatenations); vit_hybrid runs ``resnet``'s or ``resnetv2``'s
 CNN paths as its patch embedding, then ``vit``'s blocks. pit runs ``vit``'s blocks (``AdaptedViT``'s block walk,
 ``_vit_reference.reference_block``) with ``vit_hybrid``'s prefix-passing view; edgenext builds on ``AdaptedConvNet``
-(its SDTA split chain as ``res2net``'s ``Parallel`` groups) with ``convnext``'s per-position head.
+(its SDTA split chain as ``res2net``'s ``Parallel`` groups) with ``convnext``'s per-position head. vitamin is
+``vit_hybrid``'s adapter over ViTamin's MbConv stages (its shared ``transformer_refusal``); inception_next takes
+``mambaout``'s stage units, and fasternet ``inception_next``'s partial concatenation; xception_aligned reads
+``resnetv2``'s ClassifierHead helpers.
 """
