@@ -24,6 +24,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from timm.models._efficientnet_blocks import ConvBnAct, SqueezeExcite
@@ -34,7 +35,7 @@ from mixlabels.backbones._convnet import AdaptedConvNet, Parallel, Path, path_of
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones.families.mobilenetv3 import conv_head_position_logits
 
-__all__ = ["AdaptedGhostNet", "GHOSTNET_FAMILY", "ghostnet_refusal"]
+__all__ = ["AdaptedGhostNet", "GHOSTNET_FAMILY", "ghostnet_refusal", "ghost_units_refusal", "bottleneck_middle_refusal"]
 
 GHOSTNET_FAMILY = (
     "timm GhostNet v1/v2: every position a token; a ghost module concatenates a primary conv's output and a cheap "
@@ -65,39 +66,50 @@ def _units(m: Any) -> list[nn.Module]:
     return [unit for stage in m.blocks for unit in stage]
 
 
+def ghost_units_refusal(m: Any, bottleneck_refusal: Callable[[Any, str], str | None]) -> str | None:
+    """Why a GhostNet-like model (GhostNet's, RepGhostNet's: stem, ``blocks`` of bottlenecks then a 1x1 ``ConvBnAct``,
+    a pool-then-``conv_head`` head) has no label rule; ``bottleneck_refusal(unit, where)`` judges every other unit."""
+    if m.global_pool.pool_type != "avg" or not isinstance(m.classifier, (nn.Linear, nn.Identity)):
+        return f"the head (global_pool={m.global_pool.pool_type!r}) has no label readout; use 'avg'"
+    why = path_refusal([m.conv_stem, m.bn1, m.act1], "the stem")
+    for i, blk in enumerate(_units(m)):
+        if why is not None:
+            return why
+        where = f"block {i}"
+        if type(blk) is ConvBnAct:
+            why = f"{where} is a ConvBnAct that is not a 1x1 stride-1 conv without skip" if path_of([blk.conv]) or blk.has_skip else None
+        else:
+            why = bottleneck_refusal(blk, where)
+    return why
+
+
+def bottleneck_middle_refusal(blk: Any, where: str) -> str | None:
+    """Why a ghost bottleneck's strided depthwise conv, squeeze-excite or shortcut has no label rule."""
+    mods = [blk.conv_dw, blk.bn_dw] if blk.conv_dw is not None else []
+    why = path_refusal(mods + ([blk.se] if blk.se is not None else []), f"{where}'s branch", (SqueezeExcite,))
+    return why or path_refusal(list(blk.shortcut), f"{where}'s shortcut")
+
+
+def _bottleneck_refusal(blk: Any, where: str) -> str | None:
+    if type(blk) is not GhostBottleneck:
+        return f"{where} is {type(blk).__name__}; only GhostNet v1/v2's GhostBottleneck is supported (not v3's)"
+    for name in ("ghost1", "ghost2"):
+        ghost = getattr(blk, name)
+        if type(ghost) not in (GhostModule, GhostModuleV2):
+            return f"{where}'s {name} is {type(ghost).__name__}, not GhostModule or GhostModuleV2"
+        why = path_refusal(_ghost_modules(ghost), f"{where}'s {name}")
+        if why is None and path_of(list(ghost.primary_conv)):
+            why = f"{where}'s {name} has a spatial primary conv; only a 1x1 stride-1 one is supported"
+        if why is not None:
+            return why
+    return bottleneck_middle_refusal(blk, where)
+
+
 def ghostnet_refusal(model: nn.Module) -> str | None:
     """Why ``model`` is not a timm GhostNet (v1/v2) this adapter carries labels through (``None``: it is)."""
     if type(model) is not GhostNet:
         return f"{type(model).__name__} is not a timm GhostNet"
-    m: Any = model
-    if m.global_pool.pool_type != "avg" or not isinstance(m.classifier, (nn.Linear, nn.Identity)):
-        return f"the head (global_pool={m.global_pool.pool_type!r}) has no label readout; use 'avg'"
-    why = path_refusal([m.conv_stem, m.bn1, m.act1], "the stem")
-    if why is not None:
-        return why
-    for i, blk in enumerate(_units(m)):
-        where = f"block {i}"
-        if type(blk) is ConvBnAct:
-            if path_of([blk.conv]) or blk.has_skip:
-                return f"{where} is a ConvBnAct that is not a 1x1 stride-1 conv without skip"
-            continue
-        if type(blk) is not GhostBottleneck:
-            return f"{where} is {type(blk).__name__}; only GhostNet v1/v2's GhostBottleneck is supported (not v3's)"
-        for name in ("ghost1", "ghost2"):
-            ghost = getattr(blk, name)
-            if type(ghost) not in (GhostModule, GhostModuleV2):
-                return f"{where}'s {name} is {type(ghost).__name__}, not GhostModule or GhostModuleV2"
-            why = path_refusal(_ghost_modules(ghost), f"{where}'s {name}")
-            if why is None and path_of(list(ghost.primary_conv)):
-                why = f"{where}'s {name} has a spatial primary conv; only a 1x1 stride-1 one is supported"
-            if why is not None:
-                return why
-        mods = [blk.conv_dw, blk.bn_dw] if blk.conv_dw is not None else []
-        why = path_refusal(mods + ([blk.se] if blk.se is not None else []), f"{where}'s branch", (SqueezeExcite,))
-        why = why or path_refusal(list(blk.shortcut), f"{where}'s shortcut")
-        if why is not None:
-            return why
-    return None
+    return ghost_units_refusal(model, _bottleneck_refusal)
 
 
 class AdaptedGhostNet(AdaptedConvNet):
