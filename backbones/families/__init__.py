@@ -20,5 +20,7 @@ CNN paths as its patch embedding, then ``vit``'s blocks. pit runs ``vit``'s bloc
 (its SDTA split chain as ``res2net``'s ``Parallel`` groups) with ``convnext``'s per-position head. vitamin is
 ``vit_hybrid``'s adapter over ViTamin's MbConv stages (its shared ``transformer_refusal``); inception_next takes
 ``mambaout``'s stage units, and fasternet ``inception_next``'s partial concatenation; xception_aligned reads
-``resnetv2``'s ClassifierHead helpers.
+``resnetv2``'s ClassifierHead helpers; repghost is ``ghostnet``'s adapter and refusal loop (its fused kernel by
+``repvit``'s and ``fastvit``'s helpers); tresnet reads ``vovnet``'s ClassifierHead helpers; selecsls builds on
+``AdaptedConvNet`` alone.
 """
