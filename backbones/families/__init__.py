@@ -15,5 +15,7 @@ Round 3's later CNNs: res2net is ``resnet``'s adapter with Bottle2neck's block f
 ``Parallel`` branches); resnest takes ``resnet``'s stem and head helpers; cspnet (DarkNet stages), vgg, hgnet,
 mambaout and resnest build on ``AdaptedConvNet`` (cspnet and vgg read ``vovnet``'s ClassifierHead helpers; hgnet's HG
 blocks and mambaout's gated blocks are ``Parallel`` concatenations); vit_hybrid runs ``resnet``'s or ``resnetv2``'s
-CNN paths as its patch embedding, then ``vit``'s blocks.
+CNN paths as its patch embedding, then ``vit``'s blocks. cspnet's cross stages and rexnet's partial shortcuts fork and join
+the labels (``LabelTracker.fork``/``join``); vovnet, cspnet and rexnet share ``vovnet``'s ``HeadedConvNet``, and rexnet
+takes ``cspnet``'s refusal frame and branch forward.
 """

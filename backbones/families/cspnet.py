@@ -1,7 +1,7 @@
 """Adapter for timm's CspNet module: its DarkNet form (``darknet*``, ``sedarknet21``) and its CSP stages (``csp*``, ``cs3*``).
 
-The label rules of ``backbones._convnet`` (both walks in its ``AdaptedConvNet``) on CspNet's stages; the head's
-readout is VoVNet's (``classifier_head_refusal``, ``classifier_head_positions`` from ``families/vovnet.py``). Units
+The label rules of ``backbones._convnet`` (both walks in its ``AdaptedConvNet``) on CspNet's stages; the stem and
+the head's readout are VoVNet's (``HeadedConvNet``, ``classifier_head_refusal`` from ``families/vovnet.py``). Units
 after the stem, in order, per stage:
 
 - a ``DarkStage``: its ``conv_down``, then its blocks;
@@ -31,7 +31,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` positions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,11 +51,11 @@ from timm.models.cspnet import (
 from torch import Tensor, nn
 
 from mixlabels.backbones._common import branch
-from mixlabels.backbones._convnet import AdaptedConvNet, CrossPart, Path, Window, conv_norm_act_ops, path_of, path_refusal
+from mixlabels.backbones._convnet import CrossPart, Path, Window, conv_norm_act_ops, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones.families.vovnet import classifier_head_positions, classifier_head_refusal
+from mixlabels.backbones.families.vovnet import HeadedConvNet, classifier_head_refusal
 
-__all__ = ["AdaptedCspNet", "CSPNET_FAMILY", "cspnet_refusal"]
+__all__ = ["AdaptedCspNet", "CSPNET_FAMILY", "cspnet_refusal", "channel_refusal", "headed_refusal", "run_branch"]
 
 CSPNET_FAMILY = (
     "timm CspNet: DarkNet (DarkNet-17/21/53, DarkNet-AA-53, SE-DarkNet-21) and CSP stages (CSPResNet(e)Xt, CSPDarkNet, "
@@ -115,12 +115,12 @@ def _units(m: Any) -> list[nn.Module | CrossPart]:
     return units
 
 
-def _channel_refusal(module: nn.Module, where: str) -> str | None:
-    """Why a cross stage's 1x1 conv is not a channel op here (``None``: it is)."""
+def channel_refusal(module: nn.Module, where: str) -> str | None:
+    """Why a 1x1 ``ConvNormAct`` (a cross stage's expansion and transitions) is not a channel op (``None``: it is)."""
     ops = conv_norm_act_ops(module)
     why = path_refusal(ops, where)
     if why is None and path_of(ops):
-        why = f"{where} is not a 1x1 stride-1 conv; a cross stage's expansion and transitions have a rule as channel ops only"
+        why = f"{where} is not a 1x1 stride-1 conv; it has a rule here as a channel op only"
     return why
 
 
@@ -146,9 +146,18 @@ def _stage_refusal(stage: Any, s: int) -> str | None:
     if why is None and type(stage) is not DarkStage:
         transitions = ["conv_exp", "conv_transition"] + (["conv_transition_b"] if type(stage) is CrossStage else [])
         for name in transitions:
-            why = why or _channel_refusal(getattr(stage, name), f"stage {s}'s {name}")
+            why = why or channel_refusal(getattr(stage, name), f"stage {s}'s {name}")
     for i, blk in enumerate(stage.blocks):
         why = why or _block_refusal(blk, f"stage {s} block {i}")
+    return why
+
+
+def headed_refusal(m: Any, parts: Sequence[Any], part_refusal: Callable[[Any, int], str | None]) -> str | None:
+    """Why a model with a ``stem`` of ``ConvNormAct``\\ s, ``parts`` after it and timm's ``ClassifierHead`` has no label
+    rule: its head's, its stem's, or its first refused part's reason (``part_refusal(part, index)``); ``None``: it has."""
+    why = classifier_head_refusal(m.head) or path_refusal(conv_norm_act_ops(m.stem), "the stem")
+    for i, part in enumerate(parts):
+        why = why or part_refusal(part, i)
     return why
 
 
@@ -157,21 +166,22 @@ def cspnet_refusal(model: nn.Module) -> str | None:
     if type(model) is not CspNet:
         return f"{type(model).__name__} is not a timm CspNet"
     m: Any = model
-    why = classifier_head_refusal(m.head) or path_refusal(conv_norm_act_ops(m.stem), "the stem")
-    for s, stage in enumerate(m.stages):
-        why = why or _stage_refusal(stage, s)
-    return why
+    return headed_refusal(m, m.stages, _stage_refusal)
 
 
-class AdaptedCspNet(AdaptedConvNet):
+def run_branch(modules: Sequence[nn.Module], drop_path: nn.Module | None, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A residual branch's ``modules`` in turn on ``x``, then its stochastic depth (``None``, an identity: none),
+    with the draw exposed: the branch's output and who kept it."""
+    for module in modules:
+        x = module(x)
+    return branch(drop_path, x) if isinstance(drop_path, DropPath) else (x, None)
+
+
+class AdaptedCspNet(HeadedConvNet):
     """A timm CspNet (DarkNet or CSP stages) returning the scheme's aligned targets (pooled readout, labels per position)."""
 
     family = CSPNET_FAMILY
     refusal = staticmethod(cspnet_refusal)
-
-    def _stem_modules(self) -> list[nn.Module]:
-        m: Any = self.model
-        return conv_norm_act_ops(m.stem)
 
     def _blocks(self) -> Sequence[nn.Module | CrossPart]:
         return _units(self.model)
@@ -183,25 +193,13 @@ class AdaptedCspNet(AdaptedConvNet):
         """timm's block ``forward`` with the drop-path draw exposed (a stage's other units: themselves)."""
         if type(blk) not in _BLOCKS:
             return blk(x), None
-        h = x
-        for module in _branch(blk):
-            h = module(h)
-        h, keep = branch(blk.drop_path, h) if isinstance(blk.drop_path, DropPath) else (h, None)
-        h = h + x
-        return (blk.act3(h) if type(blk) is BottleneckBlock else h), keep
+        h, keep = run_branch(_branch(blk), blk.drop_path, x)
+        return (blk.act3(h + x) if type(blk) is BottleneckBlock else h + x), keep
 
     def _paths(self, blk: Any) -> tuple[Path, Path | None]:
         if type(blk) not in _BLOCKS:
             return path_of(conv_norm_act_ops(blk)), None
         return path_of(_branch_modules(blk)), ()
-
-    def _logits(self, x: Tensor) -> Tensor:
-        m: Any = self.model
-        return m.forward_head(x)  # type: ignore[no-any-return]
-
-    def _position_logits(self, x: Tensor) -> Tensor:
-        m: Any = self.model
-        return classifier_head_positions(m.head, x)
 
 
 def tiny_cfg(attn_layer: str | None = None, avg_down: bool = False) -> CspModelCfg:
