@@ -237,7 +237,7 @@ FAMILY = Family(
     description=CSPNET_FAMILY,
     refusal=AdaptedCspNet.refusal,
     build=AdaptedCspNet,
-    example=tiny(CspNet, cfg=tiny_cfg(), zero_init_last=False, drop_path_rate=0.1),
+    example=tiny(CspNet, cfg=tiny_csp_cfg("csp"), zero_init_last=False, drop_path_rate=0.1),  # cross stages: a fork/join
     timm_modules=("cspnet",),
     speed_model="darknet17",
 )
