@@ -24,6 +24,11 @@ the rules of TL-Align Table 10 and Appendix D apply to the layers a CNN is made 
   not such a join: it equals one conv, its groups' kernels zero-padded centred to the largest,
   and takes that conv's rule (one renormalisation over the taps, not one per group).
 
+A concatenation whose parts ran through residual layers (CSP's cross stage: the blocks run on one part of the
+channels, the other waits) or a shortcut added to a part of the channels only (ReXNet's) is a fork and a join of
+the tracker (``LabelTracker.fork``, ``join``): the labels at the split are kept, the residual events run on, and
+the join weighs the kept labels (through the waiting part's own path, if any) by its channel count.
+
 A block is a ``Path`` of such ops. A residual block ``x <- f(x) + s(x)`` gives, with
 ``Y = labels_for(layer)``: the shortcut ``s`` aggregates when it has a window (a
 downsampling shortcut), else keeps the labels; the branch's labels ``Y_f = P_f Y`` join
@@ -75,6 +80,7 @@ from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, 
 __all__ = [
     "Window",
     "Parallel",
+    "CrossPart",
     "KernelConv",
     "window_axes",
     "Path",
@@ -191,6 +197,18 @@ class Parallel:
         if len(grids) != 1:
             raise ValueError(f"parallel branches end on different grids {sorted(grids)} from {grid}; they cannot be joined")
         return grids.pop()
+
+
+@dataclass(frozen=True, eq=False)
+class CrossPart:
+    """Units run on one part of a map's channels while the other part waits, then both concatenated (a CSP cross
+    stage): ``split(x) -> (waiting, running)``, ``units`` (an ``AdaptedConvNet``'s units: residual layers, others)
+    run on the running part, ``cat(waiting, ran)`` is the concatenation. The labels fork at the split and join
+    weighed by the waiting part's channel count (``LabelTracker.join``); the units must keep the grid."""
+
+    split: Callable[[Tensor], tuple[Tensor, Tensor]]
+    units: tuple[Any, ...]
+    cat: Callable[[Tensor, Tensor], Tensor]
 
 
 def window_axes(windows: Sequence[Window], grid: tuple[int, int]) -> tuple[tuple[AxisWindow, AxisWindow], ...]:
@@ -554,26 +572,32 @@ def start_on_path(
 
 def block_labels(
     tracker: LabelTracker, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None,
-    kernels: Kernels | None = None,
+    kernels: Kernels | None = None, plain: float = 0.0,
 ) -> tuple[int, int]:
     """The events of one block (``shortcut=None``: no shortcut, the block aggregates); returns its grid.
-    ``kernels``: the forward's label kernels (``block_kernels``), else each conv's is computed here."""
+    ``kernels``: the forward's label kernels (``block_kernels``), else each conv's is computed here. ``plain``: the
+    fraction of the output channels the shortcut does not reach (ReXNet's partial shortcut): they carry the branch
+    alone, so the block forks before its residual and joins the branch's labels by that share."""
     if shortcut is None:
         if not branch:
             return grid  # channel ops only
         tracker.aggregate(lambda y: apply_path(branch, y, grid, kernels)[0])
         return path_grid(branch, grid)
+    fork = tracker.fork() if plain else None
     labels, mixed = tracker.labels_for(layer), None
     if labels is not None and branch:
         mixed, _ = apply_path(branch, labels, grid, kernels)
     if shortcut:
         tracker.aggregate(lambda y: apply_path(shortcut, y, grid, kernels)[0])
     tracker.residual(layer, keep, mixed=mixed)
+    if fork is not None:  # the plain channels: the branch alone, aggregating as a block without shortcut does
+        tracker.join(fork, plain, merge=lambda y: apply_path(branch, y, grid, kernels)[0], keep=keep)
     return path_grid(shortcut, grid)
 
 
 def block_labels_reference(
-    rules: DenseRules, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None
+    rules: DenseRules, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None,
+    plain: float = 0.0,
 ) -> tuple[int, int]:
     """``block_labels`` with explicit matrices on dense labels."""
     matrix, out = path_matrix(branch, grid)
@@ -581,12 +605,15 @@ def block_labels_reference(
         if branch:
             rules.aggregate(matrix)
         return out
+    fork = rules.fork() if plain else None
     mixed = matrix @ rules.y if rules.rules.wants_labels(layer) else None
     if shortcut:
         merge, out = path_matrix(shortcut, grid)
         rules.aggregate(merge)
     if mixed is not None:
         rules.y = rules.rules.residual(rules.y, mixed, keep)
+    if fork is not None:
+        rules.join(fork, plain, matrix, keep)
     return out
 
 
@@ -640,8 +667,8 @@ class AdaptedConvNet(AdaptedBase):
     ``block_labels_reference``'s explicit matrices (reference path), the readout ``pool("mean", 0)``.
 
     A family supplies its model's parts: ``_stem_modules`` (run in order, from the pixels),
-    ``_blocks`` (every unit after the stem, in order), ``_block`` (a unit's forward and who kept its
-    branch), ``_paths`` (its branch's and shortcut's spatial ops; shortcut ``None``: the unit has
+    ``_blocks`` (every unit after the stem, in order; a ``CrossPart`` runs its own units on a part of the
+    channels), ``_block`` (a unit's forward and who kept its branch), ``_paths`` (its branch's and shortcut's spatial ops; shortcut ``None``: the unit has
     none and aggregates), ``_is_layer`` (whether the unit is a residual layer the scheme counts),
     ``_logits`` (the head on the last map) and ``_position_logits`` (the head on every position).
     """
@@ -649,8 +676,12 @@ class AdaptedConvNet(AdaptedBase):
     def _stem_modules(self) -> list[nn.Module]:
         raise NotImplementedError
 
-    def _blocks(self) -> list[nn.Module]:
+    def _blocks(self) -> Sequence[nn.Module | CrossPart]:
         raise NotImplementedError
+
+    def _plain(self, blk: Any) -> float:
+        """The fraction of ``blk``'s output channels its shortcut does not reach (``block_labels``' ``plain``)."""
+        return 0.0
 
     def _block(self, blk: Any, x: Tensor) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
@@ -688,16 +719,36 @@ class AdaptedConvNet(AdaptedBase):
         logits = self._logits(x)  # first, as the model's forward: a dropout in the head draws as it does
         return logits, (self._position_logits(x) if self.scheme.needs_token_logits else None)
 
+    def _depth(self, units: Sequence[nn.Module | CrossPart]) -> int:
+        return sum(self._depth(u.units) if isinstance(u, CrossPart) else self._is_layer(u) for u in units)
+
+    def _walk(
+        self, units: Sequence[nn.Module | CrossPart], x: Tensor, grid: tuple[int, int], layer: int,
+        labels: LabelTracker | DenseRules,
+    ) -> tuple[Tensor, tuple[int, int], int]:
+        """The units from ``layer`` on: their forward and their labels' events (the fast path's tracker) or explicit
+        matrices (the reference's ``DenseRules``); the map, its grid, the next layer."""
+        for blk in units:
+            if isinstance(blk, CrossPart):
+                waiting, x = blk.split(x)
+                fork = labels.fork()
+                x, grid, layer = self._walk(blk.units, x, grid, layer, labels)
+                x = blk.cat(waiting, x)
+                labels.join(fork, int(waiting.shape[1]) / int(x.shape[1]))
+                continue
+            x, keep = self._block(blk, x)
+            if isinstance(labels, DenseRules):
+                grid = block_labels_reference(labels, layer, grid, *self._paths(blk), keep, plain=self._plain(blk))
+            else:
+                grid = block_labels(labels, layer, grid, *self._paths(blk), keep, plain=self._plain(blk))
+            layer += self._is_layer(blk)
+        return x, grid, layer
+
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
-        depth = sum(self._is_layer(blk) for blk in blocks)
-        tracker = start_on_path(self.scheme, label_map, start, grid, depth, stem)
-        layer = 0
-        for blk in blocks:
-            x, keep = self._block(blk, x)
-            grid = block_labels(tracker, layer, grid, *self._paths(blk), keep)
-            layer += self._is_layer(blk)
+        tracker = start_on_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
+        x, grid, _ = self._walk(blocks, x, grid, 0, tracker)
         tracker.pool("mean", 0)
         output, token_logits = self._head(x)
         t = tracker.finish()
@@ -707,13 +758,9 @@ class AdaptedConvNet(AdaptedBase):
         """Explicit matrices of every path on dense labels."""
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
-        rules = DenseRules(self.scheme, label_map, start, 0, sum(self._is_layer(blk) for blk in blocks))
+        rules = DenseRules(self.scheme, label_map, start, 0, self._depth(blocks))
         if start != grid:
             rules.aggregate(path_matrix(stem, start)[0])
-        layer = 0
-        for blk in blocks:
-            x, keep = self._block(blk, x)
-            grid = block_labels_reference(rules, layer, grid, *self._paths(blk), keep)
-            layer += self._is_layer(blk)
+        x, grid, _ = self._walk(blocks, x, grid, 0, rules)
         output, token_logits = self._head(x)
         return rules.result(output, self._class_logits(output), "mean", token_logits)

@@ -5,7 +5,7 @@ The typed core shared by the mixers (``strategies``) and the backbone adapters
 configuration base.
 """
 
-from mixlabels._align import AlignedOutput, AlignedTargets, LabelTracker, Readout, Scheme, TokenLayout
+from mixlabels._align import AlignedOutput, AlignedTargets, Fork, LabelTracker, Readout, Scheme, TokenLayout
 from mixlabels._config import Config
 from mixlabels._label_map import TokenLabelMap, check_labels, class_distributions
 from mixlabels._mask import BoxMask, CellMask, Mask
@@ -39,6 +39,7 @@ __all__ = [
     # alignment: the event protocol, the schemes and their configs
     "TokenLayout",
     "LabelTracker",
+    "Fork",
     "Scheme",
     "Readout",
     "AlignedTargets",

@@ -26,6 +26,13 @@ spatial-mixing layers the adapter announced in ``TokenLayout.depth``, from 0):
 - ``aggregate(merge)``: tokens were merged (patch merging, strided conv);
   ``merge`` maps labels ``(b, n, l) -> (b, n', l)`` by summing the merged tokens,
   and the tracker renormalises. Also for a change of token layout (cyclic shift).
+- ``fork()`` / ``join(fork, share, ...)``: the channels split, part of them ran through
+  layers (residual events between the two calls) and the parts were concatenated again:
+  ``fork`` keeps the labels at the split, ``join`` forms ``Norm((1 - share) Y + share Norm(M Y_fork))``,
+  ``share`` the forked part's channel fraction and ``M`` its spatial map (``merge``, or none), as
+  ``Parallel.concat`` weighs a concatenation. ``keep`` there: which samples kept the forked part
+  (one a stochastic depth dropped keeps its labels under the drop rule). Both parts must end on the
+  same grid (no ``aggregate`` between fork and join).
 - ``pool(how, first)``: the readout: ``"token"`` reads token ``first`` (the class
   token), ``"mean"`` averages tokens ``first:`` (global average pooling).
 - ``finish()``: the stop-gradient targets.
@@ -58,7 +65,7 @@ from mixlabels._label_map import TokenLabelMap
 from mixlabels._loss import soft_target_cross_entropy, token_soft_target_cross_entropy
 from mixlabels._rules import Rules
 
-__all__ = ["TokenLayout", "LabelTracker", "Scheme", "AlignedTargets", "AlignedOutput", "Readout"]
+__all__ = ["TokenLayout", "Fork", "LabelTracker", "Scheme", "AlignedTargets", "AlignedOutput", "Readout"]
 
 Readout = Literal["token", "mean"]
 
@@ -103,6 +110,19 @@ class TokenLayout:
     @property
     def num_tokens(self) -> int:
         return self.num_prefix + self.grid[0] * self.grid[1]
+
+
+@dataclass(frozen=True, eq=False)
+class Fork:
+    """A tracker's labels at a channel split (``LabelTracker.fork``), to be joined again (``join``).
+
+    Args:
+        labels: ``(b, n, l)`` the aligned labels then, or ``None`` where the scheme tracks none.
+        static: ``(b, n, l)`` the unaligned (input) labels then, or ``None``.
+    """
+
+    labels: Tensor | None
+    static: Tensor | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,6 +216,22 @@ class LabelTracker(Protocol):
 
     def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
         """Tokens were merged; ``merge`` sums labels ``(b, n, l) -> (b, n', l)``."""
+        ...
+
+    def fork(self) -> Fork:
+        """The labels now, where the channels split: one part runs on (residual events), the other waits for ``join``."""
+        ...
+
+    def join(
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None
+    ) -> None:
+        """The parts concatenated along channels: ``Norm((1 - share) Y + share Norm(merge(Y_fork)))``.
+
+        ``share``: the forked part's fraction of the concatenated channels; ``merge``: the forked part's spatial
+        map ``(b, n, l) -> (b, n, l)`` (a conv path's label mix; ``None``: its labels as they were); ``keep``
+        ``(b,)`` bool: samples that kept the forked part under stochastic depth (a dropped one keeps ``Y``
+        under the drop rule). Raises where the parts lie on different grids.
+        """
         ...
 
     def pool(self, how: Readout, first: int) -> None:

@@ -106,6 +106,18 @@ class Rules:
             new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
         return new
 
+    def join(self, y: Tensor, forked: Tensor, share: float, keep: Tensor | None) -> Tensor:
+        """Labels of a concatenation along channels: ``share`` of the channels carry ``forked`` (the labels a
+        ``fork`` kept, through the forked part's spatial map), the rest ``y``; each channel counted once, as
+        ``Parallel.concat`` weighs its branches, and renormalised. ``keep`` ``(b,)`` bool: samples that kept the
+        forked part under stochastic depth; a dropped one (zeros in its channels) keeps ``y`` under ``follow_drop``."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"a join's share is the forked part's channel fraction, in [0, 1]; got {share}")
+        new = normalise_rows((1.0 - share) * y + share * normalise_rows(forked))
+        if keep is not None and self.follow_drop:
+            new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
+        return new
+
     def merge(self, merged: Tensor) -> Tensor:
         """Labels of merged tokens (the sums of the merged tokens' labels), renormalised."""
         return normalise_rows(merged)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from mixlabels._align import AlignedOutput, AlignedTargets, Readout, Scheme, TokenLayout, initial_weights
+from mixlabels._align import AlignedOutput, AlignedTargets, Fork, Readout, Scheme, TokenLayout, initial_weights
 from mixlabels._label_map import TokenLabelMap
 from mixlabels._rules import Rules, normalise_rows
 
@@ -33,6 +33,17 @@ def _no_class_attention(rules: Rules) -> ValueError:
         f"this scheme's target reads the class token's attention in layer {rules.class_attention_layer}, "
         "but the model reported none (no class token?); use TLAlign() or NoAlign() instead"
     )
+
+
+def _forked(y: Tensor, forked: Tensor) -> Tensor:
+    """``forked`` (the forked part's labels at the join), checked to lie on ``y``'s grid."""
+    if forked.shape != y.shape:
+        raise ValueError(
+            f"join: the forked part's labels {tuple(forked.shape)} and the current ones {tuple(y.shape)} lie on different "
+            "grids (an aggregate ran between fork and join); join parts that end on the same grid, or pass the forked "
+            "part's own map (merge) to join"
+        )
+    return forked
 
 
 class CompactTracker:
@@ -93,6 +104,22 @@ class CompactTracker:
                 self._y = self._rules.merge(merge(self._y).float())
             if self._static is not None:
                 self._static = self._rules.merge(merge(self._static).float())
+
+    def fork(self) -> Fork:
+        return Fork(self._y, self._static)  # the tensors are never modified in place: each event makes new ones
+
+    def join(
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None
+    ) -> None:
+        def joined(y: Tensor, forked: Tensor) -> Tensor:
+            forked = forked if merge is None else merge(forked)
+            return self._rules.join(y, _forked(y, forked.float()), share, keep)
+
+        with _fp32(self._lm.device):
+            if self._y is not None and fork.labels is not None:
+                self._y = joined(self._y, fork.labels)
+            if self._static is not None and fork.static is not None:
+                self._static = joined(self._static, fork.static)
 
     def pool(self, how: Readout, first: int) -> None:
         self._readout = (how, first)
@@ -179,6 +206,21 @@ class DenseTracker:
         matrix = matrix.to(self.y.device, self.dtype)  # a matrix built on another device (the CPU) than the labels
         self.y = self.rules.merge(matrix @ self.y)
         self.static = self.rules.merge(matrix @ self.static)
+
+    def fork(self) -> Fork:
+        """The labels at a channel split (``LabelTracker.fork``)."""
+        return Fork(self.y, self.static)
+
+    def join(self, fork: Fork, share: float, matrix: Tensor | None = None, keep: Tensor | None = None) -> None:
+        """The parts concatenated (``LabelTracker.join``), the forked part's spatial map an explicit ``(b|1, n, n)``
+        matrix (or none)."""
+        def joined(y: Tensor, forked: Tensor) -> Tensor:
+            if matrix is not None:
+                forked = matrix.to(y.device, self.dtype) @ forked
+            return self.rules.join(y, _forked(y, forked), share, keep)
+
+        assert fork.labels is not None and fork.static is not None  # the reference tracks both, always
+        self.y, self.static = joined(self.y, fork.labels), joined(self.static, fork.static)
 
     def wants_class_attention(self, layer: int) -> bool:
         """Whether the rules read the class token's attention row at ``layer`` (``attend_class``)."""

@@ -22,5 +22,7 @@ CNN paths as its patch embedding, then ``vit``'s blocks. pit runs ``vit``'s bloc
 ``mambaout``'s stage units, and fasternet ``inception_next``'s partial concatenation; xception_aligned reads
 ``resnetv2``'s ClassifierHead helpers; repghost is ``ghostnet``'s adapter and refusal loop (its fused kernel by
 ``repvit``'s and ``fastvit``'s helpers); tresnet reads ``vovnet``'s ClassifierHead helpers; selecsls builds on
-``AdaptedConvNet`` alone.
+``AdaptedConvNet`` alone. cspnet's cross stages and rexnet's partial shortcuts fork and join
+the labels (``LabelTracker.fork``/``join``); vovnet, cspnet and rexnet share ``vovnet``'s ``HeadedConvNet``, and rexnet
+takes ``cspnet``'s refusal frame and branch forward.
 """

@@ -47,7 +47,7 @@ from timm.models.vitamin import GeGluMlp
 from timm.models.vision_transformer_hybrid import ConvStem
 from torch import Tensor, nn
 
-from mixlabels import AlignedOutput, AlignedTargets, LabelTracker, Readout, TokenLabelMap, TokenLayout
+from mixlabels import AlignedOutput, AlignedTargets, Fork, LabelTracker, Readout, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention_pool import map_token_targets_refusal
 from mixlabels.backbones._common import AdaptedBase, branch, start_on_windows
 from mixlabels.backbones._convnet import (
@@ -298,6 +298,16 @@ class _Patches:
     def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
         p = self.prefix
         self.tracker.aggregate(lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1) if p else merge(y))
+
+    def fork(self) -> Fork:
+        return self.tracker.fork()
+
+    def join(
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None
+    ) -> None:
+        p = self.prefix  # the prefix rows are the same in both parts: the join keeps them
+        through = None if merge is None else (lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1) if p else merge(y))
+        self.tracker.join(fork, share, merge=through, keep=keep)
 
     def pool(self, how: Readout, first: int) -> None:
         self.tracker.pool(how, first)

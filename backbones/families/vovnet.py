@@ -35,7 +35,7 @@ from mixlabels.backbones._common import branch
 from mixlabels.backbones._convnet import AdaptedConvNet, Parallel, Path, conv_norm_act_ops, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
 
-__all__ = ["AdaptedVovNet", "VOVNET_FAMILY", "vovnet_refusal", "classifier_head_refusal"]
+__all__ = ["AdaptedVovNet", "VOVNET_FAMILY", "vovnet_refusal", "classifier_head_refusal", "HeadedConvNet"]
 
 VOVNET_FAMILY = (
     "timm VoVNet (VoVNet, ESE-VoVNet, depthwise and slim variants): every position a token; a one-shot aggregation "
@@ -112,15 +112,28 @@ def vovnet_refusal(model: nn.Module) -> str | None:
     return None
 
 
-class AdaptedVovNet(AdaptedConvNet):
-    """A timm VoVNet returning the scheme's aligned targets (pooled readout, labels per position)."""
-
-    family = VOVNET_FAMILY
-    refusal = staticmethod(vovnet_refusal)
+class HeadedConvNet(AdaptedConvNet):
+    """An ``AdaptedConvNet`` of a timm model with a ``stem`` of ``ConvNormAct``\\ s (and pools) and timm's
+    ``ClassifierHead`` (``forward_head``; per-position logits: ``classifier_head_positions``): VoVNet, CspNet, ReXNet."""
 
     def _stem_modules(self) -> list[nn.Module]:
         m: Any = self.model
         return conv_norm_act_ops(m.stem)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        m: Any = self.model
+        return m.forward_head(x)  # type: ignore[no-any-return]
+
+    def _position_logits(self, x: Tensor) -> Tensor:
+        m: Any = self.model
+        return classifier_head_positions(m.head, x)
+
+
+class AdaptedVovNet(HeadedConvNet):
+    """A timm VoVNet returning the scheme's aligned targets (pooled readout, labels per position)."""
+
+    family = VOVNET_FAMILY
+    refusal = staticmethod(vovnet_refusal)
 
     def _blocks(self) -> list[nn.Module]:
         return _units(self.model)
@@ -148,14 +161,6 @@ class AdaptedVovNet(AdaptedConvNet):
         if type(blk) is not OsaBlock:
             return path_of([blk]), None
         return _osa_branch(blk), (() if blk.residual else None)
-
-    def _logits(self, x: Tensor) -> Tensor:
-        m: Any = self.model
-        return m.forward_head(x)  # type: ignore[no-any-return]
-
-    def _position_logits(self, x: Tensor) -> Tensor:
-        m: Any = self.model
-        return classifier_head_positions(m.head, x)
 
 
 TINY_CFG = dict(
