@@ -49,12 +49,15 @@ class MixParams:
         applied: ``(b,)`` bool, the sample is mixed; unmixed samples have weight 1 for source 0.
         image_size: ``(H, W)`` the params were drawn for.
         token_space: the mix applies to patch embeddings, not pixels (MixToken).
+        any_unmixed: whether some sample keeps weight 1 everywhere, when the sampler knew it
+            on the host (Python draws); ``None``: unknown (read from the tensors on the CPU).
     """
 
     partner: Tensor
     applied: Tensor
     image_size: tuple[int, int]
     token_space: bool = False
+    any_unmixed: bool | None = None
 
     @property
     def batch_size(self) -> int:
@@ -428,9 +431,12 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         """Mix ``(b, c, H, W)`` images with ``params``; pure."""
         raise NotImplementedError
 
-    def draw_device(self, images_device: torch.device) -> torch.device:
-        """Where a call without a generator draws its params: the images' device, unless the kind draws on the host."""
-        return images_device
+    def draw_device(self, images_device: torch.device, generator: torch.Generator | None = None) -> torch.device | None:
+        """Where a call's params are drawn: the images' device, unless the kind draws on the host.
+
+        ``None``: on ``generator``'s device (a kind drawing tensors with a given generator).
+        """
+        return None if generator is not None else images_device
 
     def label_map_from(self, params: P, labels: Tensor) -> TokenLabelMap:
         """The label map of ``params`` for ``labels``; pure, no host sync."""
@@ -634,7 +640,7 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             if generator is None:  # the mixer's own generator: a copy of one state in every worker
                 check_worker_generator(self, self.generator)
             gen = generator if generator is not None else self.generator
-            typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else self.draw_device(images.device))
+            typed = self.sample(tuple(images.shape), generator=gen, device=self.draw_device(images.device, gen))
         else:
             typed = self._unwrap(params)
         if typed is None:  # mixing switched off (now, or when kornia recorded these params)
@@ -694,8 +700,10 @@ class PairMixer(Mixer[PP]):
 
         Args:
             batch_shape: ``(b, c, H, W)``.
-            generator: source of randomness; params are drawn on its device.
-            device: where to draw when no generator is given (default: kornia's rng device, CPU).
+            generator: source of randomness (one seed is drawn from it per call for kinds
+                that draw Python numbers; tensor-drawing kinds draw on its device).
+            device: where the params' tensors are built (default: the generator's device, else
+                kornia's rng device, CPU); tensor-drawing kinds draw there when no generator is given.
 
         Returns:
             Frozen params; the same generator state gives the same params.
@@ -707,8 +715,10 @@ class PairMixer(Mixer[PP]):
         params: PP = self.sampler(tuple(int(s) for s in batch_shape), generator=generator, device=dev)
         return params
 
-    def draw_device(self, images_device: torch.device) -> torch.device:
-        return torch.device("cpu") if self.sampler.host_draws else images_device
+    def draw_device(self, images_device: torch.device, generator: torch.Generator | None = None) -> torch.device | None:
+        if self.sampler.host_draws:  # Python numbers: the params are built where the images are
+            return images_device
+        return None if generator is not None else images_device  # tensor draws: on the generator's device
 
     def params_batch_size(self, params: PP) -> tuple[int, tuple[int, int]]:
         return params.batch_size, params.image_size
@@ -736,7 +746,9 @@ class PairMixer(Mixer[PP]):
         keep = moved.keep_cells()
         if keep is not None:
             return select_images(images, moved.partner, keep)
-        unmixed = bool((params.source_weight() == 1.0).any()) if host_params(params) else None
+        unmixed = params.any_unmixed if not torch.compiler.is_compiling() else None
+        if unmixed is None and host_params(params):
+            unmixed = bool((params.source_weight() == 1.0).any())
         return mix_images(images, moved.partner, moved.source_weight(), unmixed=unmixed)
 
     def label_map_from(self, params: PP, labels: Tensor) -> TokenLabelMap:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
+from mixlabels.strategies._host_draws import HostPairs, columns_on, draw_beta, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
 __all__ = ["MixUp", "MixUpParams", "MixUpSampler", "check_alpha"]
@@ -62,6 +64,15 @@ class MixUpSampler(MixSampler[MixUpParams]):
         lam = sample_beta(self.alpha, pairs.num_groups, generator, device)[pairs.group]
         lam = torch.where(pairs.applied, lam, torch.ones_like(lam))
         return MixUpParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, lam=lam)
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> MixUpParams:
+        drawn = [to_fp32(draw_beta(self.alpha, rng)) for _ in range(pairs.num_groups)]
+        lam = [drawn[g] if a else 1.0 for g, a in zip(pairs.group, pairs.applied)]
+        partner, applied, lam_t = columns_on([pairs.partner, pairs.applied, lam], device)
+        return MixUpParams(
+            partner=partner.long(), applied=applied.bool(), image_size=image_size, lam=lam_t,
+            any_unmixed=1.0 in lam,  # read on the host for free: the pixels skip a select when none is
+        )
 
 
 class MixUp(PairMixer[MixUpParams]):

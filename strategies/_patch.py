@@ -13,6 +13,7 @@ Shapes: ``g`` groups (independent draws), ``gh gw`` cell grid, ``n = gh * gw``.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,8 @@ from torch import Tensor
 from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
+from mixlabels.strategies._host_draws import HostPairs, columns_on, draw_beta, host_rng, to_fp32
+from mixlabels.strategies._sampling import MixSampler, Mode, Pairing
 
 __all__ = ["CellParams", "RandomPatchMix", "BlockwiseMix", "RandomCellSampler", "BlockCellSampler"]
 
@@ -70,43 +72,52 @@ class _CellSampler(MixSampler[CellParams]):
         super().check_image_size(image_size)
         grid_of(image_size, self.cell_size, "cell_size")
 
-    def partner_counts(self, g: int, n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
-        """``(g,)`` long number of cells to take from the partner: ``floor((1 - lam) * n)``."""
+    def partner_count(self, n: int, rng: random.Random) -> int:
+        """Number of cells to take from the partner: ``floor((1 - lam) * n)``, lam rounded to fp32 as the params keep it."""
         if self.ratio is not None:
-            return torch.full((g,), math.floor(self.ratio * n), dtype=torch.long, device=device)
-        lam = sample_beta(self.alpha, g, generator, device)
-        return torch.floor((1.0 - lam.double()) * n).long()
+            return math.floor(self.ratio * n)
+        return math.floor((1.0 - to_fp32(draw_beta(self.alpha, rng))) * n)
 
-    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    def cells_of(self, count: int, grid: tuple[int, int], rng: random.Random) -> list[bool]:
+        """One group's cells, row-major ``gh * gw``: True where the cell is the partner's."""
         raise NotImplementedError
 
-    def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> CellParams:
+    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
+        """``(g, gh, gw)`` bool cells for ``(g,)`` host counts, drawn as ``cells_of`` draws them (tests, analyses)."""
+        rng = host_rng(generator)
+        rows = [self.cells_of(int(c), grid, rng) for c in counts.tolist()]
+        return torch.tensor(rows, dtype=torch.bool, device=device).view(g, *grid)
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> CellParams:
         grid = grid_of(image_size, self.cell_size, "cell_size")
-        counts = self.partner_counts(pairs.num_groups, grid[0] * grid[1], generator, device)
-        cells = self.cells_for(pairs.num_groups, grid, counts, generator, device)[pairs.group]
-        cells = cells & pairs.applied[:, None, None]
-        return CellParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, cells=cells, grid=grid)
+        n = grid[0] * grid[1]
+        table = [v for _ in range(pairs.num_groups) for v in self.cells_of(self.partner_count(n, rng), grid, rng)]
+        # One row per group, not per sample: a batch-mode draw sends one grid, and the device picks rows.
+        partner, applied, group, rows = columns_on([pairs.partner, pairs.applied, pairs.group, table], device)
+        applied = applied.bool()
+        cells = rearrange(rows.bool(), "(g gh gw) -> g gh gw", gh=grid[0], gw=grid[1])[group.long()]
+        cells = cells & rearrange(applied, "b -> b 1 1")
+        return CellParams(partner=partner.long(), applied=applied, image_size=image_size, cells=cells, grid=grid)
 
 
 class RandomCellSampler(_CellSampler):
-    """MAE-style: exactly ``count`` cells chosen uniformly at random, via the ranks of random noise."""
+    """MAE-style: exactly ``count`` cells chosen uniformly at random (a uniform subset)."""
 
-    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
-        noise = sample_uniform((g, grid[0] * grid[1]), generator, device)
-        ranks = noise.argsort(dim=1).argsort(dim=1)  # a uniformly random order of the cells
-        cells = ranks < counts[:, None]
-        return rearrange(cells, "g (gh gw) -> g gh gw", gh=grid[0])
+    def cells_of(self, count: int, grid: tuple[int, int], rng: random.Random) -> list[bool]:
+        row = [False] * (grid[0] * grid[1])
+        for i in rng.sample(range(len(row)), count):
+            row[i] = True
+        return row
 
 
 class BlockCellSampler(_CellSampler):
     """BEiT-style block-wise cells: random rectangles until the count is reached.
 
-    BEiT's ``MaskingGenerator``, vectorised over groups: each step every unfinished
-    group draws one rectangle (area uniform in ``[min_cells, remaining]``, log-uniform
-    aspect ratio, strictly smaller than the grid); it is kept if it adds between 1 and
-    ``remaining`` new cells. As in BEiT a group stops after 10 consecutive rejected
-    draws, so the count can fall a few cells short; the label uses the cells mixed.
-    The loop runs over draws (bounded), never over samples.
+    BEiT's ``MaskingGenerator``: each attempt draws one rectangle (area uniform in
+    ``[min_cells, remaining]``, log-uniform aspect ratio, strictly smaller than the grid);
+    it is kept if it adds between 1 and ``remaining`` new cells. As in BEiT a group stops
+    after 10 consecutive rejected attempts, so the count can fall a few cells short; the
+    label uses the cells mixed. Python numbers: a few draws per block, no tensors.
     """
 
     def __init__(
@@ -148,37 +159,29 @@ class BlockCellSampler(_CellSampler):
                 "or cell_size, or use larger images"
             )
 
-    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    def cells_of(self, count: int, grid: tuple[int, int], rng: random.Random) -> list[bool]:
         gh, gw = grid
-        rows = torch.arange(gh, device=device)
-        cols = torch.arange(gw, device=device)
-        cells = torch.zeros(g, gh, gw, dtype=torch.bool, device=device)
-        done = torch.zeros(g, dtype=torch.long, device=device)
-        fails = torch.zeros(g, dtype=torch.long, device=device)
+        cells = [False] * (gh * gw)
         cap = self.max_cells if self.max_cells is not None else gh * gw
-        # Each kept rectangle adds >= 1 cell and at most 10 draws are rejected in a row,
-        # so 10 * (n + 1) steps always suffice.
-        for step in range(10 * (gh * gw + 1)):
-            active = (done < counts) & (fails < 10)
-            if step % 8 == 0 and not bool(active.any()):  # one host sync every 8 draws
-                break
-            room = torch.clamp(counts - done, max=cap).double()
-            u = sample_uniform((g, 4), generator, device)
-            area = self.min_cells + u[:, 0] * (room - self.min_cells)  # random.uniform(a, b) allows a > b
-            aspect = torch.exp(self.log_aspect[0] + u[:, 1] * (self.log_aspect[1] - self.log_aspect[0]))
-            h = torch.round(torch.sqrt(area * aspect)).long()  # round half to even, as Python's round
-            w = torch.round(torch.sqrt(area / aspect)).long()
-            fits = (h < gh) & (w < gw)
-            top = torch.floor(u[:, 2] * (gh - h + 1).clamp(min=1)).long()
-            left = torch.floor(u[:, 3] * (gw - w + 1).clamp(min=1)).long()
-            in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])
-            in_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])
-            rect = in_rows[:, :, None] & in_cols[:, None, :]
-            new = (rect & ~cells).sum(dim=(1, 2))
-            keep = active & fits & (new > 0) & (new <= room.long())
-            cells = cells | (rect & keep[:, None, None])
-            done = done + torch.where(keep, new, torch.zeros_like(new))
-            fails = torch.where(keep, torch.zeros_like(fails), fails + active.long())
+        lo, hi = self.log_aspect
+        done, fails = 0, 0
+        # Each kept rectangle adds >= 1 cell and at most 10 attempts are rejected in a row: this ends.
+        while done < count and fails < 10:
+            room = min(count - done, cap)
+            u0, u1, u2, u3 = rng.random(), rng.random(), rng.random(), rng.random()
+            area = self.min_cells + u0 * (room - self.min_cells)  # random.uniform(a, b) allows a > b
+            aspect = math.exp(lo + u1 * (hi - lo))
+            h, w = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))  # half to even, as BEiT
+            kept = False
+            if h < gh and w < gw:
+                top, left = math.floor(u2 * (gh - h + 1)), math.floor(u3 * (gw - w + 1))
+                rect = [r * gw + c for r in range(top, top + h) for c in range(left, left + w)]
+                new = sum(not cells[i] for i in rect)
+                if 0 < new <= room:
+                    for i in rect:
+                        cells[i] = True
+                    done, kept = done + new, True
+            fails = 0 if kept else fails + 1
         return cells
 
 
