@@ -16,7 +16,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
-from mixlabels.strategies._host_draws import HostPairs, columns_on, draw_beta, to_fp32
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, to_fp32
 from mixlabels.strategies._mixup import check_alpha
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
@@ -277,17 +277,34 @@ class BoxSampler(MixSampler[BoxParams]):
             else:
                 boxes.append(host_box(lam, rng.randrange(grid[0]), rng.randrange(grid[1]), grid))
             lams.append(to_fp32(lam))
-        empty = (0, 0, 0, 0)  # unmixed
-        box = [boxes[g] if a else empty for g, a in zip(pairs.group, pairs.applied)]
-        lam_col = [lams[g] if a else 1.0 for g, a in zip(pairs.group, pairs.applied)]
-        partner, applied, lam_t, flat = columns_on([pairs.partner, pairs.applied, lam_col, [v for b in box for v in b]], device)
+        # Per group, then an unmixed row (empty box, lambda 1); samples pick rows. The label's lambda is
+        # ``BoxMask.source_mean``'s on the CPU: the cells left to the sample over the cell count, one fp32
+        # division (the quotient rounded to float64, then to fp32, rounds as fp32 division does).
+        n = grid[0] * grid[1]
+        boxes.append((0, 0, 0, 0))
+        lams.append(1.0)
+        label_lams = [to_fp32((n - (y1 - y0) * (x1 - x0)) / n) for y0, y1, x0, x1 in boxes] if self.correct_lam else lams
+        weight_rows = [(v, to_fp32(1.0 - v)) for v in label_lams]
+        picks = [g if a else len(boxes) - 1 for g, a in zip(pairs.group, pairs.applied)]
+        b = len(picks)
+        partner, applied, lam_t, boxes_t, sources, weights = columns_on(
+            [
+                column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
+                column([lams[r] for r in picks], torch.float32),
+                column([v for r in picks for v in boxes[r]], torch.int64, b, 4),
+                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                column([w for r in picks for w in weight_rows[r]], torch.float32, b, 2),
+            ],
+            device,
+        )  # fmt: skip
         ch, cw = image_size[0] // grid[0], image_size[1] // grid[1]
-        shared = boxes[0] if self.mode == "batch" and any(pairs.applied) else empty
+        shared = boxes[0] if self.mode == "batch" and any(pairs.applied) else boxes[-1]
         return BoxParams(
-            partner=partner.long(), applied=applied.bool(), image_size=image_size, token_space=self.token_space,
-            boxes=flat.long().view(-1, 4), lam=lam_t, grid=grid, correct_lam=self.correct_lam,
+            partner=partner, applied=applied, image_size=image_size, token_space=self.token_space,
+            boxes=boxes_t, lam=lam_t, grid=grid, correct_lam=self.correct_lam,
             shared=self.mode == "batch",
             pixel_box=(shared[0] * ch, shared[1] * ch, shared[2] * cw, shared[3] * cw) if self.mode == "batch" else None,
+            label_sources=sources, label_weights=weights,
         )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mixlabels.strategies._sampling import Mode, Pairing, check_pairing, check_prob
 
-__all__ = ["HostPairs", "host_rng", "draw_pairs", "draw_beta", "to_fp32", "columns_on"]
+__all__ = ["HostPairs", "host_rng", "draw_pairs", "draw_beta", "to_fp32", "Column", "column", "columns_on"]
 
 _PHILOX_STEP = 4  # a philox generator's offset advances in multiples of 4 (one 128-bit draw)
 
@@ -102,23 +102,54 @@ def to_fp32(x: float) -> float:
     return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
-def columns_on(columns: Sequence[Sequence[float]], device: torch.device) -> list[Tensor]:
-    """Python number columns as fp32 tensors on ``device``: one host buffer, at most one (async) copy.
+@dataclass(frozen=True)
+class Column:
+    """One tensor's values as bytes, for ``columns_on``: its dtype and shape travel with them."""
 
-    Every value is stored as float32: lambdas are fp32 in the params, and integers (partners, box
-    corners, cell indices) are exact below 2**24. On CUDA the buffer is pinned and copied without
-    waiting for the stream; the columns come back as views of the device buffer.
+    data: bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+_TYPECODES = {torch.int64: "q", torch.float32: "f", torch.bool: "B"}  # ``array`` codes of the dtypes sent
+_ALIGN = 8  # bytes: every column starts where its dtype may be viewed
+
+
+def column(values: Iterable[float] | bytes, dtype: torch.dtype, *shape: int) -> Column:
+    """``values`` (Python numbers, or their bytes already) as a ``Column`` of ``dtype``, shape ``shape`` (default: flat).
+
+    Example:
+        >>> column([1, 2, 3, 4], torch.int64, 2, 2).shape
+        (2, 2)
     """
-    flat = array("f")
+    data = values if isinstance(values, bytes) else array(_TYPECODES[dtype], values).tobytes()
+    count = len(data) // dtype.itemsize
+    return Column(data, dtype, shape if shape else (count,))
+
+
+def columns_on(columns: Sequence[Column], device: torch.device) -> list[Tensor]:
+    """Typed columns as tensors on ``device``: one host buffer, at most one (async) copy, no kernel.
+
+    Every column keeps its dtype (long partners and boxes, bool gates and cells, fp32 weights), so
+    the device only takes views of the buffer (``view(dtype)``), never converts. On CUDA the buffer
+    is pinned and copied without waiting for the stream.
+
+    Example:
+        >>> partner, lam = columns_on([column([1, 0], torch.int64), column([0.5, 0.5], torch.float32)], torch.device("cpu"))
+        >>> partner.tolist(), lam.dtype
+        ([1, 0], torch.float32)
+    """
+    starts, end = [], 0
     for col in columns:
-        flat.extend(map(float, col))
+        starts.append(end)
+        end += -(-len(col.data) // _ALIGN) * _ALIGN
+    flat = bytearray(end)
+    for start, col in zip(starts, columns):
+        flat[start : start + len(col.data)] = col.data
     cuda = device.type == "cuda" and not torch.compiler.is_compiling()
-    # ``frombuffer`` reads the array's bytes without a Python float per element (``torch.tensor(list)``
-    # converts each, ~10x slower for a per-sample cell table); the tensor keeps the array alive.
-    host = torch.frombuffer(flat, dtype=torch.float32) if flat else torch.empty(0)
+    # ``frombuffer`` reads the bytes without a Python number per element and runs no operator;
+    # the tensor keeps the bytearray alive.
+    host = torch.frombuffer(flat, dtype=torch.uint8) if end else torch.empty(0, dtype=torch.uint8)
     buffer = host.pin_memory().to(device, non_blocking=True) if cuda else host.to(device)
-    out, start = [], 0
-    for col in columns:
-        out.append(buffer[start : start + len(col)])
-        start += len(col)
-    return out
+    out = [buffer[start : start + len(col.data)].view(col.dtype) for start, col in zip(starts, columns)]
+    return [t if len(col.shape) == 1 else t.view(col.shape) for t, col in zip(out, columns)]

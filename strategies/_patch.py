@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,12 @@ from torch import Tensor
 from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._host_draws import HostPairs, columns_on, draw_beta, host_rng, to_fp32
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, host_rng, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing
 
 __all__ = ["CellParams", "RandomPatchMix", "BlockwiseMix", "RandomCellSampler", "BlockCellSampler"]
+
+_NOT = bytes.maketrans(b"\x00\x01", b"\x01\x00")  # a bool byte negated
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -36,16 +39,19 @@ class CellParams(MixParams):
     Attributes:
         cells: ``(b, gh, gw)`` bool, True where the cell is the partner's; all False where unmixed.
         grid: ``(gh, gw)``.
+        keep: ``~cells``, when the sampler sent it with its draws (no kernel to negate them);
+            ``None``: computed from ``cells``.
     """
 
     cells: Tensor
     grid: tuple[int, int]
+    keep: Tensor | None = None
 
     def source_weight(self) -> Tensor:
         return (~self.cells).float()
 
     def keep_cells(self) -> Tensor:
-        return ~self.cells
+        return ~self.cells if self.keep is None else self.keep
 
 
 class _CellSampler(MixSampler[CellParams]):
@@ -91,13 +97,33 @@ class _CellSampler(MixSampler[CellParams]):
     def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> CellParams:
         grid = grid_of(image_size, self.cell_size, "cell_size")
         n = grid[0] * grid[1]
-        table = [v for _ in range(pairs.num_groups) for v in self.cells_of(self.partner_count(n, rng), grid, rng)]
-        # One row per group, not per sample: a batch-mode draw sends one grid, and the device picks rows.
-        partner, applied, group, rows = columns_on([pairs.partner, pairs.applied, pairs.group, table], device)
-        applied = applied.bool()
-        cells = rearrange(rows.bool(), "(g gh gw) -> g gh gw", gh=grid[0], gw=grid[1])[group.long()]
-        cells = cells & rearrange(applied, "b -> b 1 1")
-        return CellParams(partner=partner.long(), applied=applied, image_size=image_size, cells=cells, grid=grid)
+        rows = [self.cells_of(self.partner_count(n, rng), grid, rng) for _ in range(pairs.num_groups)]
+        # Every sample's cells, keep mask, label cells [w0, 1 - w0] and lambda (the mean of w0: the
+        # cells kept over n, one fp32 division as the CPU's mean) are built per group as bytes and
+        # repeated per sample on the host, so the device only takes views (no gather, no not, no mean).
+        # An unmixed sample takes the last row: nothing from the partner.
+        rows.append([False] * n)
+        cell_rows = [bytes(row) for row in rows]  # bytes 0/1 are bools; the byte work below runs in C
+        keep_rows = [row.translate(_NOT) for row in cell_rows]
+        label_rows = [array("f", list(keep + cell)).tobytes() for keep, cell in zip(keep_rows, cell_rows)]
+        lams = [to_fp32((n - sum(row)) / n) for row in cell_rows]
+        picks = [g if a else len(rows) - 1 for g, a in zip(pairs.group, pairs.applied)]
+        b, (gh, gw) = len(picks), grid
+        partner, applied, cells, keep, sources, weights, label_cells = columns_on(
+            [
+                column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
+                column(b"".join(cell_rows[r] for r in picks), torch.bool, b, gh, gw),
+                column(b"".join(keep_rows[r] for r in picks), torch.bool, b, gh, gw),
+                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                column([w for r in picks for w in (lams[r], to_fp32(1.0 - lams[r]))], torch.float32, b, 2),
+                column(b"".join(label_rows[r] for r in picks), torch.float32, b, 2, gh, gw),
+            ],
+            device,
+        )  # fmt: skip
+        return CellParams(
+            partner=partner, applied=applied, image_size=image_size, cells=cells, grid=grid, keep=keep,
+            label_sources=sources, label_weights=weights, label_cells=label_cells,
+        )  # fmt: skip
 
 
 class RandomCellSampler(_CellSampler):
