@@ -42,6 +42,7 @@ class DeviceOpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # as
         self.host: Counter[str] = Counter()
         self.h2d: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
+        self.host_files: Counter[str] = Counter()  # host operators by the file asking for them (sampling or applying)
 
     @staticmethod
     def _where() -> str:
@@ -68,6 +69,8 @@ class DeviceOpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # as
                 return args[0]
             kwargs.pop("pin_memory", None)
             self.host[name] += not view
+            if not view:
+                self.host_files[self._where().split(":")[0]] += 1
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         to_host = name == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
@@ -121,6 +124,7 @@ def _cuda_path(call: Callable[[torch.Tensor, torch.Tensor], Any], batch: int, si
         "cuda_syncs": sum(counter.syncs.values()),
         "cuda_sync_sites": dict(counter.syncs),
         "cuda_h2d_sites": dict(counter.h2d),
+        "cuda_host_files": dict(counter.host_files),
         "cuda_ops": dict(counter.kernels),
         "cuda_error": error,
     }
@@ -161,6 +165,8 @@ def format_mixers(rows: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| {name} | {r['cpu_ops']} | {r['cpu_kernels']} | {r['cpu_kernel_ratio']:.2f} | {r['cuda_kernels']} | "
                      f"{r['cuda_kernel_ratio']:.2f} | {r['cuda_host_ops']} | {r['cuda_h2d']} | {r['cuda_syncs']} |")
     for name, r in rows.items():
+        if r["cuda_host_files"]:
+            lines.append(f"- {name}: host ops by file {r['cuda_host_files']}")
         if r["cuda_sync_sites"] or r["cuda_error"]:
             lines.append(f"- {name}: syncs {r['cuda_sync_sites']}" + (f"; stopped: {r['cuda_error']}" if r["cuda_error"] else ""))
     return "\n".join(lines)

@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="count the mixers instead (names containing one of these; none: all) against timm's Mixup")
     p.add_argument("--batch-size", type=int, default=None, help="default: 2 (families), 128 (mixers)")
     p.add_argument("--size", type=int, default=224, help="mixers: image side in pixels")
+    p.add_argument("--patch", type=int, default=16, help="mixers: cell (token) side in pixels; 4 lets --size 32 hold BEiT's blocks")
     p.add_argument("--example", action="store_true", help="the registry's tiny 32 px models instead of benchmarks/_families.py's")
     p.add_argument("--out", type=Path, default=Path("runs/op_count"))
     args = p.parse_args(argv)
@@ -111,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def _count_mixers(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks._mixer_ops import count_mixers, format_mixers
 
-    rows = count_mixers(args.batch_size or 128, args.size, names=args.mixers)
+    rows = count_mixers(args.batch_size or 128, args.size, patch=args.patch, names=args.mixers)
     print(format_mixers(rows), flush=True)
     mixers: dict[str, Any] = {"provenance": finish(provenance()), "batch_size": args.batch_size or 128, "mixers": rows}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -49,12 +49,27 @@ class MixParams:
         applied: ``(b,)`` bool, the sample is mixed; unmixed samples have weight 1 for source 0.
         image_size: ``(H, W)`` the params were drawn for.
         token_space: the mix applies to patch embeddings, not pixels (MixToken).
+        any_unmixed: whether some sample keeps weight 1 everywhere, when the sampler knew it
+            on the host (Python draws); ``None``: unknown (read from the tensors on the CPU).
+        label_sources: ``(b, 2)`` long ``[i, partner[i]]``, the label map's sources, when the
+            sampler computed them with its draws (Python draws); ``None``: computed from ``partner``.
+        label_weights: ``(b, 2)`` fp32 ``[lam, 1 - lam]``, the label map's image weights (lam: the
+            mask mean, or ``image_weight`` where ``lambda_is_mask_mean`` is false), likewise.
+        label_cells: ``(b, 2, mh, mw)`` fp32 cells of the map's ``CellMask`` ``[w0, 1 - w0]``,
+            likewise (box params need none: their boxes are the mask).
     """
 
     partner: Tensor
     applied: Tensor
     image_size: tuple[int, int]
     token_space: bool = False
+    any_unmixed: bool | None = None
+    # The label map's values, computed by a Python-drawing sampler from the same numbers (the
+    # arithmetic the CPU path does, to the bit) and sent in the params' one buffer: the device
+    # then only takes views of it, instead of ~15 small kernels per call.
+    label_sources: Tensor | None = None
+    label_weights: Tensor | None = None
+    label_cells: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -270,9 +285,10 @@ def pair_label_map(
 ) -> TokenLabelMap:
     """The ``k = 2`` label map of pairwise params, on the labels' device (no host sync).
 
-    The map's small tensors (sources, image weights, the mask's boxes or cells) are computed
-    where the params were drawn (the host, for a call without a generator) and reach the
-    labels' device in one copy: the same bits on every device.
+    The map's small tensors (sources, image weights, the mask's boxes or cells) are the ones
+    a Python-drawing sampler computed with its draws (views of the params' buffer: no kernel);
+    otherwise they are computed where the params were drawn and reach the labels' device in
+    one copy. Either way: the same bits on every device.
 
     Args:
         params: sampled params; ``source_weight`` gives the mask, ``image_weight`` lambda.
@@ -284,6 +300,17 @@ def pair_label_map(
         A map whose mask is the params' cell mask (kept as boxes for box params) and whose
         image weights are ``[lam, 1 - lam]``.
     """
+    if params.label_sources is not None and params.label_weights is not None:
+        drawn = params.cell_boxes()
+        mask_values = drawn[0] if drawn is not None else params.label_cells
+        if mask_values is not None:
+            sources, weights, mask_values = to_device([params.label_sources, params.label_weights, mask_values], labels.device)
+            mask: Mask = BoxMask(mask_values, drawn[1]) if drawn is not None else CellMask(mask_values)
+            return TokenLabelMap(
+                sources=sources, mask=mask, image_weights=weights, labels=labels, num_classes=num_classes,
+                image_size=params.image_size, label_smoothing=label_smoothing, token_space=params.token_space,
+                validated=True,  # the sampler's own values, as below
+            )  # fmt: skip
     p = params if host_params(params) else params.to(labels.device)
     own = torch.arange(p.batch_size, device=p.partner.device)
     sources = torch.stack([own, p.partner.long()], dim=1)
@@ -295,7 +322,7 @@ def pair_label_map(
         box_mask = BoxMask(cells, (int(grid[0]), int(grid[1])))
         lam = box_mask.source_mean() if p.lambda_is_mask_mean else p.image_weight().float()
         sources, weights, cells = to_device([sources, torch.stack([lam, 1.0 - lam], dim=1), cells], labels.device)
-        mask: Mask = BoxMask(cells, box_mask.grid)
+        mask = BoxMask(cells, box_mask.grid)
     else:
         w0 = p.source_weight().float()
         lam = w0.mean(dim=(1, 2)) if p.lambda_is_mask_mean else p.image_weight().float()  # the mask once, not twice
@@ -428,9 +455,12 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         """Mix ``(b, c, H, W)`` images with ``params``; pure."""
         raise NotImplementedError
 
-    def draw_device(self, images_device: torch.device) -> torch.device:
-        """Where a call without a generator draws its params: the images' device, unless the kind draws on the host."""
-        return images_device
+    def draw_device(self, images_device: torch.device, generator: torch.Generator | None = None) -> torch.device | None:
+        """Where a call's params are drawn: the images' device, unless the kind draws on the host.
+
+        ``None``: on ``generator``'s device (a kind drawing tensors with a given generator).
+        """
+        return None if generator is not None else images_device
 
     def label_map_from(self, params: P, labels: Tensor) -> TokenLabelMap:
         """The label map of ``params`` for ``labels``; pure, no host sync."""
@@ -493,7 +523,8 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
 
     def _kornia_params(self, params: P | None, b: int, shape: Sequence[int]) -> dict[str, Any]:
         return {
-            "batch_prob": torch.ones(b, dtype=torch.bool),
+            # kornia reads it, never writes it: built from bytes, it runs no host operator per call
+            "batch_prob": torch.frombuffer(bytearray(b"\x01") * b, dtype=torch.bool) if b else torch.ones(0, dtype=torch.bool),
             "forward_input_shape": torch.tensor(tuple(shape), dtype=torch.long),
             PARAMS_KEY: params,
         }
@@ -634,7 +665,7 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             if generator is None:  # the mixer's own generator: a copy of one state in every worker
                 check_worker_generator(self, self.generator)
             gen = generator if generator is not None else self.generator
-            typed = self.sample(tuple(images.shape), generator=gen, device=None if gen is not None else self.draw_device(images.device))
+            typed = self.sample(tuple(images.shape), generator=gen, device=self.draw_device(images.device, gen))
         else:
             typed = self._unwrap(params)
         if typed is None:  # mixing switched off (now, or when kornia recorded these params)
@@ -694,8 +725,10 @@ class PairMixer(Mixer[PP]):
 
         Args:
             batch_shape: ``(b, c, H, W)``.
-            generator: source of randomness; params are drawn on its device.
-            device: where to draw when no generator is given (default: kornia's rng device, CPU).
+            generator: source of randomness (one seed is drawn from it per call for kinds
+                that draw Python numbers; tensor-drawing kinds draw on its device).
+            device: where the params' tensors are built (default: the generator's device, else
+                kornia's rng device, CPU); tensor-drawing kinds draw there when no generator is given.
 
         Returns:
             Frozen params; the same generator state gives the same params.
@@ -707,8 +740,10 @@ class PairMixer(Mixer[PP]):
         params: PP = self.sampler(tuple(int(s) for s in batch_shape), generator=generator, device=dev)
         return params
 
-    def draw_device(self, images_device: torch.device) -> torch.device:
-        return torch.device("cpu") if self.sampler.host_draws else images_device
+    def draw_device(self, images_device: torch.device, generator: torch.Generator | None = None) -> torch.device | None:
+        if self.sampler.host_draws:  # Python numbers: the params are built where the images are
+            return images_device
+        return None if generator is not None else images_device  # tensor draws: on the generator's device
 
     def params_batch_size(self, params: PP) -> tuple[int, tuple[int, int]]:
         return params.batch_size, params.image_size
@@ -736,7 +771,9 @@ class PairMixer(Mixer[PP]):
         keep = moved.keep_cells()
         if keep is not None:
             return select_images(images, moved.partner, keep)
-        unmixed = bool((params.source_weight() == 1.0).any()) if host_params(params) else None
+        unmixed = params.any_unmixed if not torch.compiler.is_compiling() else None
+        if unmixed is None and host_params(params):
+            unmixed = bool((params.source_weight() == 1.0).any())
         return mix_images(images, moved.partner, moved.source_weight(), unmixed=unmixed)
 
     def label_map_from(self, params: PP, labels: Tensor) -> TokenLabelMap:

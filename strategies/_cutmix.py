@@ -7,6 +7,8 @@ code does, so no token is cut). Boxes are half-open ``[y0, y1) x [x0, x1)`` in c
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, to_fp32
 from mixlabels.strategies._mixup import check_alpha
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
@@ -31,6 +34,8 @@ class BoxParams(MixParams):
         correct_lam: the label weight is the box's true area (timm's ``correct_lam``);
             otherwise it is the drawn ``lam`` (timm's legacy, which the pixels do not follow).
         shared: every mixed sample has the same box (``mode="batch"``).
+        pixel_box: that shared box in pixels ``(y0, y1, x0, x1)``, when it was drawn on the host
+            (Python draws): read without touching ``boxes``, wherever they live.
     """
 
     boxes: Tensor
@@ -38,6 +43,7 @@ class BoxParams(MixParams):
     grid: tuple[int, int]
     correct_lam: bool = True
     shared: bool = False  # one box for the whole batch (mode "batch"); unmixed samples hold empty boxes
+    pixel_box: tuple[int, int, int, int] | None = None
 
     def source_weight(self) -> Tensor:
         return box_mask(self.boxes, self.grid)
@@ -53,6 +59,8 @@ class BoxParams(MixParams):
         # box is then free, whereas on an accelerator it would stall the stream. Never while
         # compiling: the box would be a data-dependent Python int (a graph break, an error
         # under fullgraph); the traced select path computes the same pixels.
+        if self.pixel_box is not None and self.shared and not self.token_space and not torch.compiler.is_compiling():
+            return self.pixel_box
         if (
             not self.shared
             or self.token_space
@@ -145,6 +153,32 @@ def minmax_boxes(
     return torch.stack([y0, y0 + cut_h, x0, x0 + cut_w], dim=1)
 
 
+def host_box(lam: float, cy: int, cx: int, grid: tuple[int, int]) -> tuple[int, int, int, int]:
+    """``cutmix_boxes`` for one box, with Python numbers (the same float64 arithmetic)."""
+    gh, gw = grid
+    ratio = math.sqrt(1.0 - lam)
+    cut_h, cut_w = math.floor(gh * ratio), math.floor(gw * ratio)
+    return (
+        min(max(cy - cut_h // 2, 0), gh), min(max(cy + (cut_h + 1) // 2, 0), gh),
+        min(max(cx - cut_w // 2, 0), gw), min(max(cx + (cut_w + 1) // 2, 0), gw),
+    )  # fmt: skip
+
+
+def host_minmax_box(minmax: tuple[float, float], grid: tuple[int, int], rng: random.Random) -> tuple[int, int, int, int]:
+    """``minmax_boxes`` for one box, with Python numbers (the same law and arithmetic)."""
+    gh, gw = grid
+    lo_h, hi_h = int(gh * minmax[0]), int(gh * minmax[1])
+    lo_w, hi_w = int(gw * minmax[0]), int(gw * minmax[1])
+    if lo_h >= hi_h or lo_w >= hi_w:
+        minmax_boxes(minmax, grid, 0, None, torch.device("cpu"))  # raises the error that names the sizes
+    u = [rng.random() for _ in range(4)]
+    cut_h = lo_h + min(math.floor(u[0] * (hi_h - lo_h)), hi_h - lo_h - 1)
+    cut_w = lo_w + min(math.floor(u[1] * (hi_w - lo_w)), hi_w - lo_w - 1)
+    y0 = min(math.floor(u[2] * (gh - cut_h + 1)), gh - cut_h)
+    x0 = min(math.floor(u[3] * (gw - cut_w + 1)), gw - cut_w)
+    return y0, y0 + cut_h, x0, x0 + cut_w
+
+
 def grid_of(image_size: tuple[int, int], cell: int | None, what: str) -> tuple[int, int]:
     """The cell grid of an image, or a clear error if ``cell`` does not divide it."""
     hh, ww = image_size
@@ -231,6 +265,47 @@ class BoxSampler(MixSampler[BoxParams]):
             correct_lam=self.correct_lam,
             shared=self.mode == "batch",
         )
+
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> BoxParams:
+        grid = grid_of(image_size, self.cell, "patch_size")
+        lams, boxes = [], []
+        for _ in range(pairs.num_groups):  # per group: lambda, then the box (centre, or minmax sides and corner)
+            lam = draw_beta(self.alpha, rng)
+            if self.minmax is not None:
+                boxes.append(host_minmax_box(self.minmax, grid, rng))
+            else:
+                boxes.append(host_box(lam, rng.randrange(grid[0]), rng.randrange(grid[1]), grid))
+            lams.append(to_fp32(lam))
+        # Per group, then an unmixed row (empty box, lambda 1); samples pick rows. The label's lambda is
+        # ``BoxMask.source_mean``'s on the CPU: the cells left to the sample over the cell count, one fp32
+        # division (the quotient rounded to float64, then to fp32, rounds as fp32 division does).
+        n = grid[0] * grid[1]
+        boxes.append((0, 0, 0, 0))
+        lams.append(1.0)
+        label_lams = [to_fp32((n - (y1 - y0) * (x1 - x0)) / n) for y0, y1, x0, x1 in boxes] if self.correct_lam else lams
+        weight_rows = [(v, to_fp32(1.0 - v)) for v in label_lams]
+        picks = [g if a else len(boxes) - 1 for g, a in zip(pairs.group, pairs.applied)]
+        b = len(picks)
+        partner, applied, lam_t, boxes_t, sources, weights = columns_on(
+            [
+                column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
+                column([lams[r] for r in picks], torch.float32),
+                column([v for r in picks for v in boxes[r]], torch.int64, b, 4),
+                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                column([w for r in picks for w in weight_rows[r]], torch.float32, b, 2),
+            ],
+            device,
+        )  # fmt: skip
+        ch, cw = image_size[0] // grid[0], image_size[1] // grid[1]
+        shared = boxes[0] if self.mode == "batch" and any(pairs.applied) else boxes[-1]
+        return BoxParams(
+            partner=partner, applied=applied, image_size=image_size, token_space=self.token_space,
+            boxes=boxes_t, lam=lam_t, grid=grid, correct_lam=self.correct_lam,
+            shared=self.mode == "batch",
+            pixel_box=(shared[0] * ch, shared[1] * ch, shared[2] * cw, shared[3] * cw) if self.mode == "batch" else None,
+            label_sources=sources, label_weights=weights,
+        )  # fmt: skip
 
 
 class CutMix(PairMixer[BoxParams]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
 __all__ = ["MixUp", "MixUpParams", "MixUpSampler", "check_alpha"]
@@ -62,6 +64,27 @@ class MixUpSampler(MixSampler[MixUpParams]):
         lam = sample_beta(self.alpha, pairs.num_groups, generator, device)[pairs.group]
         lam = torch.where(pairs.applied, lam, torch.ones_like(lam))
         return MixUpParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, lam=lam)
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> MixUpParams:
+        drawn = [to_fp32(draw_beta(self.alpha, rng)) for _ in range(pairs.num_groups)] + [1.0]  # last: unmixed
+        # The label map's values in fp32 as the CPU computes them: the 1x1 mask's mean is lam itself,
+        # and 1 - lam is rounded once (in double, then to fp32: as fp32 subtraction rounds it).
+        weight_rows = [(v, to_fp32(1.0 - v)) for v in drawn]
+        picks = [g if a else len(drawn) - 1 for g, a in zip(pairs.group, pairs.applied)]
+        lam, b = [drawn[r] for r in picks], len(picks)
+        partner, applied, lam_t, sources, weights_t = columns_on(
+            [
+                column(pairs.partner, torch.int64), column(pairs.applied, torch.bool), column(lam, torch.float32),
+                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                column([w for r in picks for w in weight_rows[r]], torch.float32, b, 2),
+            ],
+            device,
+        )  # fmt: skip
+        return MixUpParams(
+            partner=partner, applied=applied, image_size=image_size, lam=lam_t,
+            any_unmixed=1.0 in lam,  # read on the host for free: the pixels skip a select when none is
+            label_sources=sources, label_weights=weights_t, label_cells=rearrange(weights_t, "b k -> b k 1 1"),
+        )  # fmt: skip
 
 
 class MixUp(PairMixer[MixUpParams]):

@@ -13,6 +13,8 @@ Shapes: ``g`` groups (independent draws), ``gh gw`` cell grid, ``n = gh * gw``.
 from __future__ import annotations
 
 import math
+import random
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +24,12 @@ from torch import Tensor
 from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, host_rng, to_fp32
+from mixlabels.strategies._sampling import MixSampler, Mode, Pairing
 
 __all__ = ["CellParams", "RandomPatchMix", "BlockwiseMix", "RandomCellSampler", "BlockCellSampler"]
+
+_NOT = bytes.maketrans(b"\x00\x01", b"\x01\x00")  # a bool byte negated
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -34,16 +39,19 @@ class CellParams(MixParams):
     Attributes:
         cells: ``(b, gh, gw)`` bool, True where the cell is the partner's; all False where unmixed.
         grid: ``(gh, gw)``.
+        keep: ``~cells``, when the sampler sent it with its draws (no kernel to negate them);
+            ``None``: computed from ``cells``.
     """
 
     cells: Tensor
     grid: tuple[int, int]
+    keep: Tensor | None = None
 
     def source_weight(self) -> Tensor:
         return (~self.cells).float()
 
     def keep_cells(self) -> Tensor:
-        return ~self.cells
+        return ~self.cells if self.keep is None else self.keep
 
 
 class _CellSampler(MixSampler[CellParams]):
@@ -70,43 +78,72 @@ class _CellSampler(MixSampler[CellParams]):
         super().check_image_size(image_size)
         grid_of(image_size, self.cell_size, "cell_size")
 
-    def partner_counts(self, g: int, n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
-        """``(g,)`` long number of cells to take from the partner: ``floor((1 - lam) * n)``."""
+    def partner_count(self, n: int, rng: random.Random) -> int:
+        """Number of cells to take from the partner: ``floor((1 - lam) * n)``, lam rounded to fp32 as the params keep it."""
         if self.ratio is not None:
-            return torch.full((g,), math.floor(self.ratio * n), dtype=torch.long, device=device)
-        lam = sample_beta(self.alpha, g, generator, device)
-        return torch.floor((1.0 - lam.double()) * n).long()
+            return math.floor(self.ratio * n)
+        return math.floor((1.0 - to_fp32(draw_beta(self.alpha, rng))) * n)
 
-    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    def cells_of(self, count: int, grid: tuple[int, int], rng: random.Random) -> list[bool]:
+        """One group's cells, row-major ``gh * gw``: True where the cell is the partner's."""
         raise NotImplementedError
 
-    def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> CellParams:
+    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
+        """``(g, gh, gw)`` bool cells for ``(g,)`` host counts, drawn as ``cells_of`` draws them (tests, analyses)."""
+        rng = host_rng(generator)
+        rows = [self.cells_of(int(c), grid, rng) for c in counts.tolist()]
+        return torch.tensor(rows, dtype=torch.bool, device=device).view(g, *grid)
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> CellParams:
         grid = grid_of(image_size, self.cell_size, "cell_size")
-        counts = self.partner_counts(pairs.num_groups, grid[0] * grid[1], generator, device)
-        cells = self.cells_for(pairs.num_groups, grid, counts, generator, device)[pairs.group]
-        cells = cells & pairs.applied[:, None, None]
-        return CellParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, cells=cells, grid=grid)
+        n = grid[0] * grid[1]
+        rows = [self.cells_of(self.partner_count(n, rng), grid, rng) for _ in range(pairs.num_groups)]
+        # Every sample's cells, keep mask, label cells [w0, 1 - w0] and lambda (the mean of w0: the
+        # cells kept over n, one fp32 division as the CPU's mean) are built per group as bytes and
+        # repeated per sample on the host, so the device only takes views (no gather, no not, no mean).
+        # An unmixed sample takes the last row: nothing from the partner.
+        rows.append([False] * n)
+        cell_rows = [bytes(row) for row in rows]  # bytes 0/1 are bools; the byte work below runs in C
+        keep_rows = [row.translate(_NOT) for row in cell_rows]
+        label_rows = [array("f", list(keep + cell)).tobytes() for keep, cell in zip(keep_rows, cell_rows)]
+        lams = [to_fp32((n - sum(row)) / n) for row in cell_rows]
+        picks = [g if a else len(rows) - 1 for g, a in zip(pairs.group, pairs.applied)]
+        b, (gh, gw) = len(picks), grid
+        partner, applied, cells, keep, sources, weights, label_cells = columns_on(
+            [
+                column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
+                column(b"".join(cell_rows[r] for r in picks), torch.bool, b, gh, gw),
+                column(b"".join(keep_rows[r] for r in picks), torch.bool, b, gh, gw),
+                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                column([w for r in picks for w in (lams[r], to_fp32(1.0 - lams[r]))], torch.float32, b, 2),
+                column(b"".join(label_rows[r] for r in picks), torch.float32, b, 2, gh, gw),
+            ],
+            device,
+        )  # fmt: skip
+        return CellParams(
+            partner=partner, applied=applied, image_size=image_size, cells=cells, grid=grid, keep=keep,
+            label_sources=sources, label_weights=weights, label_cells=label_cells,
+        )  # fmt: skip
 
 
 class RandomCellSampler(_CellSampler):
-    """MAE-style: exactly ``count`` cells chosen uniformly at random, via the ranks of random noise."""
+    """MAE-style: exactly ``count`` cells chosen uniformly at random (a uniform subset)."""
 
-    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
-        noise = sample_uniform((g, grid[0] * grid[1]), generator, device)
-        ranks = noise.argsort(dim=1).argsort(dim=1)  # a uniformly random order of the cells
-        cells = ranks < counts[:, None]
-        return rearrange(cells, "g (gh gw) -> g gh gw", gh=grid[0])
+    def cells_of(self, count: int, grid: tuple[int, int], rng: random.Random) -> list[bool]:
+        row = [False] * (grid[0] * grid[1])
+        for i in rng.sample(range(len(row)), count):
+            row[i] = True
+        return row
 
 
 class BlockCellSampler(_CellSampler):
     """BEiT-style block-wise cells: random rectangles until the count is reached.
 
-    BEiT's ``MaskingGenerator``, vectorised over groups: each step every unfinished
-    group draws one rectangle (area uniform in ``[min_cells, remaining]``, log-uniform
-    aspect ratio, strictly smaller than the grid); it is kept if it adds between 1 and
-    ``remaining`` new cells. As in BEiT a group stops after 10 consecutive rejected
-    draws, so the count can fall a few cells short; the label uses the cells mixed.
-    The loop runs over draws (bounded), never over samples.
+    BEiT's ``MaskingGenerator``: each attempt draws one rectangle (area uniform in
+    ``[min_cells, remaining]``, log-uniform aspect ratio, strictly smaller than the grid);
+    it is kept if it adds between 1 and ``remaining`` new cells. As in BEiT a group stops
+    after 10 consecutive rejected attempts, so the count can fall a few cells short; the
+    label uses the cells mixed. Python numbers: a few draws per block, no tensors.
     """
 
     def __init__(
@@ -148,37 +185,29 @@ class BlockCellSampler(_CellSampler):
                 "or cell_size, or use larger images"
             )
 
-    def cells_for(self, g: int, grid: tuple[int, int], counts: Tensor, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    def cells_of(self, count: int, grid: tuple[int, int], rng: random.Random) -> list[bool]:
         gh, gw = grid
-        rows = torch.arange(gh, device=device)
-        cols = torch.arange(gw, device=device)
-        cells = torch.zeros(g, gh, gw, dtype=torch.bool, device=device)
-        done = torch.zeros(g, dtype=torch.long, device=device)
-        fails = torch.zeros(g, dtype=torch.long, device=device)
+        cells = [False] * (gh * gw)
         cap = self.max_cells if self.max_cells is not None else gh * gw
-        # Each kept rectangle adds >= 1 cell and at most 10 draws are rejected in a row,
-        # so 10 * (n + 1) steps always suffice.
-        for step in range(10 * (gh * gw + 1)):
-            active = (done < counts) & (fails < 10)
-            if step % 8 == 0 and not bool(active.any()):  # one host sync every 8 draws
-                break
-            room = torch.clamp(counts - done, max=cap).double()
-            u = sample_uniform((g, 4), generator, device)
-            area = self.min_cells + u[:, 0] * (room - self.min_cells)  # random.uniform(a, b) allows a > b
-            aspect = torch.exp(self.log_aspect[0] + u[:, 1] * (self.log_aspect[1] - self.log_aspect[0]))
-            h = torch.round(torch.sqrt(area * aspect)).long()  # round half to even, as Python's round
-            w = torch.round(torch.sqrt(area / aspect)).long()
-            fits = (h < gh) & (w < gw)
-            top = torch.floor(u[:, 2] * (gh - h + 1).clamp(min=1)).long()
-            left = torch.floor(u[:, 3] * (gw - w + 1).clamp(min=1)).long()
-            in_rows = (rows >= top[:, None]) & (rows < (top + h)[:, None])
-            in_cols = (cols >= left[:, None]) & (cols < (left + w)[:, None])
-            rect = in_rows[:, :, None] & in_cols[:, None, :]
-            new = (rect & ~cells).sum(dim=(1, 2))
-            keep = active & fits & (new > 0) & (new <= room.long())
-            cells = cells | (rect & keep[:, None, None])
-            done = done + torch.where(keep, new, torch.zeros_like(new))
-            fails = torch.where(keep, torch.zeros_like(fails), fails + active.long())
+        lo, hi = self.log_aspect
+        done, fails = 0, 0
+        # Each kept rectangle adds >= 1 cell and at most 10 attempts are rejected in a row: this ends.
+        while done < count and fails < 10:
+            room = min(count - done, cap)
+            u0, u1, u2, u3 = rng.random(), rng.random(), rng.random(), rng.random()
+            area = self.min_cells + u0 * (room - self.min_cells)  # random.uniform(a, b) allows a > b
+            aspect = math.exp(lo + u1 * (hi - lo))
+            h, w = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))  # half to even, as BEiT
+            kept = False
+            if h < gh and w < gw:
+                top, left = math.floor(u2 * (gh - h + 1)), math.floor(u3 * (gw - w + 1))
+                rect = [r * gw + c for r in range(top, top + h) for c in range(left, left + w)]
+                new = sum(not cells[i] for i in rect)
+                if 0 < new <= room:
+                    for i in rect:
+                        cells[i] = True
+                    done, kept = done + new, True
+            fails = 0 if kept else fails + 1
         return cells
 
 

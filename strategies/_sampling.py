@@ -21,7 +21,10 @@ from kornia.augmentation.random_generator.base import RandomGeneratorBase
 from torch import Tensor
 
 if TYPE_CHECKING:
+    import random
+
     from mixlabels.strategies._base import MixParams
+    from mixlabels.strategies._host_draws import HostPairs
 
 __all__ = ["Mode", "Pairing", "Pairs", "MixSampler", "sample_pairs", "check_pairing", "sample_beta", "sample_uniform", "check_prob"]
 
@@ -171,10 +174,11 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
     """
 
     params_type: ClassVar[type[Any]]  # the MixParams subclass ``draw`` returns (checked on replay)
-    # The draws are a few numbers a group (partners, lambdas, boxes, cell grids): a call without a
-    # generator draws them on the host, where they launch no kernels and read no device values,
-    # and the mixer sends them to the images' device in one copy. Kinds that draw per pixel (FMix's
-    # spectra) stay on the images' device.
+    # The draws are a few numbers a group (partners, lambdas, boxes, cell grids): kinds that set
+    # ``host_draws`` draw them as Python numbers (``draw_host``, seeded by one draw from the
+    # generator: ``_host_draws``), so sampling runs no tensor operator on the host, reads no device
+    # value, and builds the params where the images are in one buffer (one copy to an accelerator).
+    # Kinds that draw per pixel (FMix's spectra) draw tensors (``draw``) on the images' device.
     host_draws: ClassVar[bool] = False
 
     def __init__(self, mode: Mode = "batch", pairing: Pairing = "flip", prob: float = 1.0) -> None:
@@ -217,8 +221,19 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
             dev = torch.device(device)
         else:
             dev = torch.device(self.device) if self.device is not None else torch.device("cpu")
+        if self.host_draws:
+            from mixlabels.strategies._host_draws import draw_pairs, host_rng  # it imports this module
+
+            if device is not None:  # the params go where they are used; the draws never touch a device
+                dev = torch.device(device)
+            rng = host_rng(generator)
+            return self.draw_host(draw_pairs(b, self.mode, self.pairing, self.prob, rng), (hh, ww), rng, dev)
         pairs = sample_pairs(b, self.mode, self.pairing, self.prob, generator, dev)
         return self.draw(pairs, (hh, ww), generator, dev)
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> P:
+        """``draw`` with Python numbers from ``rng``; the params' tensors are built on ``device``."""
+        raise NotImplementedError
 
     def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> P:
         """Draw this kind's randomness for ``pairs.num_groups`` groups and build the params."""

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from mixlabels import TokenLabelMap
 from mixlabels.strategies._base import Mixer, check_generator
-from mixlabels.strategies._sampling import sample_uniform
+from mixlabels.strategies._host_draws import host_rng
 
 __all__ = ["Switch", "SwitchParams"]
 
@@ -85,9 +85,9 @@ class Switch(Mixer[SwitchParams]):
         assert isinstance(child, Mixer)
         return child
 
-    def draw_device(self, images_device: torch.device) -> torch.device:
-        """The children's draw device when they agree (the choice is read on it); else the images' device."""
-        devices = {self._child(i).draw_device(images_device) for i in range(len(self.mixers))}
+    def draw_device(self, images_device: torch.device, generator: torch.Generator | None = None) -> torch.device | None:
+        """The children's draw device when they agree; else the images' device."""
+        devices = {self._child(i).draw_device(images_device, generator) for i in range(len(self.mixers))}
         return devices.pop() if len(devices) == 1 else images_device
 
     def sample(
@@ -99,8 +99,7 @@ class Switch(Mixer[SwitchParams]):
     ) -> SwitchParams:
         """Draw the mixer, then its params, from the same generator."""
         check_generator(generator, "Switch.sample")
-        dev = generator.device if generator is not None else torch.device(device if device is not None else "cpu")
-        u = float(sample_uniform((1,), generator, dev).item())  # the choice picks Python code: one host read
+        u = host_rng(generator).random()  # the choice picks Python code: a Python number, never a device read
         cumulative, choice = 0.0, len(self.probs) - 1
         for i, p in enumerate(self.probs):
             cumulative += p

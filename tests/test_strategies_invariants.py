@@ -192,16 +192,20 @@ def test_paste_box_copies_equal_the_batched_gather_and_the_select(b: int, y0: in
 
 # ====================================================================== cell mixers
 class BetaRecorder:
-    """Wraps ``sample_beta`` in the patch module and keeps every lambda it returned."""
+    """Wraps ``draw_beta`` in the patch module and keeps every lambda it returned (one a group, in order)."""
 
     def __init__(self) -> None:
-        self.draws: list[Tensor] = []
-        self._real: Callable[..., Tensor] = patch_module.sample_beta
+        self.draws: list[float] = []
+        self._real: Callable[..., float] = patch_module.draw_beta
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> float:
         lam = self._real(*args, **kwargs)
         self.draws.append(lam)
         return lam
+
+    def lambdas(self) -> Tensor:
+        """The lambdas as the params keep them: fp32."""
+        return torch.tensor(self.draws, dtype=torch.float64).float()
 
 
 @given(st.sampled_from(["random_patch", "blockwise"]), st.sampled_from([2, 4]), st.integers(1, 5), st.integers(1, 5),
@@ -217,10 +221,11 @@ def test_cell_mixers_are_cell_aligned_and_take_the_sampled_count(
     mixer = cls(10, cell_size=cell, alpha=alpha, mode="elem", pairing=pairing, **kw)  # type: ignore[arg-type]
     x = torch.rand(b, 2, hh, ww, generator=torch.Generator().manual_seed(seed % 997))
     recorder = BetaRecorder()
-    with mock.patch.object(patch_module, "sample_beta", recorder):
+    with mock.patch.object(patch_module, "draw_beta", recorder):
         out, lm = mixer(x, torch.zeros(b, dtype=torch.long), generator=torch.Generator().manual_seed(seed))
     params = mixer.last_params
-    assert isinstance(params, CellParams) and len(recorder.draws) == 1
+    assert isinstance(params, CellParams) and len(recorder.draws) == b  # elem mode: one draw a sample
+    lam = recorder.lambdas()
     partner = lm.sources[:, 1]
     # Cell-aligned: every cell of the output is entirely the sample's own block or entirely the partner's.
     cells_out = out.unflatten(2, (gh, cell)).unflatten(4, (gw, cell))  # b c gh ph gw pw
@@ -231,11 +236,11 @@ def test_cell_mixers_are_cell_aligned_and_take_the_sampled_count(
     assert torch.equal(~own & applied[:, None, None], params.cells)  # random images: own == partner's never by chance
     assert torch.equal(lm.mask.dense()[:, 1] == 1, params.cells) and lm.mask.dense().shape[2:] == (gh, gw)
     # The ratio: floor((1 - lam) n) cells for the sample's own draw (elem mode: draw i for sample i).
-    target = torch.floor((1.0 - recorder.draws[0].double()) * n).long()
+    target = torch.floor((1.0 - lam.double()) * n).long()
     count = params.cells.sum((1, 2))
     if kind == "random_patch":
         assert torch.equal(count[applied], target[applied])
-        assert ((count[applied] / n - (1 - recorder.draws[0][applied].double())).abs() < 1 / n + 1e-9).all()
+        assert ((count[applied] / n - (1 - lam[applied].double())).abs() < 1 / n + 1e-9).all()
     else:  # BEiT's generator may give up a few cells short, never over
         assert (count[applied] <= target[applied]).all()
     assert (count[~applied] == 0).all()

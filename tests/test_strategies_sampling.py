@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mixlabels.strategies import BoxParams, CutMix, MixParams, MixUp, MixUpParams, RandomPatchMix, Switch, SwitchParams
+from mixlabels.strategies._host_draws import host_rng
 from mixlabels.strategies._sampling import sample_beta
 from test_strategies_kornia import CELL, KINDS, NC, H, W, batch, make, maps_equal
 
@@ -277,9 +278,9 @@ def test_batch_mode_prob_is_all_or_nothing_per_batch() -> None:
 
 
 
-def _beit_blocks(target: int, grid: tuple[int, int], draws: list[Tensor], g: int, min_cells: int,
+def _beit_blocks(target: int, grid: tuple[int, int], uniform: Any, min_cells: int,
                  log_aspect: tuple[float, float]) -> Tensor:
-    """Our reading of BEiT's ``MaskingGenerator`` for group ``g``, scalar by scalar, on given uniforms.
+    """Our reading of BEiT's ``MaskingGenerator`` for one group, scalar by scalar, on uniforms from ``uniform()``.
 
     Each attempt: area uniform in ``[min_cells, remaining]``, log-uniform aspect, ``h, w`` rounded
     half to even (Python's ``round``); the block is drawn only if ``h < gh and w < gw`` (strictly
@@ -289,10 +290,8 @@ def _beit_blocks(target: int, grid: tuple[int, int], draws: list[Tensor], g: int
     gh, gw = grid
     mask = torch.zeros(gh, gw, dtype=torch.bool)
     count, fails = 0, 0
-    for u in draws:
-        if count >= target or fails >= 10:
-            break
-        u0, u1, u2, u3 = (float(v) for v in u[g])
+    while count < target and fails < 10:
+        u0, u1, u2, u3 = uniform(), uniform(), uniform(), uniform()
         remaining = target - count
         area = min_cells + u0 * (remaining - min_cells)
         aspect = math.exp(log_aspect[0] + u1 * (log_aspect[1] - log_aspect[0]))
@@ -317,10 +316,10 @@ def test_blockwise_blocks_follow_beit_and_stay_strictly_smaller_than_the_grid(se
     sampler = BlockCellSampler(1, 1.0, None, 2, None, 0.3, None, "elem", "flip", 1.0)
     counts = torch.randint(4, 13, (groups,), generator=torch.Generator().manual_seed(100 + seed))
     got = sampler.cells_for(groups, grid, counts, torch.Generator().manual_seed(seed), torch.device("cpu"))
-    replay = torch.Generator().manual_seed(seed)  # cells_for draws one (groups, 4) block of uniforms per step
-    draws = [torch.rand((groups, 4), generator=replay, dtype=torch.float64) for _ in range(10 * (12 + 1))]
+    # cells_for seeds one Python RNG from the generator; the groups take four uniforms an attempt, in turn
+    replay = host_rng(torch.Generator().manual_seed(seed))
     for g in range(groups):
-        want = _beit_blocks(int(counts[g]), grid, draws, g, 2, sampler.log_aspect)
+        want = _beit_blocks(int(counts[g]), grid, replay.random, 2, sampler.log_aspect)
         assert torch.equal(got[g], want), f"group {g}"
 
 

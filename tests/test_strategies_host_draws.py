@@ -1,0 +1,201 @@
+"""Draws as Python numbers (issue 28): no tensor work on the host, the same laws, the same seeds.
+
+The mixers drawing Python numbers (CutMix, MixToken, MixUp, RandomPatchMix, BlockwiseMix, TokenMix,
+Switch's choice) are sampled with the params built on the ``meta`` device: every operator on a real
+(CPU) tensor is then host work that a CUDA batch would pay, and only the seed draw may be one. The
+label map's values (sources, weights, the mask and its mean) come in the same buffer: building the
+map from meta params runs no operator at all, and gives the bits the CPU computes from the params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from scipy import stats
+from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from mixlabels.strategies import BlockwiseMix, CutMix, MixToken, MixUp, RandomPatchMix, Switch, TokenMix
+from mixlabels.strategies._base import pair_label_map
+from mixlabels.strategies._host_draws import column, columns_on, draw_pairs, host_rng, to_fp32
+from mixlabels.strategies._sampling import sample_pairs
+
+NC = 10
+SEED_DRAW = {"empty", "random_", "_local_scalar_dense"}  # host_rng's one draw from a CPU generator
+
+
+class HostOps(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch types __init_subclass__ loosely
+    """Counts the operators that touch no meta tensor: host work."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.host: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        leaves = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+        to_meta = any(isinstance(a, torch.device) and a.type == "meta" for a in tree_leaves((args, kwargs or {})))
+        if not to_meta and not any(t.is_meta for t in leaves) and not getattr(func, "is_view", False):
+            self.host[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def mixers() -> list[tuple[str, Any]]:
+    return [
+        ("cutmix", CutMix(NC)),
+        ("cutmix elem minmax", CutMix(NC, minmax=(0.2, 0.8), mode="elem", pairing="derangement", prob=0.5)),
+        ("cutmix legacy lam pair", CutMix(NC, correct_lam=False, patch_size=4, mode="pair", prob=0.6)),
+        ("mixtoken", MixToken(NC, patch_size=4)),
+        ("mixup pair", MixUp(NC, mode="pair", pairing="derangement", prob=0.7)),
+        ("random_patch elem", RandomPatchMix(NC, cell_size=4, mode="elem")),
+        ("blockwise", BlockwiseMix(NC, cell_size=4, min_cells=4)),
+        ("tokenmix elem", TokenMix(NC, patch_size=4, min_tokens=4, mode="elem")),
+        ("switch", Switch([MixUp(NC), CutMix(NC)])),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(mixers())))
+def test_sampling_runs_no_tensor_operator_on_the_host_but_the_seed_draw(index: int) -> None:
+    name, mixer = mixers()[index]
+    mixer.sample((16, 3, 32, 32), generator=torch.Generator().manual_seed(0))  # warm-up
+    with HostOps() as counter:
+        params = mixer.sample((16, 3, 32, 32), generator=torch.Generator().manual_seed(0), device="meta")
+    seeds = 2 if name == "switch" else 1  # Switch draws its choice, then the chosen mixer its params
+    assert set(counter.host) <= SEED_DRAW and all(n == seeds for n in counter.host.values()), (name, counter.host)
+    inner = getattr(params, "params", params)
+    assert inner.partner.is_meta and inner.applied.is_meta  # built where asked, not on the host
+
+
+def test_kornia_params_run_no_host_operator_but_the_seed_draw() -> None:
+    mixer = CutMix(NC)
+    with HostOps() as counter:
+        params = mixer.forward_parameters((16, 3, 32, 32))
+    assert set(counter.host) <= SEED_DRAW, counter.host
+    assert params["batch_prob"].dtype == torch.bool and params["batch_prob"].tolist() == [True] * 16
+
+
+def test_params_built_on_the_images_device_equal_the_cpu_ones() -> None:
+    """The device only says where the params go: the same seed gives the same params on ``meta`` shapes and CPU values."""
+    for _, mixer in mixers():
+        cpu = mixer.sample((6, 3, 32, 32), generator=torch.Generator().manual_seed(1))
+        meta = mixer.sample((6, 3, 32, 32), generator=torch.Generator().manual_seed(1), device="meta")
+        again = mixer.sample((6, 3, 32, 32), generator=torch.Generator().manual_seed(1))
+        for a, b, c in zip(tree_leaves(vars(cpu)), tree_leaves(vars(meta)), tree_leaves(vars(again))):
+            if isinstance(a, torch.Tensor):
+                assert b.is_meta and a.shape == b.shape and a.dtype == b.dtype
+                assert torch.equal(a, c)
+
+
+def test_columns_come_back_as_typed_views_of_one_buffer() -> None:
+    a, b, c, d = columns_on(
+        [column([3, 0, 2], torch.int64), column([True, False], torch.bool), column([0.1], torch.float32),
+         column([1, 2, 3, 4], torch.int64, 2, 2)],
+        torch.device("cpu"),
+    )  # fmt: skip
+    assert a.tolist() == [3, 0, 2] and a.dtype == torch.int64 and b.tolist() == [True, False] and b.dtype == torch.bool
+    assert_close(c, torch.tensor([0.1]))  # rounded once to fp32
+    assert d.tolist() == [[1, 2], [3, 4]]
+    assert a.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
+    assert to_fp32(0.1) == torch.tensor(0.1).item()
+
+
+class DeviceOps(TorchDispatchMode):  # type: ignore[no-untyped-call]  # as HostOps
+    """Counts the operators that touch a meta tensor (views apart): kernels a CUDA batch would launch."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.device: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        leaves = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+        if any(t.is_meta for t in leaves) and not getattr(func, "is_view", False):
+            self.device[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("index", range(len(mixers())))
+def test_the_label_map_takes_the_values_drawn_with_the_params_no_device_operator(index: int) -> None:
+    """Sources, image weights and the mask come in the params' one buffer: building the map runs no kernel."""
+    name, mixer = mixers()[index]
+    params = mixer.sample((16, 3, 32, 32), generator=torch.Generator().manual_seed(0), device="meta")
+    labels = torch.empty(16, dtype=torch.long, device="meta")
+    with DeviceOps() as counter, HostOps() as host:
+        lm = mixer.label_map_from(params, labels)
+    assert not counter.device and not host.host, (name, counter.device, host.host)
+    assert lm.sources.is_meta and lm.image_weights.is_meta and lm.mask.device.type == "meta"
+
+
+@pytest.mark.parametrize("index", range(len(mixers())))
+def test_drawn_label_values_equal_the_ones_computed_from_the_params(index: int) -> None:
+    """The Python arithmetic gives the CPU path's bits: drop the drawn values and the map is the same."""
+    name, mixer = mixers()[index]
+    for seed in range(4):
+        params = mixer.sample((7, 3, 32, 32), generator=torch.Generator().manual_seed(seed))  # odd: one unmixed
+        inner = getattr(params, "params", params)
+        assert inner.label_sources is not None and inner.label_weights is not None, name
+        bare = dataclasses.replace(
+            inner, label_sources=None, label_weights=None, label_cells=None, **({"keep": None} if hasattr(inner, "keep") else {})
+        )
+        if hasattr(inner, "keep"):
+            assert torch.equal(inner.keep_cells(), bare.keep_cells())
+        drawn, computed = pair_label_map(inner, torch.arange(7), NC, 0.1), pair_label_map(bare, torch.arange(7), NC, 0.1)
+        assert type(drawn.mask) is type(computed.mask), name
+        assert torch.equal(drawn.sources, computed.sources), name
+        assert torch.equal(drawn.image_weights, computed.image_weights), (name, drawn.image_weights, computed.image_weights)
+        assert torch.equal(drawn.mask.dense(), computed.mask.dense()), name
+        assert torch.equal(drawn.image_targets(), computed.image_targets()), name
+
+
+@pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
+@pytest.mark.parametrize("pairing", ["flip", "roll"])
+def test_fixed_pairings_and_groups_are_sample_pairs(mode: str, pairing: str) -> None:
+    """The deterministic pairings and groups are ``sample_pairs``' ones, odd batches and a batch of one included."""
+    if pairing == "roll" and mode == "pair":
+        return
+    for b in (1, 2, 5, 8):
+        ours = draw_pairs(b, mode, pairing, 1.0, random.Random(0))  # type: ignore[arg-type]
+        ref = sample_pairs(b, mode, pairing, 1.0, None, torch.device("cpu"))  # type: ignore[arg-type]
+        assert ours.partner == ref.partner.tolist() and ours.group == ref.group.tolist()
+        assert ours.num_groups == ref.num_groups and ours.applied == ref.applied.tolist()
+
+
+def test_derangement_partner_is_uniform_over_the_others_and_pairs_are_matchings() -> None:
+    rng, b, n = random.Random(0), 5, 6000
+    firsts: Counter[int] = Counter()
+    for _ in range(n):
+        elem = draw_pairs(b, "elem", "derangement", 1.0, rng)
+        assert all(p != i for i, p in enumerate(elem.partner)) and sorted(elem.partner) == list(range(b))
+        firsts[elem.partner[0]] += 1
+        pair = draw_pairs(b, "pair", "derangement", 1.0, rng)
+        assert all(pair.partner[p] == i for i, p in enumerate(pair.partner))  # symmetric
+        assert sum(p == i for i, p in enumerate(pair.partner)) == 1  # the odd one out
+        assert all(pair.group[i] == pair.group[p] for i, p in enumerate(pair.partner)) and pair.num_groups == 3
+    assert set(firsts) == {1, 2, 3, 4}
+    assert stats.chisquare([firsts[k] for k in (1, 2, 3, 4)]).pvalue > 1e-3
+
+
+def test_the_gate_mixes_each_group_with_its_prob() -> None:
+    rng, n = random.Random(1), 4000
+    mixed = sum(draw_pairs(2, "batch", "flip", 0.3, rng).applied[0] for _ in range(n))
+    assert stats.binomtest(mixed, n, 0.3).pvalue > 1e-3
+    assert not any(draw_pairs(4, "elem", "flip", 0.0, rng).applied)
+
+
+def test_random_cells_are_a_uniform_subset_of_the_count() -> None:
+    mixer = RandomPatchMix(NC, cell_size=1, ratio=0.25, mode="elem")
+    cells = mixer.sample((3000, 1, 4, 4), generator=torch.Generator().manual_seed(2)).cells.view(3000, 16)
+    assert (cells.sum(1) == 4).all()
+    per_cell = cells.sum(0).tolist()
+    assert stats.chisquare(per_cell).pvalue > 1e-3
+
+
+def test_one_seed_per_call_advances_the_generator() -> None:
+    gen = torch.Generator().manual_seed(5)
+    first = host_rng(gen).random()
+    assert host_rng(gen).random() != first
+    assert host_rng(torch.Generator().manual_seed(5)).random() == first
