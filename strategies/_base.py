@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any, Generic, Sequence, TypeVar, Union, overload
+from typing import Any, ClassVar, Generic, Sequence, TypeVar, Union, overload
 
 import torch
 from einops import rearrange
@@ -70,6 +70,31 @@ class MixParams:
     label_sources: Tensor | None = None
     label_weights: Tensor | None = None
     label_cells: Tensor | None = None
+    # The draws the derived values above were computed from (the very objects), recorded when the params are made:
+    # ``dataclasses.replace`` copies the derived values, so a replaced draw would leave them stale (labels that no
+    # longer match the pixels, silently); ``current()`` drops them then.
+    drawn_from: tuple[object, ...] | None = dataclasses.field(default=None, repr=False)
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("any_unmixed", "label_sources", "label_weights", "label_cells")
+    """Fields computed from the draws (a subclass adds its own), valid only with the draws they came from."""
+
+    def __post_init__(self) -> None:
+        if self.drawn_from is None and any(getattr(self, n) is not None for n in self.DERIVED):
+            object.__setattr__(self, "drawn_from", self._draws())
+
+    def _draws(self) -> tuple[object, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in (*self.DERIVED, "drawn_from"))
+
+    def current(self: D) -> D:
+        """These params, or, where a draw was replaced since the derived values were computed
+        (``dataclasses.replace(params, lam=...)``), the same params without them (recomputed from the draws)."""
+        if self.drawn_from is None:
+            return self
+        now = self._draws()
+        if len(now) == len(self.drawn_from) and all(a is b for a, b in zip(now, self.drawn_from)):
+            return self
+        cleared: dict[str, Any] = {n: None for n in self.DERIVED}
+        return dataclasses.replace(self, **cleared, drawn_from=None)
 
     @property
     def batch_size(self) -> int:
@@ -112,9 +137,10 @@ class MixParams:
 
     def to(self: D, device: torch.device | str) -> D:
         """The same params with every tensor on ``device`` (from the host to CUDA: in one asynchronous copy)."""
-        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
-        moved: dict[str, Any] = dict(zip(names, to_device([getattr(self, n) for n in names], device)))
-        return dataclasses.replace(self, **moved)
+        params = self.current()
+        names = [f.name for f in dataclasses.fields(params) if isinstance(getattr(params, f.name), Tensor)]
+        moved: dict[str, Any] = dict(zip(names, to_device([getattr(params, n) for n in names], device)))
+        return dataclasses.replace(params, **moved, drawn_from=None)  # the moved draws and their derived values
 
 
 def host_params(params: MixParams) -> bool:
@@ -300,6 +326,7 @@ def pair_label_map(
         A map whose mask is the params' cell mask (kept as boxes for box params) and whose
         image weights are ``[lam, 1 - lam]``.
     """
+    params = params.current()
     if params.label_sources is not None and params.label_weights is not None:
         drawn = params.cell_boxes()
         mask_values = drawn[0] if drawn is not None else params.label_cells
@@ -764,6 +791,7 @@ class PairMixer(Mixer[PP]):
         """
         if params.token_space:
             return images  # the backbone mixes the patch embeddings instead
+        params = params.current()
         box = params.shared_box()
         moved = params.to(images.device)
         if box is not None:

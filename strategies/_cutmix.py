@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -44,6 +45,8 @@ class BoxParams(MixParams):
     correct_lam: bool = True
     shared: bool = False  # one box for the whole batch (mode "batch"); unmixed samples hold empty boxes
     pixel_box: tuple[int, int, int, int] | None = None
+
+    DERIVED: ClassVar[tuple[str, ...]] = (*MixParams.DERIVED, "pixel_box")
 
     def source_weight(self) -> Tensor:
         return box_mask(self.boxes, self.grid)

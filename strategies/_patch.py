@@ -16,6 +16,7 @@ import math
 import random
 from array import array
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -46,6 +47,8 @@ class CellParams(MixParams):
     cells: Tensor
     grid: tuple[int, int]
     keep: Tensor | None = None
+
+    DERIVED: ClassVar[tuple[str, ...]] = (*MixParams.DERIVED, "keep")
 
     def source_weight(self) -> Tensor:
         return (~self.cells).float()

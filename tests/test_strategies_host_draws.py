@@ -151,6 +151,31 @@ def test_drawn_label_values_equal_the_ones_computed_from_the_params(index: int) 
         assert torch.equal(drawn.image_targets(), computed.image_targets()), name
 
 
+@pytest.mark.parametrize("index", range(len(mixers())))
+def test_a_replaced_draw_drops_the_values_derived_from_it(index: int) -> None:
+    """``dataclasses.replace`` copies the derived values (sources, weights, cells, keep, the pixel box, whether
+    any sample is unmixed): with a draw replaced they would describe the old draw, labels no longer matching the
+    pixels. ``mix`` then recomputes them from the draws, as for params that never had them."""
+    name, mixer = mixers()[index]
+    images, labels = torch.randn(7, 3, 32, 32), torch.arange(7)
+    params = mixer.sample(images.shape, generator=torch.Generator().manual_seed(1))
+    inner = getattr(params, "params", params)
+    other = dataclasses.replace(inner, partner=inner.partner.roll(1))  # a partner the derived sources do not name
+    assert other.current() is not other and other.current().label_sources is None, name
+    assert inner.current() is inner and dataclasses.replace(inner).current().label_sources is inner.label_sources
+    cleared = {n: None for n in type(inner).DERIVED}
+    bare = dataclasses.replace(inner, partner=other.partner, **cleared, drawn_from=None)
+    owner = getattr(mixer, "mixers", [mixer])
+    chosen = owner[params.choice] if hasattr(params, "choice") else mixer
+    got_images, got = chosen.mix(images, labels, other)
+    want_images, want = chosen.mix(images, labels, bare)
+    assert torch.equal(got.sources, want.sources) and torch.equal(got.sources[:, 1], other.partner), name
+    assert torch.equal(got.image_weights, want.image_weights) and torch.equal(got.mask.dense(), want.mask.dense()), name
+    assert torch.equal(got_images, want_images), name
+    moved = other.to("cpu")  # moving does not revive them either
+    assert moved.label_sources is None and moved.current() is moved, name
+
+
 @pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
 @pytest.mark.parametrize("pairing", ["flip", "roll"])
 def test_fixed_pairings_and_groups_are_sample_pairs(mode: str, pairing: str) -> None:

@@ -29,6 +29,8 @@ def params_equal(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     for f in dataclasses.fields(a):
+        if f.name == "drawn_from":
+            continue  # provenance (the very objects the derived values came from), not a draw
         va, vb = getattr(a, f.name), getattr(b, f.name)
         same = params_equal(va, vb) if dataclasses.is_dataclass(va) else (torch.equal(va, vb) if isinstance(va, Tensor) else va == vb)
         if not same:
@@ -187,7 +189,9 @@ def test_params_move_with_to(kind: str) -> None:
     assert type(moved) is type(params) and isinstance(inner_moved, MixParams)
     for f in dataclasses.fields(inner):
         value = getattr(inner_moved, f.name)
-        if isinstance(getattr(inner, f.name), Tensor):
+        if f.name == "drawn_from":  # provenance: the moved draws themselves
+            assert value is None or all(a is b for a, b in zip(value, inner_moved._draws()))
+        elif isinstance(getattr(inner, f.name), Tensor):
             assert value.device.type == "meta" and value.shape == getattr(inner, f.name).shape
         else:
             assert value == getattr(inner, f.name)
