@@ -115,6 +115,8 @@ class TrainingSteps:
         self.labels = torch.randint(0, num_classes, (batch_size,), generator=self.generator).to(self.device)
         # Boxes snapped to the token grid, as the official TL-Align code does, or on pixels (timm's CutMix).
         patch = None if pixel_boxes else token_stride(model)
+        if patch is not None and size % patch:
+            patch = None  # a stride that does not tile the input (xception at 299 px): pixel boxes, as timm's CutMix
         self.mixer = CutMix(num_classes=num_classes, label_smoothing=0.1, patch_size=patch)
         self.adapted: dict[str, Any] = {}
         self.refused: dict[str, str] = {}  # variant -> why adapt refuses the model (the 'any' family: NoAlign only)
