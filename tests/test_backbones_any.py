@@ -62,7 +62,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "timm_dla": _seeded(lambda: timm.create_model("dla46_c", pretrained=False, num_classes=C)),
     "timm_byobnet": _seeded(lambda: timm.create_model("test_byobnet", pretrained=False, num_classes=C)),
     "timm_skresnet": _seeded(lambda: timm.create_model("skresnet18", pretrained=False, num_classes=C)),
-    "timm_rexnet": _seeded(lambda: timm.create_model("rexnet_100", pretrained=False, num_classes=C)),
+    "timm_dpn": _seeded(lambda: timm.create_model("dpn48b", pretrained=False, num_classes=C)),
     "own_module": _seeded(SmallNet),
 }
 
