@@ -32,9 +32,9 @@ from torch import Tensor, nn
 
 from mixlabels import TokenLabelMap
 from mixlabels.backbones._common import branch
-from mixlabels.backbones._convnet import AdaptedConvNet, Path, Window, conv_norm_act_ops, path_of, path_refusal, run_stem
+from mixlabels.backbones._convnet import Path, Window, conv_norm_act_ops, path_of, path_refusal, run_stem
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones.families.vovnet import classifier_head_positions, classifier_head_refusal
+from mixlabels.backbones.families.vovnet import HeadedConvNet, classifier_head_refusal
 
 __all__ = ["AdaptedTResNet", "TRESNET_FAMILY", "tresnet_refusal"]
 
@@ -95,8 +95,9 @@ def tresnet_refusal(model: nn.Module) -> str | None:
     return why
 
 
-class AdaptedTResNet(AdaptedConvNet):
-    """A timm TResNet returning the scheme's aligned targets (pooled readout, labels per position)."""
+class AdaptedTResNet(HeadedConvNet):
+    """A timm TResNet returning the scheme's aligned targets (pooled readout, labels per position; ``vovnet``'s
+    ClassifierHead readout, its own space-to-depth stem)."""
 
     family = TRESNET_FAMILY
     refusal = staticmethod(tresnet_refusal)
@@ -121,14 +122,6 @@ class AdaptedTResNet(AdaptedConvNet):
 
     def _paths(self, blk: Any) -> tuple[Path, Path | None]:
         return path_of(_branch_modules(blk)), path_of(conv_norm_act_ops(blk.downsample))
-
-    def _logits(self, x: Tensor) -> Tensor:
-        m: Any = self.model
-        return m.forward_head(x)  # type: ignore[no-any-return]
-
-    def _position_logits(self, x: Tensor) -> Tensor:
-        m: Any = self.model
-        return classifier_head_positions(m.head, x)
 
 
 FAMILY = Family(
