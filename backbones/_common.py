@@ -211,7 +211,8 @@ def effective_weight(conv: nn.Conv2d) -> Tensor:
     is not ``|w|``, so its label kernel is read from that weight, computed as timm's forward does.
     """
     if not isinstance(conv, (StdConv2d, ScaledStdConv2d, ScaledStdConv2dSame)):
-        return conv.weight.detach()
+        # under no_grad (``Kernels``) the weight is read as it is: a detach would be one more operator per conv
+        return conv.weight.detach() if torch.is_grad_enabled() else conv.weight
     scaled: Any = conv
     with torch.no_grad():
         gamma = (scaled.gain * scaled.scale).view(-1) if isinstance(conv, (ScaledStdConv2d, ScaledStdConv2dSame)) else None
@@ -232,29 +233,49 @@ def kernel_labels(weight: Tensor) -> Tensor:
 
 
 def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
-    """``kernel_labels`` of many conv weights at once: weights of one shape are stacked and reduced together.
+    """``kernel_labels`` of many conv weights at once: weights of one tap count are reduced together.
 
-    Seven operators per shape (stack, abs, tap sums, clamp, division, mean, unbind) instead of five
-    per weight: a ResNet-18's thirteen stride-1 3x3 convs have four shapes. The stack is one copy of
-    those weights, made once per step.
+    Weights of one shape are stacked; where a tap count has several shapes, the stacks' ``(o, i)`` tap rows
+    are concatenated ``(sum o*i, kh*kw)``, normalised together and averaged per weight by one segment mean.
+    About seven operators per tap count and two per further shape, instead of five per weight: a
+    ResNet-18's thirteen stride-1 3x3 convs have four shapes, a DenseNet-121's 58 one. The stack is one
+    copy of those weights, made once per step.
 
     Returns:
         ``(kh, kw)`` fp32 per weight, in order.
     """
-    groups: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
+    groups: dict[tuple[int, int, torch.dtype, torch.device], dict[tuple[int, ...], list[int]]] = {}
     for i, w in enumerate(weights):
-        groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append(i)
+        groups.setdefault((int(w.shape[-2]), int(w.shape[-1]), w.dtype, w.device), {}).setdefault(tuple(w.shape), []).append(i)
     out: list[Tensor | None] = [None] * len(weights)
     with torch.no_grad():
-        for members in groups.values():
+        for (kh, kw, _, device), shapes in groups.items():
+            members = [i for same in shapes.values() for i in same]  # the order of the rows below
             if len(members) == 1:
                 out[members[0]] = kernel_labels(weights[members[0]])
                 continue
-            k = torch.stack([weights[i] for i in members]).abs_().to(torch.float32)  # g o i kh kw
-            sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
-            for i, kernel in zip(members, k.div_(sums).mean(dim=(1, 2)).unbind()):
+            if len(shapes) == 1:  # one shape: the stack's mean over (o, i)
+                k = torch.stack([weights[i] for i in members]).abs_().to(torch.float32)  # g o i kh kw
+                sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+                means = k.div_(sums).mean(dim=(1, 2))  # g kh kw
+            else:
+                stacks = (  # a view per weight, or a stack and a view per shape: whichever dispatches fewer
+                    [weights[i].reshape(-1, kh * kw) for i in members] if len(members) <= 2 * len(shapes)
+                    else [torch.stack([weights[i] for i in same]).reshape(-1, kh * kw) for same in shapes.values()]
+                )
+                rows = torch.cat(stacks).abs_().to(torch.float32)  # (sum o i) t, weight by weight
+                sums = rows.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+                lengths = _segment_lengths(tuple(int(weights[i].shape[0]) * int(weights[i].shape[1]) for i in members), device)
+                means = torch.segment_reduce(rows.div_(sums), "mean", lengths=lengths, axis=0).view(-1, kh, kw)
+            for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_lengths(lengths: tuple[int, ...], device: torch.device) -> Tensor:
+    """The rows of each weight in ``label_kernels``' concatenation (a constant of the model: cached)."""
+    return torch.tensor(lengths, device=device)
 
 
 def conv_label_kernel(weight: Tensor) -> Tensor:
@@ -287,18 +308,21 @@ def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple
 
 
 @functools.lru_cache(maxsize=64)
-def _ones(grid: tuple[int, int], device: torch.device) -> Tensor:
-    """``(1, 1, h, w)`` fp32 ones: the map whose convolution is every position's in-grid tap weight (cached, as
+def _ones(shape: tuple[int, int, int, int], device: torch.device) -> Tensor:
+    """``(1, l, h, w)`` fp32 ones: the map whose convolution is every position's in-grid tap weight (cached, as
     ``_tap_matrices``: a constant of the grid)."""
-    return torch.ones(1, 1, grid[0], grid[1], device=device)
+    return torch.ones(shape, device=device)
+
+
+ConvStep = tuple[Tensor, tuple[int, int], tuple[int, int]]
+"""A stride-1 conv on labels: its label kernel ``(kh, kw)``, padding and dilation."""
 
 
 def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
     """``Norm(T(kernel)) @ labels``: a stride-1 convolution applied to labels, renormalised over in-grid taps.
 
-    Small grids build ``T(kernel)`` from cached tap matrices; larger ones run the labels, viewed
-    ``(b, l, h, w)`` in place (channels-last memory, no copy), through a depthwise convolution with
-    one group per label channel: a handful of operators per call.
+    Small grids build ``T(kernel)`` from cached tap matrices; larger ones run the labels through a
+    depthwise convolution (``conv_chain``).
 
     Args:
         labels: ``(b, h*w, l)``, row-major over ``grid``.
@@ -315,11 +339,29 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
             t = (kernel.to(taps).reshape(1, -1) @ taps).reshape(n, n)
             t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
             return torch.bmm(t.expand(b, n, n), labels.float())
+        return conv_chain(labels, grid, [(kernel, padding, dilation)])
+
+
+def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:
+    """``conv_mix`` of consecutive stride-1 convs on one grid, in the convolutions' layout throughout.
+
+    The labels, viewed ``(b, l, h, w)`` in place (channels-last memory, no copy), run through one
+    depthwise convolution per step (a group per label channel), each divided by its in-grid tap
+    weight: four operators a step, and the two layout views once for the whole chain rather than
+    per conv.
+
+    Returns:
+        ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
+    """
+    with torch.autocast(device_type=labels.device.type, enabled=False):
+        l = int(labels.shape[-1])
         y = rearrange(labels.float(), "b (h w) l -> b l h w", h=grid[0])  # a view: channels-last memory
-        k = rearrange(kernel.to(y), "kh kw -> 1 1 kh kw")
-        mass = F.conv2d(_ones(grid, labels.device), k, padding=padding, dilation=dilation)  # 1 1 h w: in-grid tap weight
-        mixed = F.conv2d(y, k.expand(l, 1, kh, kw), padding=padding, dilation=dilation, groups=l) / mass
-        return rearrange(mixed, "b l h w -> b (h w) l")
+        ones = _ones((1, l, grid[0], grid[1]), labels.device)
+        for kernel, padding, dilation in steps:
+            k = kernel.to(y).expand(l, 1, int(kernel.shape[0]), int(kernel.shape[1]))
+            mass = F.conv2d(ones, k, padding=padding, dilation=dilation, groups=l)  # 1 l h w: in-grid tap weight
+            y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l) / mass
+        return rearrange(y, "b l h w -> b (h w) l")
 
 
 def conv_mix_pair(

@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, conv_mix, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
+from mixlabels.backbones._common import _DENSE_CONV_TOKENS, AdaptedBase, conv_chain, conv_mix, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
 
@@ -461,7 +461,8 @@ class Kernels:
 
     def get(self, conv: nn.Module) -> Tensor | None:
         if self._kernels is None:
-            self._kernels = dict(zip(self._convs, label_kernels([effective_weight(c) for c in self._convs])))
+            with torch.no_grad():  # labels carry no gradient: the weights are read without a detach each
+                self._kernels = dict(zip(self._convs, label_kernels([effective_weight(c) for c in self._convs])))
         return self._kernels.get(conv)
 
 
@@ -507,12 +508,25 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 y = sum((s * apply_path(b, y, grid, kernels)[0] for s, b in zip(op.shares(), op.branches)), torch.zeros_like(y[:, :1]))
                 grid = out
                 i += 1
-            else:
-                kernel = kernels.get(op) if kernels is not None and isinstance(op, nn.Conv2d) else None
-                kernel = kernel_labels(_op_weight(op)) if kernel is None else kernel
-                y = conv_mix(y, grid, kernel, _pair(op.padding), _pair(op.dilation))
-                i += 1
+            else:  # a run of stride-1 convs on one grid: one layout change for the run (``conv_chain``)
+                end = i
+                while end < len(path) and not isinstance(path[end], (Window, Parallel)):
+                    end += 1
+                convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
+                steps = [(_label_kernel(c, kernels), _pair(c.padding), _pair(c.dilation)) for c in convs]
+                i = end
+                if grid[0] * grid[1] <= _DENSE_CONV_TOKENS:
+                    for step in steps:
+                        y = conv_mix(y, grid, *step)
+                else:
+                    y = conv_chain(y, grid, steps)
         return y, grid
+
+
+def _label_kernel(op: Any, kernels: Kernels | None) -> Tensor:
+    """The label kernel of a path's stride-1 conv: from ``kernels`` where it holds one, else computed here."""
+    kernel = kernels.get(op) if kernels is not None and isinstance(op, nn.Conv2d) else None
+    return kernel_labels(_op_weight(op)) if kernel is None else kernel
 
 
 def _op_weight(op: nn.Conv2d | KernelConv) -> Tensor:
@@ -662,6 +676,29 @@ def run_module_stem(stem: nn.Module, images: Tensor, label_map: TokenLabelMap) -
     return x, path, grid, start
 
 
+class _Pending:
+    """Consecutive units without shortcut, held back and applied as one ``aggregate`` of their joined paths."""
+
+    def __init__(self, tracker: LabelTracker, kernels: Kernels) -> None:
+        self._tracker, self._kernels = tracker, kernels
+        self._path: list[Any] = []
+        self._grid: tuple[int, int] | None = None
+
+    def add(self, path: Path, grid: tuple[int, int]) -> None:
+        if not path:
+            return  # channel ops only
+        if self._grid is None:
+            self._grid = grid
+        self._path.extend(path)
+
+    def flush(self) -> None:
+        if self._grid is None:
+            return
+        path, grid, kernels = tuple(self._path), self._grid, self._kernels
+        self._tracker.aggregate(lambda y: apply_path(path, y, grid, kernels)[0])
+        self._path, self._grid = [], None
+
+
 class AdaptedConvNet(AdaptedBase):
     """A pooled CNN of blocks, both walks written once: ``block_labels`` events per block (fast path),
     ``block_labels_reference``'s explicit matrices (reference path), the readout ``pool("mean", 0)``.
@@ -724,15 +761,23 @@ class AdaptedConvNet(AdaptedBase):
 
     def _walk(
         self, units: Sequence[nn.Module | CrossPart], x: Tensor, grid: tuple[int, int], layer: int,
-        labels: LabelTracker | DenseRules,
+        labels: LabelTracker | DenseRules, kernels: Kernels | None = None, pending: _Pending | None = None,
     ) -> tuple[Tensor, tuple[int, int], int]:
         """The units from ``layer`` on: their forward and their labels' events (the fast path's tracker) or explicit
-        matrices (the reference's ``DenseRules``); the map, its grid, the next layer."""
+        matrices (the reference's ``DenseRules``); the map, its grid, the next layer.
+
+        On the fast path a run of units without shortcut (each aggregates) is one ``aggregate`` of their paths
+        (``_Pending``): their maps are row-stochastic, so the renormalisation between them changes nothing but
+        rounding, and a run of convs or windows costs one layout change and one renormalisation."""
         for blk in units:
             if isinstance(blk, CrossPart):
+                if pending is not None:
+                    pending.flush()
                 waiting, x = blk.split(x)
                 fork = labels.fork()
-                x, grid, layer = self._walk(blk.units, x, grid, layer, labels)
+                x, grid, layer = self._walk(blk.units, x, grid, layer, labels, kernels, pending)
+                if pending is not None:
+                    pending.flush()
                 x = blk.cat(waiting, x)
                 labels.join(fork, int(waiting.shape[1]) / int(x.shape[1]))
                 continue
@@ -740,15 +785,35 @@ class AdaptedConvNet(AdaptedBase):
             if isinstance(labels, DenseRules):
                 grid = block_labels_reference(labels, layer, grid, *self._paths(blk), keep, plain=self._plain(blk))
             else:
-                grid = block_labels(labels, layer, grid, *self._paths(blk), keep, plain=self._plain(blk))
+                branch, shortcut = self._paths(blk)
+                if shortcut is None and pending is not None:
+                    pending.add(branch, grid)
+                    grid = path_grid(branch, grid)
+                else:
+                    if pending is not None:
+                        pending.flush()
+                    grid = block_labels(labels, layer, grid, branch, shortcut, keep, kernels, plain=self._plain(blk))
             layer += self._is_layer(blk)
         return x, grid, layer
+
+    def _all_paths(self, units: Sequence[nn.Module | CrossPart]) -> Iterator[Path]:
+        for blk in units:
+            if isinstance(blk, CrossPart):
+                yield from self._all_paths(blk.units)
+                continue
+            branch, shortcut = self._paths(blk)
+            yield branch
+            if shortcut:
+                yield shortcut
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
         tracker = start_on_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
-        x, grid, _ = self._walk(blocks, x, grid, 0, tracker)
+        kernels = path_kernels(self._all_paths(blocks))  # computed together, on the first conv a path applies
+        pending = _Pending(tracker, kernels)
+        x, grid, _ = self._walk(blocks, x, grid, 0, tracker, kernels, pending)
+        pending.flush()
         tracker.pool("mean", 0)
         output, token_logits = self._head(x)
         t = tracker.finish()

@@ -17,6 +17,7 @@ Shapes: ``b`` batch, ``k`` sources, ``mh mw`` mask cells, ``h w`` a token grid, 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -70,6 +71,17 @@ def _cell_windows(windows: Tensor, cells: int) -> Tensor:
     """Per-axis pixel windows ``(h, H)`` as windows over the mask's ``cells`` along that axis: ``(h, cells)``
     (a cell's pixels share its weights, so its window weights add up)."""
     return reduce(windows.float(), "h (m r) -> h m", "sum", m=cells)
+
+
+@functools.lru_cache(maxsize=32)
+def _box_window_constants(rows: Tensor, cols: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What ``BoxMask.window_weights`` needs of the windows alone: the windows over the mask's cells per axis,
+    the cells' indices, and every window's total weight (``(h, w)``). ``rows`` and ``cols`` are a stem's cached
+    window matrices (the same tensors every step), so these are computed once, not per step (keyed on the
+    tensors themselves: a cache entry keeps them, so their identity is never reused)."""
+    r, c = _cell_windows(rows, grid[0]), _cell_windows(cols, grid[1])  # h gh, w gw
+    ar_h, ar_w = torch.arange(grid[0], device=rows.device), torch.arange(grid[1], device=cols.device)
+    return r, c, ar_h, ar_w, torch.outer(r.sum(dim=1), c.sum(dim=1))
 
 
 def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -230,13 +242,11 @@ class BoxMask:
     def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
         """Rank one per box: the partner's weight under the windows is ``(R in_rows)(C in_cols)^T``, its own
         the windows' total minus that; ``O(b * (h + w) * cells)``, no cell or pixel mask."""
-        gh, gw = self.grid
-        r, c = _cell_windows(rows, gh), _cell_windows(cols, gw)  # h gh, w gw
-        ar_h, ar_w = torch.arange(gh, device=self.boxes.device), torch.arange(gw, device=self.boxes.device)
+        r, c, ar_h, ar_w, total = _box_window_constants(rows, cols, self.grid)
         in_rows = ((ar_h >= self.boxes[:, 0:1]) & (ar_h < self.boxes[:, 1:2])).float()  # b gh
         in_cols = ((ar_w >= self.boxes[:, 2:3]) & (ar_w < self.boxes[:, 3:4])).float()  # b gw
         partner = torch.einsum("bh,bw->bhw", in_rows @ r.T, in_cols @ c.T)  # b h w
-        own = (torch.outer(r.sum(dim=1), c.sum(dim=1)) - partner).clamp_min(0.0)  # rounding must not go below 0
+        own = (total - partner).clamp_min(0.0)  # rounding must not go below 0
         return rearrange(torch.stack([own, partner], dim=-1), "b h w k -> b (h w) k")
 
     def source_mean(self) -> Tensor:

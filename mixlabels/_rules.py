@@ -101,7 +101,7 @@ class Rules:
         """Labels after a residual whose branch spatially mixed ``y`` into ``mixed``; ``keep`` ``(b,)`` bool
         per sample, or ``(b, n)`` per token (a drop-path drawn over a batch of token groups, as MobileViT's
         per-offset sequences)."""
-        new = (y + mixed) / 2 if self.normalize else mixed
+        new = torch.lerp(y, mixed, 0.5) if self.normalize else mixed  # (y + mixed) / 2 in one operator
         if keep is not None and self.follow_drop:  # a sample (token) whose branch was dropped keeps its labels
             new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
         return new

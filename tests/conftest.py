@@ -16,4 +16,7 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# pytest-xdist (pyproject's addopts: ``-n auto``, at most 4 workers) runs a worker per core: each takes its
+# share of the cores, at most 2 threads, so that the workers do not oversubscribe the machine
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers, torch.get_num_threads())))
