@@ -83,10 +83,27 @@ RENAMED_SCRIPTS = {"benchmarks/analysis.py": "benchmarks/alignment_analysis.py"}
 
 
 def current_command(command: str) -> str:
-    """``command`` with every renamed script (``RENAMED_SCRIPTS``) under its present name, so it can be run again."""
+    """``command`` with every renamed script (``RENAMED_SCRIPTS``) under its present name, so it can be run again,
+    and its paths as a user types them (``user_path``)."""
     for old, new in RENAMED_SCRIPTS.items():
         command = command.replace(old, new)
-    return command
+    return " ".join(user_path(word) for word in command.split(" "))
+
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def user_path(word: str) -> str:
+    """An absolute path of the machine that ran a benchmark, as a user of a checkout types it: relative to the
+    repository where it lies beside it (``../shared/data``, the data's default), else (a scratch output directory
+    such as ``/tmp/x/speed``) ``runs/<its name>``, where the benchmarks' outputs go by default. Other words as
+    they are."""
+    if not word.startswith("/"):
+        return word
+    path = Path(word)
+    if path.is_relative_to(_REPO.parent):
+        return os.path.relpath(path, _REPO)
+    return f"runs/{path.name}"
 
 
 def _when(p: dict[str, Any]) -> str:
