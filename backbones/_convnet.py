@@ -505,7 +505,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 grid = out
             elif isinstance(op, Parallel):
                 out = op.out_grid(grid)
-                y = sum((s * apply_path(b, y, grid, kernels)[0] for s, b in zip(op.shares(), op.branches)), torch.zeros_like(y[:, :1]))
+                y = _weighted_sum([(s, apply_path(b, y, grid, kernels)[0]) for s, b in zip(op.shares(), op.branches)])
                 grid = out
                 i += 1
             else:  # a run of stride-1 convs on one grid: one layout change for the run (``conv_chain``)
@@ -521,6 +521,15 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 else:
                     y = conv_chain(y, grid, steps)
         return y, grid
+
+
+def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:
+    """``sum_i s_i y_i``: a multiplication, then one ``add(alpha=s_i)`` per further term."""
+    (s0, y0), *rest = terms
+    total = y0 * s0
+    for s, y in rest:
+        total = total.add(y, alpha=s)
+    return total
 
 
 def _label_kernel(op: Any, kernels: Kernels | None) -> Tensor:

@@ -9,9 +9,10 @@ SHA-256 of the targets' bytes (and of the logits, which a move must not change e
 at commit ``762a84e`` (torch 2.14.1, timm 1.0.31, this project's CPU, 2 intra-op threads) before the move.
 
 Rewritten (every family, the families added since included) when issue 28 cut the label path's operators:
-label kernels reduced together, runs of convs in one layout, ``torch.lerp`` for the residual's mean. That
-changes rounding only: 93 fast-path pairs moved, by at most 1.8e-7 in any target or token target (1.5 units
-in the last place near 1), no logits, no reference pair; compared tensor by tensor against ``b47a302``.
+label kernels reduced together, runs of convs in one layout, ``torch.lerp`` for the residual's mean, a
+parallel's sum by ``add(alpha=)``. That changes rounding only: 94 fast-path pairs moved, by at most 1.8e-7
+in any target or token target (1.5 units in the last place near 1), no logits, no reference pair; compared
+tensor by tensor against ``b47a302``.
 
 A digest is exact: another torch or timm version, or another CPU's kernels, may change the last
 bit of a float, and then this test fails although nothing is wrong. It says so, and the fix is
