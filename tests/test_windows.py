@@ -184,6 +184,37 @@ def test_conv_mix_small_grids_equal_the_conv_and_the_explicit_matrix(
     assert_close(_common.conv_mix(labels, grid, kernel, (pad, pad), (dil, dil)), dense)
 
 
+def test_a_conv_chain_equals_the_product_of_its_explicit_matrices() -> None:
+    """``conv_chain`` (one layout change for a run of convs) against ``Norm(T_3) Norm(T_2) Norm(T_1)`` in float64,
+    with kernels of three shapes, paddings and a dilation."""
+    from mixlabels.backbones import _common
+    from mixlabels.backbones._dense import conv_matrix, row_normalise
+
+    g, grid = torch.Generator().manual_seed(3), (9, 11)
+    labels = torch.rand(2, grid[0] * grid[1], 3, generator=g)
+    steps = [(torch.rand(3, 3, generator=g), (1, 1), (1, 1)), (torch.rand(1, 5, generator=g), (0, 2), (1, 1)),
+             (torch.rand(3, 3, generator=g), (2, 2), (2, 2))]
+    expected = labels.double()
+    for kernel, padding, dilation in steps:
+        expected = row_normalise(conv_matrix(grid, kernel.double(), padding=padding, dilation=dilation)[0]) @ expected
+    assert_close(_common.conv_chain(labels, grid, steps).double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_label_kernels_of_many_shapes_equal_each_weights_own() -> None:
+    """``label_kernels`` reduces weights of one tap count together (a stack per shape, a segment mean across
+    shapes): every result equals ``kernel_labels`` of that weight alone, in the order given."""
+    from mixlabels.backbones._common import kernel_labels, label_kernels
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 4, 3, 3), (16, 8, 3, 3), (8, 4, 3, 3), (4, 1, 7, 7), (6, 2, 3, 3), (5, 5, 1, 5), (4, 1, 7, 7)]
+    weights = [torch.randn(*shape, generator=g) for shape in shapes]
+    weights[1][3, 2] = 0.0  # an all-zero (o, i) slice: its taps add nothing
+    for got, w in zip(label_kernels(weights), weights, strict=True):
+        assert got.shape == w.shape[-2:]
+        assert_close(got, kernel_labels(w), rtol=1e-6, atol=1e-7)
+    assert_close(label_kernels(weights[:1])[0], kernel_labels(weights[0]))
+
+
 def _same_module(kind: str, kernel: tuple[int, int], stride: tuple[int, int]) -> torch.nn.Module:
     """timm's TF 'same' module with an all-ones kernel: its output at a position is positive exactly where a
     one-hot input lies in that position's window."""
