@@ -90,20 +90,16 @@ def current_command(command: str) -> str:
     return " ".join(user_path(word) for word in command.split(" "))
 
 
-_REPO = Path(__file__).resolve().parents[1]
-
-
 def user_path(word: str) -> str:
-    """An absolute path of the machine that ran a benchmark, as a user of a checkout types it: relative to the
-    repository where it lies beside it (``../shared/data``, the data's default), else (a scratch output directory
-    such as ``/tmp/x/speed``) ``runs/<its name>``, where the benchmarks' outputs go by default. Other words as
-    they are."""
+    """An absolute path of the machine that ran a benchmark, as a user of a checkout types it, whatever the
+    machine: the shared data beside the checkout as ``../shared/...`` (the data's default), any other (a scratch
+    output directory such as ``/tmp/x/speed``) as ``runs/<its name>``, where the benchmarks' outputs go by
+    default. Other words as they are."""
     if not word.startswith("/"):
         return word
-    path = Path(word)
-    if path.is_relative_to(_REPO.parent):
-        return os.path.relpath(path, _REPO)
-    return f"runs/{path.name}"
+    if "/shared/" in word:
+        return "../shared/" + word.split("/shared/", 1)[1]
+    return f"runs/{Path(word).name}"
 
 
 def _when(p: dict[str, Any]) -> str:
