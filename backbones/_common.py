@@ -319,10 +319,8 @@ ConvStep = tuple[Tensor, tuple[int, int], tuple[int, int]]
 
 
 def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
-    """``Norm(T(kernel)) @ labels``: a stride-1 convolution applied to labels, renormalised over in-grid taps.
-
-    Small grids build ``T(kernel)`` from cached tap matrices; larger ones run the labels through a
-    depthwise convolution (``conv_chain``).
+    """``Norm(T(kernel)) @ labels``: a stride-1 convolution applied to labels, renormalised over in-grid taps
+    (``conv_chain`` of one step).
 
     Args:
         labels: ``(b, h*w, l)``, row-major over ``grid``.
@@ -331,30 +329,30 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
     Returns:
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
-    with torch.autocast(device_type=labels.device.type, enabled=False):
-        b, n, l = (int(s) for s in labels.shape)
-        kh, kw = int(kernel.shape[0]), int(kernel.shape[1])
-        if n <= _DENSE_CONV_TOKENS:
-            taps = _tap_matrices(grid, (kh, kw), tuple(padding), tuple(dilation), labels.device)
-            t = (kernel.to(taps).reshape(1, -1) @ taps).reshape(n, n)
-            t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
-            return torch.bmm(t.expand(b, n, n), labels.float())
-        return conv_chain(labels, grid, [(kernel, padding, dilation)])
+    return conv_chain(labels, grid, [(kernel, padding, dilation)])
 
 
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:
-    """``conv_mix`` of consecutive stride-1 convs on one grid, in the convolutions' layout throughout.
+    """``conv_mix`` of consecutive stride-1 convs on one grid.
 
-    The labels, viewed ``(b, l, h, w)`` in place (channels-last memory, no copy), run through one
-    depthwise convolution per step (a group per label channel), each divided by its in-grid tap
-    weight: four operators a step, and the two layout views once for the whole chain rather than
-    per conv.
+    Small grids build each ``T(kernel)`` from cached tap matrices. Larger ones run the labels, viewed
+    ``(b, l, h, w)`` in place (channels-last memory, no copy), through one depthwise convolution per step
+    (a group per label channel), each divided by its in-grid tap weight: four operators a step, and the
+    two layout views once for the whole chain rather than per conv.
 
     Returns:
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
     with torch.autocast(device_type=labels.device.type, enabled=False):
-        l = int(labels.shape[-1])
+        b, n, l = (int(s) for s in labels.shape)
+        if n <= _DENSE_CONV_TOKENS:
+            y = labels.float()
+            for kernel, padding, dilation in steps:
+                taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), tuple(padding), tuple(dilation), labels.device)
+                t = (kernel.to(taps).reshape(1, -1) @ taps).reshape(n, n)
+                t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
+                y = torch.bmm(t.expand(b, n, n), y)
+            return y
         y = rearrange(labels.float(), "b (h w) l -> b l h w", h=grid[0])  # a view: channels-last memory
         ones = _ones((1, l, grid[0], grid[1]), labels.device)
         for kernel, padding, dilation in steps:

@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import _DENSE_CONV_TOKENS, AdaptedBase, conv_chain, conv_mix, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
+from mixlabels.backbones._common import AdaptedBase, conv_chain, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
 
@@ -513,13 +513,8 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 while end < len(path) and not isinstance(path[end], (Window, Parallel)):
                     end += 1
                 convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
-                steps = [(_label_kernel(c, kernels), _pair(c.padding), _pair(c.dilation)) for c in convs]
+                y = conv_chain(y, grid, [(_label_kernel(c, kernels), _pair(c.padding), _pair(c.dilation)) for c in convs])
                 i = end
-                if grid[0] * grid[1] <= _DENSE_CONV_TOKENS:
-                    for step in steps:
-                        y = conv_mix(y, grid, *step)
-                else:
-                    y = conv_chain(y, grid, steps)
         return y, grid
 
 
