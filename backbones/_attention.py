@@ -394,7 +394,7 @@ def attention_with_labels(
         True
     """
     d = v.shape[-1]
-    labels = labels.detach()
+    labels = labels.detach() if labels.requires_grad else labels  # a detach is one more operator per layer
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         raise TypeError("attn_mask must be an additive float mask (0 to keep, -inf or a large negative to drop), not bool")
     if dropout_p > 0.0:

@@ -278,6 +278,15 @@ def _segment_lengths(lengths: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.tensor(lengths, device=device)
 
 
+def mix_tokens(matrix: Tensor, labels: Tensor) -> Tensor:
+    """``matrix @ labels`` for one ``(n, m)`` matrix shared by the batch and labels ``(b, m, l)``: ``(b, n, l)``.
+
+    ``@`` broadcasts a matrix over a batch in seven operators (views, an expand, a transpose, the product);
+    an expanded ``bmm`` is two, and multiplies the same rows.
+    """
+    return torch.bmm(matrix.expand(labels.shape[0], -1, -1), labels)
+
+
 def conv_label_kernel(weight: Tensor) -> Tensor:
     """``mean_c(|K_c| / sum|K_c|)``: a depthwise kernel ``(c, 1, kh, kw)`` as one distribution ``(kh, kw)`` fp32
     (``kernel_labels`` with one input channel per group)."""
@@ -332,6 +341,23 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
     return conv_chain(labels, grid, [(kernel, padding, dilation)])
 
 
+def _as_grid(labels: Tensor, grid: tuple[int, int]) -> Tensor:
+    """``rearrange(labels, "b (h w) l -> b l h w")`` as one strided view (einops' view and permute are two operators)."""
+    b, n, l = labels.shape
+    sb, sn, sl = labels.stride()
+    return labels.as_strided((b, l, grid[0], grid[1]), (sb, sl, sn * grid[1], sn), labels.storage_offset())
+
+
+def _as_tokens(y: Tensor) -> Tensor:
+    """``rearrange(y, "b l h w -> b (h w) l")``: one strided view where ``h`` and ``w`` merge (a convolution's
+    output in ``_as_grid``'s layout), einops otherwise."""
+    b, l, h, w = y.shape
+    sb, sl, sh, sw = y.stride()
+    if sh != sw * w:
+        return rearrange(y, "b l h w -> b (h w) l")
+    return y.as_strided((b, h * w, l), (sb, sw, sl), y.storage_offset())
+
+
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:
     """``conv_mix`` of consecutive stride-1 convs on one grid.
 
@@ -353,13 +379,13 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
                 t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
                 y = torch.bmm(t.expand(b, n, n), y)
             return y
-        y = rearrange(labels.float(), "b (h w) l -> b l h w", h=grid[0])  # a view: channels-last memory
+        y = _as_grid(labels.float(), grid)  # a view: channels-last memory
         ones = _ones((1, l, grid[0], grid[1]), labels.device)
         for kernel, padding, dilation in steps:
             k = kernel.to(y).expand(l, 1, int(kernel.shape[0]), int(kernel.shape[1]))
             mass = F.conv2d(ones, k, padding=padding, dilation=dilation, groups=l)  # 1 l h w: in-grid tap weight
             y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l) / mass
-        return rearrange(y, "b l h w -> b (h w) l")
+        return _as_tokens(y)
 
 
 def conv_mix_pair(

@@ -74,14 +74,22 @@ def _cell_windows(windows: Tensor, cells: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _box_window_constants(rows: Tensor, cols: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """What ``BoxMask.window_weights`` needs of the windows alone: the windows over the mask's cells per axis,
-    the cells' indices, and every window's total weight (``(h, w)``). ``rows`` and ``cols`` are a stem's cached
-    window matrices (the same tensors every step), so these are computed once, not per step (keyed on the
-    tensors themselves: a cache entry keeps them, so their identity is never reused)."""
+def _box_window_constants(rows: Tensor, cols: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What ``BoxMask.window_weights`` needs of the windows alone, computed once, not per step: the windows over the
+    mask's cells per axis, transposed (``(gh, h)``, ``(gw, w)``, contiguous), every cell's index along its axis
+    (rows then columns, ``(gh + gw,)``), which box bounds each such cell is compared with (``(2, gh + gw)``: the
+    columns of ``boxes`` holding its axis' start and end), and the ``(h w, 2)`` offset and ``(2,)`` sign that turn the
+    partner's weight into both columns (``[total - partner, partner]``). ``rows`` and ``cols`` are a stem's cached
+    window matrices (the same tensors every step), so the cache is keyed on the tensors themselves: an entry keeps
+    them, so their identity is never reused."""
     r, c = _cell_windows(rows, grid[0]), _cell_windows(cols, grid[1])  # h gh, w gw
-    ar_h, ar_w = torch.arange(grid[0], device=rows.device), torch.arange(grid[1], device=cols.device)
-    return r, c, ar_h, ar_w, torch.outer(r.sum(dim=1), c.sum(dim=1))
+    device = rows.device
+    index = torch.cat([torch.arange(grid[0], device=device), torch.arange(grid[1], device=device)])
+    bounds = torch.tensor([[0] * grid[0] + [2] * grid[1], [1] * grid[0] + [3] * grid[1]], device=device)
+    total = torch.outer(r.sum(dim=1), c.sum(dim=1)).reshape(-1)  # h w: every window's weight
+    offset = torch.stack([total, torch.zeros_like(total)], dim=-1)  # (h w) 2
+    sign = torch.tensor([-1.0, 1.0], device=device)
+    return r.T.contiguous(), c.T.contiguous(), index, bounds, offset, sign
 
 
 def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -242,12 +250,16 @@ class BoxMask:
     def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
         """Rank one per box: the partner's weight under the windows is ``(R in_rows)(C in_cols)^T``, its own
         the windows' total minus that; ``O(b * (h + w) * cells)``, no cell or pixel mask."""
-        r, c, ar_h, ar_w, total = _box_window_constants(rows, cols, self.grid)
-        in_rows = ((ar_h >= self.boxes[:, 0:1]) & (ar_h < self.boxes[:, 1:2])).float()  # b gh
-        in_cols = ((ar_w >= self.boxes[:, 2:3]) & (ar_w < self.boxes[:, 3:4])).float()  # b gw
-        partner = torch.einsum("bh,bw->bhw", in_rows @ r.T, in_cols @ c.T)  # b h w
-        own = (total - partner).clamp_min(0.0)  # rounding must not go below 0
-        return rearrange(torch.stack([own, partner], dim=-1), "b h w k -> b (h w) k")
+        # sixteen operators per step: both axes' cells compared with their box bounds at once, and both
+        # columns from the partner's weight by one fused multiply-add (``total - p`` is ``total + p * -1``, bit
+        # for bit)
+        rt, ct, index, bounds, offset, sign = _box_window_constants(rows, cols, self.grid)
+        lo, hi = self.boxes[:, bounds].unbind(1)  # b (gh + gw) each: the box's start and end along each cell's axis
+        inside = ((index >= lo) & (index < hi)).float()  # b (gh + gw)
+        gh = self.grid[0]
+        partner = (inside[:, :gh] @ rt).unsqueeze(2) * (inside[:, gh:] @ ct).unsqueeze(1)  # b h w
+        both = torch.addcmul(offset, partner.view(partner.shape[0], -1, 1), sign)  # b (h w) 2: [total - p, p]
+        return both.clamp_min_(0.0)  # rounding must not take the own weight below 0
 
     def source_mean(self) -> Tensor:
         """``dense()[:, 0].mean((1, 2))`` (lambda), ``(b,)`` fp32, from the box areas alone.

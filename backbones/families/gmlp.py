@@ -36,7 +36,7 @@ from timm.models.mlp_mixer import SpatialGatingBlock, SpatialGatingUnit
 from torch import Tensor, nn
 
 from mixlabels import LabelTracker
-from mixlabels.backbones._common import branch
+from mixlabels.backbones._common import branch, mix_tokens
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_refusal
 from mixlabels.backbones._family import Family, tiny
@@ -68,10 +68,11 @@ def _gmlp_refusal(model: nn.Module) -> str | None:
 
 def gating_mixing_matrix(proj: nn.Linear) -> Tensor:
     """``Norm(|W| + diag|b|)`` ``(n, n)`` fp32 of a spatial gating unit's token projection."""
-    w = proj.weight.detach().float().abs()  # n_out n_in
-    if proj.bias is not None:
-        w = w + torch.diag(proj.bias.detach().float().abs())
-    matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    with torch.no_grad():  # no detaches: a label matrix carries no gradient
+        w = proj.weight.float().abs()  # n_out n_in, a fresh tensor
+        if proj.bias is not None:
+            w.diagonal().add_(proj.bias.float().abs())  # + diag|b| without building the diagonal matrix
+        matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return matrix
 
 
@@ -85,7 +86,7 @@ class AdaptedGMLP(AdaptedMixer):
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
             with torch.autocast(device_type=y.device.type, enabled=False):
-                mixed = gating_mixing_matrix(blk.mlp_channels.gate.proj) @ y
+                mixed = mix_tokens(gating_mixing_matrix(blk.mlp_channels.gate.proj), y)
         out, keep = branch(blk.drop_path, blk.mlp_channels(blk.norm(x)))
         tracker.residual(layer, keep, mixed=mixed)
         return x + out

@@ -29,7 +29,7 @@ from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, mix_tokens, stride_grid
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -73,8 +73,9 @@ def _mixer_refusal(model: nn.Module) -> str | None:
 
 def token_mixing_matrix(mlp: Any) -> Tensor:
     """``Norm(|W_2| |W_1|)`` ``(n, n)`` fp32 of a token MLP: row ``i`` is where token ``i`` draws from."""
-    w = mlp.fc2.weight.detach().float().abs() @ mlp.fc1.weight.detach().float().abs()  # n_out n_in
-    matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    with torch.no_grad():  # no detaches: a label matrix carries no gradient
+        w = mlp.fc2.weight.float().abs() @ mlp.fc1.weight.float().abs()  # n_out n_in
+        matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return matrix
 
 
@@ -118,7 +119,7 @@ class AdaptedMixer(AdaptedBase):
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
             with torch.autocast(device_type=y.device.type, enabled=False):
-                mixed = token_mixing_matrix(blk.mlp_tokens) @ y
+                mixed = mix_tokens(token_mixing_matrix(blk.mlp_tokens), y)
         out, keep = branch(blk.drop_path, _token_mlp(blk, x))
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out

@@ -24,7 +24,7 @@ from timm.models.mlp_mixer import Affine, ResBlock
 from torch import Tensor, nn
 
 from mixlabels import LabelTracker
-from mixlabels.backbones._common import branch
+from mixlabels.backbones._common import branch, mix_tokens
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_refusal
 from mixlabels.backbones._family import Family, tiny
@@ -56,8 +56,9 @@ def _resmlp_refusal(model: nn.Module) -> str | None:
 
 def linear_mixing_matrix(linear: nn.Linear) -> Tensor:
     """``Norm(|W|)`` ``(n, n)`` fp32 of a linear layer over tokens: row ``i`` is where token ``i`` draws from."""
-    w = linear.weight.detach().float().abs()  # n_out n_in
-    matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    with torch.no_grad():  # no detach: a label matrix carries no gradient
+        w = linear.weight.float().abs()  # n_out n_in
+        matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return matrix
 
 
@@ -76,7 +77,7 @@ class AdaptedResMLP(AdaptedMixer):
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
             with torch.autocast(device_type=y.device.type, enabled=False):
-                mixed = linear_mixing_matrix(blk.linear_tokens) @ y
+                mixed = mix_tokens(linear_mixing_matrix(blk.linear_tokens), y)
         out, keep = branch(blk.drop_path, _linear_tokens(blk, x))
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out
