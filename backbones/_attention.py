@@ -147,8 +147,10 @@ def _cpu_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: _Saved, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     (lse,) = saved
+    # the gradient as it comes (a strided view of the block's b n (h d) gradient): the CPU kernel reads any strides,
+    # with the same bits as from a contiguous copy
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
+        grad, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
     )
     return grads[0], grads[1], grads[2]
 
@@ -336,12 +338,16 @@ class _WidenedForward(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, *([mask] if mask is not None else []), *[x for x, t in zip(saved, is_tensor) if t])
         ctx.others, ctx.is_tensor = [x for x, t in zip(saved, is_tensor) if not t], is_tensor
         ctx.scale, ctx.kernel = scale, kernel
-        mixed = out_wide[..., d : d + labels.shape[-1]].contiguous()  # b h n l: A_h Y per head
+        # b n l: mean_h(A_h Y), read from the wide output's label columns in place (no copy of them first)
+        mixed = out_wide[..., d : d + labels.shape[-1]].mean(dim=1, dtype=torch.float32)
         ctx.mark_non_differentiable(mixed)
+        ctx.set_materialize_grads(False)  # no zeros built for the labels' gradient: nothing reads it
         return out, mixed
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, grad_labels: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: Tensor | None, grad_labels: Tensor | None) -> tuple[Tensor | None, ...]:
+        if grad_out is None:  # the output took no part in the loss (grads are not materialised)
+            return None, None, None, None, None, None, None
         q, k, v, out, *tensors = ctx.saved_tensors
         mask = tensors.pop(0) if ctx.has_mask else None
         tensor_it, other_it = iter(tensors), iter(ctx.others)
@@ -415,7 +421,8 @@ def attention_with_labels(
                 return out, explicit_mix(_attention_matrix(q, k, scale, mask), labels)
             mixed = _label_call(q, k, labels, scale, mask)
     elif route != "widened-autograd" and (kernel := _fused_kernel(q, k, v, labels, attn_mask)) is not None:
-        out, mixed = _WidenedForward.apply(q, k, v, labels, scale, kernel, attn_mask)
+        out, mean = _WidenedForward.apply(q, k, v, labels, scale, kernel, attn_mask)  # the head mean, fp32
+        return out, mean
     else:
         # Elsewhere (other devices, GPUs neither CUDA kernel supports): autograd through
         # the widened call. Zero pads give the same gradients, but the backward runs
@@ -423,7 +430,7 @@ def attention_with_labels(
         qw, kw, vw = _widen(q, k, v, labels, 8)
         out_wide = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)
         out, mixed = out_wide[..., :d], out_wide[..., d : d + labels.shape[-1]].detach()
-    return out, reduce(mixed.float(), "b h n l -> b n l", "mean")
+    return out, mixed.float().mean(dim=1)  # b h n l -> b n l
 
 
 def _label_call(q: Tensor, k: Tensor, labels: Tensor, scale: float, mask: Tensor | None) -> Tensor:

@@ -345,7 +345,7 @@ def _as_grid(labels: Tensor, grid: tuple[int, int]) -> Tensor:
     """``rearrange(labels, "b (h w) l -> b l h w")`` as one strided view (einops' view and permute are two operators)."""
     b, n, l = labels.shape
     sb, sn, sl = labels.stride()
-    return labels.as_strided((b, l, grid[0], grid[1]), (sb, sl, sn * grid[1], sn), labels.storage_offset())
+    return labels.as_strided((b, l, grid[0], grid[1]), (sb, sl, sn * grid[1], sn))  # the storage offset: the input's
 
 
 def _as_tokens(y: Tensor) -> Tensor:
@@ -355,7 +355,7 @@ def _as_tokens(y: Tensor) -> Tensor:
     sb, sl, sh, sw = y.stride()
     if sh != sw * w:
         return rearrange(y, "b l h w -> b (h w) l")
-    return y.as_strided((b, h * w, l), (sb, sw, sl), y.storage_offset())
+    return y.as_strided((b, h * w, l), (sb, sw, sl))
 
 
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:

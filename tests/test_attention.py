@@ -112,7 +112,8 @@ def test_cpu_kernel_gradients_equal_plain_attention() -> None:
     ref = F.scaled_dot_product_attention(q, k, v, scale=0.3)
     assert_close(out, ref)
     a = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1)
-    assert_close(mixed, a.detach() @ labels[:, None])
+    assert_close(mixed, (a.detach() @ labels[:, None]).mean(dim=1))  # the head mean, b n l
+    assert mixed.dtype == torch.float32 and not mixed.requires_grad
     g = torch.randn_like(ref)
     assert_close(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g))
 
@@ -128,7 +129,7 @@ def test_cuda_kernel_plumbing_on_meta(kernel: _Kernel, dtype: torch.dtype) -> No
     assert [s[:2] for s, _, _ in kept if len(s) == 3] == [(B, H)]
     out, mixed = _WidenedForward.apply(q, k, v, labels, 0.125, kernel)
     assert out.shape == (B, H, N, 64) and out.transpose(1, 2).is_contiguous()  # b n h d, as the kernel's own
-    assert mixed.shape == (B, H, N, L) and not mixed.requires_grad
+    assert mixed.shape == (B, N, L) and mixed.dtype == torch.float32 and not mixed.requires_grad  # the head mean
     gq, gk, gv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert gq.shape == gk.shape == gv.shape == (B, H, N, 64)
     assert gq.dtype == gk.dtype == gv.dtype == dtype
@@ -237,7 +238,7 @@ def test_cuda_efficient_kernel_with_mask_plumbing_on_meta() -> None:
     mask = torch.empty(1, H, N, N, device="meta")  # N = 10: rows padded to 16 elements, then sliced
     out, mixed = _WidenedForward.apply(q, k, v, labels, 0.125, _CUDA_EFFICIENT, mask)
     assert out.shape == (B, H, N, 64) and out.transpose(1, 2).is_contiguous()
-    assert mixed.shape == (B, H, N, L)
+    assert mixed.shape == (B, N, L) and mixed.dtype == torch.float32
     gq, gk, gv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert gq.shape == gk.shape == gv.shape == (B, H, N, 64)
 
