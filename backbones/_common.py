@@ -48,6 +48,8 @@ __all__ = [
     "effective_weight",
     "kernel_labels",
     "label_kernels",
+    "depthwise_route",
+    "mix_tokens",
     "conv_mix",
     "conv_mix_pair",
     "sum_pool_merge",
@@ -324,7 +326,8 @@ def _ones(shape: tuple[int, int, int, int], device: torch.device) -> Tensor:
 
 
 ConvStep = tuple[Tensor, tuple[int, int], tuple[int, int]]
-"""A stride-1 conv on labels: its label kernel ``(kh, kw)``, padding and dilation."""
+"""A stride-1 conv on labels: its label kernel ``(kh, kw)`` (or ``(l, 1, kh, kw)``, expanded over the labels'
+channels, on grids larger than ``_DENSE_CONV_TOKENS``), padding and dilation."""
 
 
 def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
@@ -339,6 +342,12 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
     return conv_chain(labels, grid, [(kernel, padding, dilation)])
+
+
+def depthwise_route(grid: tuple[int, int]) -> bool:
+    """Whether ``conv_chain`` mixes labels on ``grid`` by depthwise convolutions (kernels ``(l, 1, kh, kw)``) rather than
+    by tap matrices (kernels ``(kh, kw)``)."""
+    return grid[0] * grid[1] > _DENSE_CONV_TOKENS
 
 
 def _as_grid(labels: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -358,6 +367,28 @@ def _as_tokens(y: Tensor) -> Tensor:
     return y.as_strided((b, h * w, l), (sb, sw, sl))
 
 
+def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: torch.device) -> list[Tensor]:
+    """``Norm(T(kernel))`` ``(n, n)`` fp32 of every step on a small grid, from the cached tap matrices.
+
+    Steps of one kernel shape, padding and dilation (a block's convs, as a rule) build theirs together: one
+    product of their stacked kernels with the tap matrices, one normalisation, instead of five operators a step.
+    """
+    n = grid[0] * grid[1]
+    kernels = [k[0, 0] if k.dim() == 4 else k for k, _, _ in steps]  # expanded for the depthwise route: any row
+    shapes = {(tuple(k.shape), tuple(p), tuple(d)) for k, (_, p, d) in zip(kernels, steps)}
+    if len(shapes) == 1 and len(steps) > 1:
+        (kernel, padding, dilation), = shapes
+        taps = _tap_matrices(grid, (int(kernel[0]), int(kernel[1])), padding, dilation, device)
+        t = (torch.stack(kernels).to(taps).view(len(steps), -1) @ taps).view(len(steps), n, n)
+        return list((t / t.sum(dim=-1, keepdim=True)).unbind(0))  # the in-grid tap weight of every row
+    out = []
+    for kernel, (_, padding, dilation) in zip(kernels, steps):
+        taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), tuple(padding), tuple(dilation), device)
+        t = (kernel.to(taps).reshape(1, -1) @ taps).reshape(n, n)
+        out.append(t / t.sum(dim=-1, keepdim=True))  # the in-grid tap weight of every row
+    return out
+
+
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:
     """``conv_mix`` of consecutive stride-1 convs on one grid.
 
@@ -373,16 +404,14 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
         b, n, l = (int(s) for s in labels.shape)
         if n <= _DENSE_CONV_TOKENS:
             y = labels.float()
-            for kernel, padding, dilation in steps:
-                taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), tuple(padding), tuple(dilation), labels.device)
-                t = (kernel.to(taps).reshape(1, -1) @ taps).reshape(n, n)
-                t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
+            for t in _chain_matrices(grid, steps, labels.device):
                 y = torch.bmm(t.expand(b, n, n), y)
             return y
         y = _as_grid(labels.float(), grid)  # a view: channels-last memory
         ones = _ones((1, l, grid[0], grid[1]), labels.device)
         for kernel, padding, dilation in steps:
-            k = kernel.to(y).expand(l, 1, int(kernel.shape[0]), int(kernel.shape[1]))
+            # a (kh, kw) kernel, or one already expanded to (l, 1, kh, kw) (``Kernels.wide``, expanded per shape)
+            k = kernel.to(y) if kernel.dim() == 4 else kernel.to(y).expand(l, 1, int(kernel.shape[0]), int(kernel.shape[1]))
             mass = F.conv2d(ones, k, padding=padding, dilation=dilation, groups=l)  # 1 l h w: in-grid tap weight
             y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l) / mass
         return _as_tokens(y)

@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, conv_chain, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
+from mixlabels.backbones._common import AdaptedBase, conv_chain, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
 
@@ -458,12 +458,36 @@ class Kernels:
     def __init__(self, convs: Iterable[nn.Conv2d]) -> None:
         self._convs = list(dict.fromkeys(convs))
         self._kernels: dict[nn.Module, Tensor] | None = None
+        self._wide: dict[tuple[nn.Module, int], Tensor] = {}
 
     def get(self, conv: nn.Module) -> Tensor | None:
         if self._kernels is None:
             with torch.no_grad():  # labels carry no gradient: the weights are read without a detach each
                 self._kernels = dict(zip(self._convs, label_kernels([effective_weight(c) for c in self._convs])))
         return self._kernels.get(conv)
+
+    def wide(self, conv: nn.Module, channels: int) -> Tensor | None:
+        """``get(conv)`` expanded to the depthwise weight ``(channels, 1, kh, kw)`` ``conv_chain`` convolves labels with.
+
+        Kernels of one shape are expanded together (a stack, a view, an expand and an unbind: four operators per
+        shape, not one per conv), where a shape has at least ``_WIDE_GROUP`` convs.
+        """
+        kernel = self.get(conv)
+        if kernel is None:
+            return None
+        if (conv, channels) not in self._wide:
+            assert self._kernels is not None
+            same = [c for c, k in self._kernels.items() if k.shape == kernel.shape]
+            kh, kw = int(kernel.shape[0]), int(kernel.shape[1])
+            if len(same) < _WIDE_GROUP:
+                return kernel.expand(channels, 1, kh, kw)
+            stacked = torch.stack([self._kernels[c] for c in same]).view(len(same), 1, 1, kh, kw)
+            self._wide.update(((c, channels), k) for c, k in zip(same, stacked.expand(-1, channels, -1, -1, -1).unbind(0)))
+        return self._wide[(conv, channels)]
+
+
+_WIDE_GROUP = 5
+"""Convs of one kernel shape from which ``Kernels.wide`` expands them together (four operators against one each)."""
 
 
 def path_kernels(paths: Iterable[Path]) -> Kernels:
@@ -483,8 +507,11 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
 
     A run of consecutive windows is one pair of per-axis matrices (``backbones._windows``): a
     pixel-grid stem's conv and pool windows cost two small matrix products together. A conv's
-    label kernel is read from ``kernels`` where it holds one (``path_kernels``), else computed here.
+    label kernel is read from ``kernels`` where it holds one, else the path's own are computed together here
+    (``path_kernels``: a stem's convs, a block's under FSDP2's per-block sharding).
     """
+    if kernels is None:
+        kernels = path_kernels([path])
     with torch.autocast(device_type=labels.device.type, enabled=False):
         y = labels.float()
         i = 0
@@ -513,13 +540,17 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 while end < len(path) and not isinstance(path[end], (Window, Parallel)):
                     end += 1
                 convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
-                y = conv_chain(y, grid, [(_label_kernel(c, kernels), _pair(c.padding), _pair(c.dilation)) for c in convs])
+                wide = kernels is not None and depthwise_route(grid)
+                y = conv_chain(y, grid, [(_label_kernel(c, kernels, int(y.shape[-1]) if wide else None), _pair(c.padding), _pair(c.dilation)) for c in convs])
                 i = end
         return y, grid
 
 
 def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:
-    """``sum_i s_i y_i``: a multiplication, then one ``add(alpha=s_i)`` per further term."""
+    """``sum_i s_i y_i`` (shares summing to 1): two terms by one ``lerp`` (``y_0 + s_1 (y_1 - y_0)``, a DenseNet
+    layer's or an aggregation's join); more by a multiplication, then one ``add(alpha=s_i)`` per further term."""
+    if len(terms) == 2:
+        return torch.lerp(terms[0][1], terms[1][1], terms[1][0])
     (s0, y0), *rest = terms
     total = y0 * s0
     for s, y in rest:
@@ -527,9 +558,13 @@ def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:
     return total
 
 
-def _label_kernel(op: Any, kernels: Kernels | None) -> Tensor:
-    """The label kernel of a path's stride-1 conv: from ``kernels`` where it holds one, else computed here."""
-    kernel = kernels.get(op) if kernels is not None and isinstance(op, nn.Conv2d) else None
+def _label_kernel(op: Any, kernels: Kernels | None, channels: int | None = None) -> Tensor:
+    """The label kernel of a path's stride-1 conv: from ``kernels`` where it holds one (``(channels, 1, kh, kw)``
+    where ``channels`` is given: ``Kernels.wide``), else ``(kh, kw)`` computed here."""
+    if kernels is not None and isinstance(op, nn.Conv2d):
+        kernel = kernels.get(op) if channels is None else kernels.wide(op, channels)
+    else:
+        kernel = None
     return kernel_labels(_op_weight(op)) if kernel is None else kernel
 
 

@@ -273,5 +273,7 @@ def initial_weights(label_map: TokenLabelMap, layout: TokenLayout) -> Tensor:
         ``(b, num_prefix + h*w, k)`` fp32.
     """
     patches = layout.area_weights(label_map)  # b n k
+    if layout.num_prefix == 0:  # a CNN's, a Swin's: nothing to prepend (three operators fewer)
+        return patches
     prefix = label_map.image_weights.unsqueeze(1).expand(-1, layout.num_prefix, -1)  # b p k
     return torch.cat([prefix, patches], dim=1)

@@ -124,7 +124,9 @@ class Rules:
 
     def readout(self, y: Tensor, how: Literal["token", "mean"], first: int) -> Tensor:
         """The head's readout of labels ``(b, n, l) -> (b, l)``: token ``first`` or the mean of ``first:``."""
-        return normalise_rows(y[:, first] if how == "token" else y[:, first:].mean(dim=1))
+        if how == "token":
+            return normalise_rows(y[:, first])
+        return normalise_rows((y if first == 0 else y[:, first:]).mean(dim=1))  # no slice where nothing is left out
 
     def class_weights(self, row: Tensor, area: Tensor, num_prefix: int) -> Tensor:
         """TransMix's ``lambda_attn``: the class token's row ``(b, n)`` over the patch tokens (renormalised)
