@@ -251,7 +251,12 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
         groups.setdefault((int(w.shape[-2]), int(w.shape[-1]), w.dtype, w.device), {}).setdefault(tuple(w.shape), []).append(i)
     out: list[Tensor | None] = [None] * len(weights)
     with torch.no_grad():
-        for (kh, kw, _, device), shapes in groups.items():
+        for (kh, kw, _, device), by_shape in groups.items():
+            # shapes ordered by their trailing (i, kh, kw): weights sharing it concatenate along o without a view
+            tails: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+            for shape in by_shape:
+                tails.setdefault(shape[1:], []).append(shape)
+            shapes = {shape: by_shape[shape] for same_tail in tails.values() for shape in same_tail}
             members = [i for same in shapes.values() for i in same]  # the order of the rows below
             if len(members) == 1:
                 out[members[0]] = kernel_labels(weights[members[0]])
@@ -261,17 +266,41 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
                 means = k.div_(sums).mean(dim=(1, 2))  # g kh kw
             else:
-                stacks = (  # a view per weight, or a stack and a view per shape: whichever dispatches fewer
-                    [weights[i].reshape(-1, kh * kw) for i in members] if len(members) <= 2 * len(shapes)
-                    else [torch.stack([weights[i] for i in same]).reshape(-1, kh * kw) for same in shapes.values()]
-                )
-                rows = torch.cat(stacks).abs_().to(torch.float32)  # (sum o i) t, weight by weight
+                per_tail = [sum(len(by_shape[shape]) for shape in same_tail) for same_tail in tails.values()]
+                rows = _tap_rows([weights[i] for i in members], [len(same) for same in shapes.values()], per_tail, kh * kw)
+                rows = rows.abs_().to(torch.float32)  # (sum o i) t, weight by weight
                 sums = rows.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
                 lengths = _segment_lengths(tuple(int(weights[i].shape[0]) * int(weights[i].shape[1]) for i in members), device)
                 means = torch.segment_reduce(rows.div_(sums), "mean", lengths=lengths, axis=0).view(-1, kh, kw)
             for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]
+
+
+def _tap_rows(weights: Sequence[Tensor], per_shape: Sequence[int], per_tail: Sequence[int], taps: int) -> Tensor:
+    """The weights' ``(o, i)`` tap rows ``(sum o*i, taps)`` as a new tensor, weight by weight, built the way that
+    dispatches the fewest operators: a view per weight and one concatenation; a stack and a view per shape and one
+    concatenation; or, where weights share their ``(i, kh, kw)`` (depthwise convs of any width), a concatenation
+    along ``o`` and a view per such tail (and one concatenation of those). ``weights`` come ordered by tail, then
+    shape; ``per_shape`` and ``per_tail`` count them (at least two shapes)."""
+    views = len(weights) + 1
+    stacks = 2 * len(per_shape) + 1
+    joined = sum(2 if n > 1 else 1 for n in per_tail) + (1 if len(per_tail) > 1 else 0)
+    if joined < min(views, stacks):
+        parts = [(torch.cat(run) if len(run) > 1 else run[0]).reshape(-1, taps) for run in _runs(weights, per_tail)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]  # one tail: its concatenation is already new
+    if views <= stacks:
+        return torch.cat([w.reshape(-1, taps) for w in weights])
+    return torch.cat([torch.stack(run).reshape(-1, taps) for run in _runs(weights, per_shape)])
+
+
+def _runs(items: Sequence[Tensor], lengths: Sequence[int]) -> list[list[Tensor]]:
+    """``items`` cut into consecutive runs of ``lengths``."""
+    runs, k = [], 0
+    for n in lengths:
+        runs.append(list(items[k : k + n]))
+        k += n
+    return runs
 
 
 @functools.lru_cache(maxsize=64)

@@ -532,7 +532,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 grid = out
             elif isinstance(op, Parallel):
                 out = op.out_grid(grid)
-                y = _weighted_sum([(s, apply_path(b, y, grid, kernels)[0]) for s, b in zip(op.shares(), op.branches)])
+                y = _weighted_sum(list(zip(op.shares(), _branch_labels(op.branches, y, grid, kernels))))
                 grid = out
                 i += 1
             else:  # a run of stride-1 convs on one grid: one layout change for the run (``conv_chain``)
@@ -544,6 +544,19 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 y = conv_chain(y, grid, [(_label_kernel(c, kernels, int(y.shape[-1]) if wide else None), _pair(c.padding), _pair(c.dilation)) for c in convs])
                 i = end
         return y, grid
+
+
+def _branch_labels(branches: Sequence[Path], labels: Tensor, grid: tuple[int, int], kernels: Kernels) -> list[Tensor]:
+    """Each branch's labels (``apply_path``). A branch that extends an earlier one (its ops first, the same modules)
+    continues from that branch's labels: where a block joins every intermediate output of one chain (SelecSLS,
+    VoVNet's OSA, HGNet's aggregation) the chain's convs run once, not once per output."""
+    done: list[tuple[Path, Tensor, tuple[int, int]]] = []
+    for branch in branches:
+        shared = [d for d in done if len(d[0]) <= len(branch) and all(a is b for a, b in zip(d[0], branch))]
+        base = max(shared, key=lambda d: len(d[0]), default=((), labels, grid))
+        y, out = apply_path(branch[len(base[0]) :], base[1], base[2], kernels)
+        done.append((branch, y, out))
+    return [y for _, y, _ in done]
 
 
 def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:

@@ -113,7 +113,7 @@ class Rules:
         forked part under stochastic depth; a dropped one (zeros in its channels) keeps ``y`` under ``follow_drop``."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"a join's share is the forked part's channel fraction, in [0, 1]; got {share}")
-        new = normalise_rows((1.0 - share) * y + share * normalise_rows(forked))
+        new = normalise_rows(torch.lerp(y, normalise_rows(forked), share))  # (1 - share) y + share forked, one operator
         if keep is not None and self.follow_drop:
             new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
         return new

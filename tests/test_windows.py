@@ -215,6 +215,22 @@ def test_label_kernels_of_many_shapes_equal_each_weights_own() -> None:
     assert_close(label_kernels(weights[:1])[0], kernel_labels(weights[0]))
 
 
+@pytest.mark.parametrize("widths", [(8, 16, 8, 24, 32, 16, 40, 48, 56), (8, 16, 24), (8, 16, 8, 24, 32, 40, 48)])
+def test_label_kernels_of_depthwise_and_dense_mixes_equal_each_weights_own(widths: tuple[int, ...]) -> None:
+    """Depthwise weights of many widths share ``(1, kh, kw)`` and are concatenated along ``o`` (``_tap_rows``' third
+    way), mixed with dense ones of several shapes, in an order that interleaves them: each result is still its own
+    weight's ``kernel_labels``, in the order given."""
+    from mixlabels.backbones._common import kernel_labels, label_kernels
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(c, 1, 3, 3) for c in widths]
+    shapes[1:1] = [(8, 4, 3, 3), (16, 2, 3, 3)]
+    shapes.append((8, 4, 3, 3))
+    weights = [torch.randn(*shape, generator=g) for shape in shapes]
+    for got, w in zip(label_kernels(weights), weights, strict=True):
+        assert_close(got, kernel_labels(w), rtol=1e-6, atol=1e-7)
+
+
 def _same_module(kind: str, kernel: tuple[int, int], stride: tuple[int, int]) -> torch.nn.Module:
     """timm's TF 'same' module with an all-ones kernel: its output at a position is positive exactly where a
     one-hot input lies in that position's window."""
