@@ -560,15 +560,14 @@ def _branch_labels(branches: Sequence[Path], labels: Tensor, grid: tuple[int, in
 
 
 def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:
-    """``sum_i s_i y_i`` (shares summing to 1): two terms by one ``lerp`` (``y_0 + s_1 (y_1 - y_0)``, a DenseNet
-    layer's or an aggregation's join); more by a multiplication, then one ``add(alpha=s_i)`` per further term."""
-    if len(terms) == 2:
-        return torch.lerp(terms[0][1], terms[1][1], terms[1][0])
-    (s0, y0), *rest = terms
-    total = y0 * s0
-    for s, y in rest:
-        total = total.add(y, alpha=s)
-    return total
+    """``sum_i s_i y_i`` (shares summing to 1) by one ``lerp`` per further term: the running mean of the terms so
+    far moves towards the next by that term's share of the shares so far (two terms: ``y_0 + s_1 (y_1 - y_0)``,
+    a DenseNet layer's join)."""
+    (total, y), *rest = terms
+    for s, term in rest:
+        total += s
+        y = torch.lerp(y, term, s / total)
+    return y
 
 
 def _label_kernel(op: Any, kernels: Kernels | None, channels: int | None = None) -> Tensor:
