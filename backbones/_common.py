@@ -406,8 +406,8 @@ def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: to
     kernels = [k[0, 0] if k.dim() == 4 else k for k, _, _ in steps]  # expanded for the depthwise route: any row
     shapes = {(tuple(k.shape), tuple(p), tuple(d)) for k, (_, p, d) in zip(kernels, steps)}
     if len(shapes) == 1 and len(steps) > 1:
-        (kernel, padding, dilation), = shapes
-        taps = _tap_matrices(grid, (int(kernel[0]), int(kernel[1])), padding, dilation, device)
+        ((kh, kw), padding, dilation), = shapes
+        taps = _tap_matrices(grid, (kh, kw), (padding[0], padding[1]), (dilation[0], dilation[1]), device)
         t = (torch.stack(kernels).to(taps).view(len(steps), -1) @ taps).view(len(steps), n, n)
         return list((t / t.sum(dim=-1, keepdim=True)).unbind(0))  # the in-grid tap weight of every row
     out = []

@@ -16,7 +16,8 @@ tensor by tensor against ``b47a302``. Rewritten again for the next cuts (a two-b
 small grid's tap matrices built together, a separable window run by two expanded ``bmm``): 64 fast-path pairs of 25
 families moved, by at most 1.2e-7, no logits; compared tensor by tensor against ``56ff4b4``. And for a join by one ``lerp`` (``Rules.join``): 5 pairs of
 rexnet and cspnet, by at most 9e-8; for a parallel's sum by one ``lerp`` per further branch: 11 pairs of vovnet,
-selecsls and hgnet, by at most 6e-8.
+selecsls and hgnet, by at most 6e-8; for EfficientFormerV2's label kernels read together (``Kernels``): 3 pairs, by
+at most 6e-8.
 
 A digest is exact: another torch or timm version, or another CPU's kernels, may change the last
 bit of a float, and then this test fails although nothing is wrong. It says so, and the fix is

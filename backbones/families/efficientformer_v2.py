@@ -61,6 +61,7 @@ from mixlabels.backbones._common import (
     mix_token_space,
     start_on_convs,
 )
+from mixlabels.backbones._convnet import Kernels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import window_sums
 from mixlabels.backbones._family import Family
@@ -93,6 +94,19 @@ def _units(m: Any) -> list[tuple[int, Any]]:
             units.append((i, stage.downsample))
         units += [(i, blk) for blk in stage.blocks]
     return units
+
+
+def _stride1_convs(m: Any) -> list[nn.Conv2d]:
+    """The stride-1 convs whose label kernels the blocks read: each block's ``mlp.mid`` and its attention's ``v_local``."""
+    convs = []
+    for _, unit in _units(m):
+        if type(unit) is Downsample:
+            continue
+        if unit.token_mixer is not None:
+            convs.append(unit.token_mixer.v_local.conv)
+        if not isinstance(unit.mlp.mid, nn.Identity):
+            convs.append(unit.mlp.mid.conv)
+    return convs
 
 
 def _is_layer(unit: Any) -> bool:
@@ -228,14 +242,20 @@ def _upsample(labels: Tensor, low: tuple[int, int], scale: Any) -> Tensor:
     return normalise_rows(rearrange(up, "b l h w -> b (h w) l"))
 
 
-def _attention2d_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tensor:
+def _label_kernel(conv: nn.Conv2d, kernels: Kernels | None) -> Tensor:
+    """A stride-1 conv's label kernel ``(kh, kw)``: from the forward's ``kernels`` (computed together), else its own."""
+    kernel = None if kernels is None else kernels.get(conv)
+    return kernel_labels(conv.weight) if kernel is None else kernel
+
+
+def _attention2d_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, int], kernels: Kernels | None = None) -> Tensor:
     """The fast path of ``Attention2d``'s labels ``(b, n, l)``: talking-heads weights and ``v_local`` averaged, on
     the strided conv's windows and upsampled back where it attends at half resolution."""
     y, low = labels, grid
     if attn.stride_conv is not None:
         y, low = window_sums(labels, grid, *_windows(attn.stride_conv.conv))
         y = normalise_rows(y)
-    local = conv_mix(y, low, kernel_labels(attn.v_local.conv.weight), _pair(attn.v_local.conv.padding), (1, 1))
+    local = conv_mix(y, low, _label_kernel(attn.v_local.conv, kernels), _pair(attn.v_local.conv.padding), (1, 1))
     mixed = (_abs_weights(a) @ y + local) / 2
     return mixed if attn.upsample is None else _upsample(mixed, low, attn.upsample.scale_factor)
 
@@ -258,12 +278,15 @@ class AdaptedEfficientFormerV2(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         tracker = start_on_convs(self.scheme, label_map, start, grid, _depth(m), _stem_convs(m))
+        # every block's stride-1 label kernels at once, on the first read (a dozen operators, not five a conv); the
+        # adapter is sharded whole or not at all (no FSDP units), so every weight is whole here
+        kernels = Kernels(_stride1_convs(m))
         layer = 0
         for _, unit in _units(m):
             if type(unit) is Downsample:
                 x, grid, layer = self._downsample(unit, x, tracker, layer, grid)
             else:
-                x = self._block(unit, x, layer, tracker, grid)
+                x = self._block(unit, x, layer, tracker, grid, kernels)
                 layer += 1
         x = m.norm(x)
         tracker.pool("mean", 0)
@@ -287,12 +310,12 @@ class AdaptedEfficientFormerV2(AdaptedBase):
         return attended + out, low, layer + 1
 
     @staticmethod
-    def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         labels = tracker.labels_for(layer)
         if blk.token_mixer is not None:
             out, a = _attention2d(blk.token_mixer, x)
             out, keep = branch(blk.drop_path1, blk.ls1(out))
-            mixed = None if labels is None else _attention2d_labels(blk.token_mixer, a, labels, grid)
+            mixed = None if labels is None else _attention2d_labels(blk.token_mixer, a, labels, grid, kernels)
             tracker.residual(layer, keep, mixed=mixed)
             x = x + out
             labels = tracker.labels_for(layer)
@@ -300,7 +323,7 @@ class AdaptedEfficientFormerV2(AdaptedBase):
         mixed = None
         if labels is not None and not isinstance(blk.mlp.mid, nn.Identity):
             conv = blk.mlp.mid.conv
-            mixed = conv_mix(labels, grid, kernel_labels(conv.weight), _pair(conv.padding), _pair(conv.dilation))
+            mixed = conv_mix(labels, grid, _label_kernel(conv, kernels), _pair(conv.padding), _pair(conv.dilation))
         tracker.residual(layer, keep, mixed=mixed)
         return x + out
 

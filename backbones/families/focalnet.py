@@ -31,7 +31,7 @@ import functools
 from typing import Any
 
 import torch
-from einops import rearrange, reduce
+from einops import rearrange
 from timm.layers.classifier import ClassifierHead, NormMlpClassifierHead
 from timm.models.focalnet import FocalModulation, FocalNet, FocalNetBlock
 from torch import Tensor, nn
@@ -105,12 +105,14 @@ def focal_mix(mod: Any, labels: Tensor, grid: tuple[int, int], gates: Tensor) ->
     mean of the last, combined per token by ``gate_weights(gates)``."""
     w = gate_weights(gates)  # b n k
     y = labels.float()
-    mixed = torch.zeros_like(y)
+    mixed: Tensor | None = None  # the first level's term starts the sum (0 + x is x: no zeros, no add)
     for i, level in enumerate(mod.focal_layers):
         conv = level[0]
         y = conv_mix(y, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
-        mixed = mixed + w[:, :, i : i + 1] * y
-    return mixed + w[:, :, -1:] * reduce(y, "b n l -> b 1 l", "mean")
+        term = w[:, :, i : i + 1] * y
+        mixed = term if mixed is None else mixed + term
+    last = w[:, :, -1:] * y.mean(dim=1, keepdim=True)  # the global level: the mean of the last
+    return last if mixed is None else mixed + last
 
 
 def _focal_matrix(mod: Any, grid: tuple[int, int], gates: Tensor) -> Tensor:
