@@ -434,7 +434,7 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
         if n <= _DENSE_CONV_TOKENS:
             y = labels.float()
             for t in _chain_matrices(grid, steps, labels.device):
-                y = torch.bmm(t.expand(b, n, n), y)
+                y = mix_tokens(t, y)
             return y
         y = _as_grid(labels.float(), grid)  # a view: channels-last memory
         ones = _ones((1, l, grid[0], grid[1]), labels.device)

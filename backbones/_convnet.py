@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, conv_chain, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space, start_on_windows
+from mixlabels.backbones._common import AdaptedBase, conv_chain, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space, mix_tokens, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
 
@@ -466,6 +466,11 @@ class Kernels:
                 self._kernels = dict(zip(self._convs, label_kernels([effective_weight(c) for c in self._convs])))
         return self._kernels.get(conv)
 
+    def label_kernel(self, conv: nn.Conv2d) -> Tensor:
+        """``conv``'s label kernel ``(kh, kw)``: the one computed together where this holds it, else the conv's own."""
+        kernel = self.get(conv)
+        return kernel_labels(effective_weight(conv)) if kernel is None else kernel
+
     def wide(self, conv: nn.Module, channels: int) -> Tensor | None:
         """``get(conv)`` expanded to the depthwise weight ``(channels, 1, kh, kw)`` ``conv_chain`` convolves labels with.
 
@@ -526,7 +531,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 rows, cols = chain_matrices(grid, axes, True, y.device)
                 out = (int(rows.shape[0]), int(cols.shape[0]))
                 if out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_ENTRIES:
-                    y = torch.bmm(_window_kron(grid, axes, y.device).expand(y.shape[0], -1, -1), y)
+                    y = mix_tokens(_window_kron(grid, axes, y.device), y)
                 else:
                     y = apply_separable(y, grid, rows, cols)
                 grid = out
@@ -540,8 +545,8 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
                 while end < len(path) and not isinstance(path[end], (Window, Parallel)):
                     end += 1
                 convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
-                wide = kernels is not None and depthwise_route(grid)
-                y = conv_chain(y, grid, [(_label_kernel(c, kernels, int(y.shape[-1]) if wide else None), _pair(c.padding), _pair(c.dilation)) for c in convs])
+                channels = int(y.shape[-1]) if depthwise_route(grid) else None  # expanded kernels for that route
+                y = conv_chain(y, grid, [(_label_kernel(c, kernels, channels), _pair(c.padding), _pair(c.dilation)) for c in convs])
                 i = end
         return y, grid
 
@@ -570,14 +575,14 @@ def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:
     return y
 
 
-def _label_kernel(op: Any, kernels: Kernels | None, channels: int | None = None) -> Tensor:
-    """The label kernel of a path's stride-1 conv: from ``kernels`` where it holds one (``(channels, 1, kh, kw)``
-    where ``channels`` is given: ``Kernels.wide``), else ``(kh, kw)`` computed here."""
-    if kernels is not None and isinstance(op, nn.Conv2d):
-        kernel = kernels.get(op) if channels is None else kernels.wide(op, channels)
-    else:
-        kernel = None
-    return kernel_labels(_op_weight(op)) if kernel is None else kernel
+def _label_kernel(op: Any, kernels: Kernels, channels: int | None = None) -> Tensor:
+    """The label kernel of a path's stride-1 conv: from ``kernels`` (``(channels, 1, kh, kw)`` where ``channels`` is
+    given: ``Kernels.wide``), else ``(kh, kw)`` computed here (a ``KernelConv``)."""
+    if not isinstance(op, nn.Conv2d):
+        return kernel_labels(_op_weight(op))
+    if channels is not None and (wide := kernels.wide(op, channels)) is not None:
+        return wide
+    return kernels.label_kernel(op)
 
 
 def _op_weight(op: nn.Conv2d | KernelConv) -> Tensor:

@@ -27,7 +27,7 @@ from timm.models.convnext import ConvNeXt, ConvNeXtBlock
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, mix_token_space, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_mix, mix_token_space, stride_grid
 from mixlabels.backbones._convnet import Kernels, apply_path, path_grid, path_of
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
@@ -139,8 +139,7 @@ class AdaptedConvNeXt(AdaptedBase):
         h = conv(x)
         labels, mixed = tracker.labels_for(layer), None
         if labels is not None:  # the kernel's matrix, input-independent: a cheap l-channel conv
-            kernel = kernels.get(conv)
-            kernel = conv_label_kernel(conv.weight) if kernel is None else kernel
+            kernel = kernels.label_kernel(conv)
             mixed = conv_mix(labels, grid, kernel, conv.padding, conv.dilation)
         out, keep = branch(blk.drop_path, _branch_tokens(blk, h))
         tracker.residual(layer, keep, mixed=mixed)

@@ -57,7 +57,6 @@ from mixlabels.backbones._common import (
     AdaptedBase,
     branch,
     conv_mix,
-    kernel_labels,
     mix_token_space,
     start_on_convs,
 )
@@ -242,12 +241,6 @@ def _upsample(labels: Tensor, low: tuple[int, int], scale: Any) -> Tensor:
     return normalise_rows(rearrange(up, "b l h w -> b (h w) l"))
 
 
-def _label_kernel(conv: nn.Conv2d, kernels: Kernels | None) -> Tensor:
-    """A stride-1 conv's label kernel ``(kh, kw)``: from the forward's ``kernels`` (computed together), else its own."""
-    kernel = None if kernels is None else kernels.get(conv)
-    return kernel_labels(conv.weight) if kernel is None else kernel
-
-
 def _attention2d_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, int], kernels: Kernels | None = None) -> Tensor:
     """The fast path of ``Attention2d``'s labels ``(b, n, l)``: talking-heads weights and ``v_local`` averaged, on
     the strided conv's windows and upsampled back where it attends at half resolution."""
@@ -255,7 +248,8 @@ def _attention2d_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, i
     if attn.stride_conv is not None:
         y, low = window_sums(labels, grid, *_windows(attn.stride_conv.conv))
         y = normalise_rows(y)
-    local = conv_mix(y, low, _label_kernel(attn.v_local.conv, kernels), _pair(attn.v_local.conv.padding), (1, 1))
+    own = Kernels(()) if kernels is None else kernels  # none given: the conv's own kernel
+    local = conv_mix(y, low, own.label_kernel(attn.v_local.conv), _pair(attn.v_local.conv.padding), (1, 1))
     mixed = (_abs_weights(a) @ y + local) / 2
     return mixed if attn.upsample is None else _upsample(mixed, low, attn.upsample.scale_factor)
 
@@ -323,7 +317,7 @@ class AdaptedEfficientFormerV2(AdaptedBase):
         mixed = None
         if labels is not None and not isinstance(blk.mlp.mid, nn.Identity):
             conv = blk.mlp.mid.conv
-            mixed = conv_mix(labels, grid, _label_kernel(conv, kernels), _pair(conv.padding), _pair(conv.dilation))
+            mixed = conv_mix(labels, grid, kernels.label_kernel(conv), _pair(conv.padding), _pair(conv.dilation))
         tracker.residual(layer, keep, mixed=mixed)
         return x + out
 
