@@ -23,6 +23,7 @@ token grid, ``n = h * w`` tokens, ``c`` classes.
 from __future__ import annotations
 
 import numbers
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
@@ -33,6 +34,15 @@ from torch import Tensor
 from mixlabels._mask import BoxMask, CellMask, Mask
 
 __all__ = ["TokenLabelMap", "class_distributions", "check_labels", "check_token_targets"]
+
+
+def fp32_labels(device: torch.device) -> AbstractContextManager[object]:
+    """A region where label arithmetic stays fp32 under a caller's autocast: matmul and einsum would otherwise run in
+    bf16 there, and fp32 label tensors would meet bf16 ones (``lerp`` refuses the pair; a sum would quietly round).
+    The meta device has no autocast (and refuses the context), so nothing is needed there."""
+    if device.type == "meta":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 def _fail(message: str) -> None:
@@ -576,7 +586,8 @@ class TokenLabelMap:
         mh, mw = int(self.mask.shape[2]), int(self.mask.shape[3])
         if hh % mh or ww % mw:
             _fail(f"window_weights needs mask cells ({mh}x{mw}) that tile the image ({hh}x{ww})")
-        return self.mask.window_weights(rows.to(self.device), cols.to(self.device))
+        with fp32_labels(self.device):
+            return self.mask.window_weights(rows.to(self.device), cols.to(self.device))
 
     # ------------------------------------------------------------------ targets
     def source_targets(self) -> Tensor:
@@ -595,7 +606,8 @@ class TokenLabelMap:
                 f"weights must have shape (batch={self.batch_size}, ..., k={self.num_sources}), "
                 f"got {tuple(weights.shape)}"
             )
-        return torch.einsum("b...k,bkc->b...c", weights.float(), self.source_targets())
+        with fp32_labels(self.device):
+            return torch.einsum("b...k,bkc->b...c", weights.float(), self.source_targets())
 
     def image_targets(self) -> Tensor:
         """The image-level soft targets ``(b, c)``: the CutMix/MixUp target."""
@@ -639,7 +651,8 @@ class TokenLabelMap:
                 _fail(f"token targets on a {th}x{tw} grid cannot serve a {h}x{w} token grid: use maps on a multiple of it")
             targets = reduce(targets, "b (h ph w pw) c -> b (h w) c", "mean", h=h, ph=th // h, w=w, pw=tw // w)
         weights = self.token_weights(grid)  # b n k
-        mixed = torch.einsum("bknc,bnk->bnc", targets[self.sources], weights)
+        with fp32_labels(self.device):
+            mixed = torch.einsum("bknc,bnk->bnc", targets[self.sources], weights)
         s = self.label_smoothing
         return mixed * (1.0 - s) + s / self.num_classes if s else mixed
 

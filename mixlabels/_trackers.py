@@ -18,14 +18,10 @@ from torch import Tensor
 
 from mixlabels._align import AlignedOutput, AlignedTargets, Fork, Readout, Scheme, TokenLayout, initial_weights
 from mixlabels._label_map import TokenLabelMap
+from mixlabels._label_map import fp32_labels as _fp32
 from mixlabels._rules import Rules, normalise_rows
 
 __all__ = ["CompactTracker", "DenseTracker"]
-
-
-def _fp32(device: torch.device) -> torch.autocast:
-    # Labels stay fp32 under autocast: einsum/matmul would otherwise run in bf16.
-    return torch.autocast(device_type=device.type, enabled=False)
 
 
 def _no_class_attention(rules: Rules) -> ValueError:
@@ -64,12 +60,13 @@ class CompactTracker:
                 "the pixels (TokenLayout without pixel_windows) and aggregate them through the stem"
             )
         if rules.tracks_aligned or rules.tracks_input:
-            if self._dense:
-                tokens = label_map.mixed_token_targets(layout.grid)  # b n c
-                prefix = label_map.image_targets().unsqueeze(1).expand(-1, layout.num_prefix, -1)
-                y0 = torch.cat([prefix, tokens], dim=1)
-            else:
-                y0 = initial_weights(label_map, layout)  # b n k
+            with _fp32(label_map.device):  # a stem's window weights are matrix products: fp32 labels from the start
+                if self._dense:
+                    tokens = label_map.mixed_token_targets(layout.grid)  # b n c
+                    prefix = label_map.image_targets().unsqueeze(1).expand(-1, layout.num_prefix, -1)
+                    y0 = torch.cat([prefix, tokens], dim=1)
+                else:
+                    y0 = initial_weights(label_map, layout)  # b n k
             self._y = y0 if rules.tracks_aligned else None
             self._static = y0 if rules.tracks_input else None
 

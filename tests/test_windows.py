@@ -92,6 +92,32 @@ def test_box_and_cell_window_weights_equal_the_pixels(seed: int, cell: int) -> N
     assert_close(box.window_weights(rows, cols), CellMask(box.dense()).window_weights(rows, cols), rtol=1e-6, atol=1e-6)
 
 
+def test_label_map_weights_and_targets_stay_fp32_under_autocast() -> None:
+    """A caller's bf16 autocast (a training step's) does not reach the label map: its window weights (matrix
+    products), token targets and soft targets (einsums) are fp32 and the same bits as without autocast."""
+    g = torch.Generator().manual_seed(0)
+    boxes = torch.tensor([[2, 20, 3, 11], [0, 32, 0, 24], [5, 6, 7, 30], [-1, 9, 4, 4]])
+    partner, labels = torch.tensor([1, 2, 3, 0]), torch.tensor([0, 1, 2, 3])
+    box = TokenLabelMap.from_boxes(boxes, (32, 24), partner, labels, 5)
+    cells = TokenLabelMap.from_mask(torch.rand(4, 8, 6, generator=g), partner, labels, 5, image_size=(32, 24))
+    cells = cells.with_token_targets(torch.rand(4, 8, 6, 5, generator=g).softmax(-1))
+    wh, ww = axis_windows((7, 5), (2, 3), (3, 1)), axis_windows((3, 3), (2, 2), (1, 1))
+    rows, cols = chain_matrices((32, 24), ((wh[0], ww[0]), (wh[1], ww[1])), True, torch.device("cpu"))
+
+    def values(lm: TokenLabelMap) -> list[torch.Tensor]:
+        weights = lm.window_weights(rows, cols)
+        out = [weights, lm.targets(weights), lm.image_targets()]
+        return out + ([lm.mixed_token_targets((4, 3))] if lm.token_targets is not None else [])
+
+    for lm in (box, cells):
+        plain = values(lm)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = values(lm)
+        for got, want in zip(cast, plain, strict=True):
+            assert got.dtype == torch.float32
+            assert torch.equal(got, want)
+
+
 def test_window_weights_refuse_wrong_shapes() -> None:
     lm = TokenLabelMap.unmixed(torch.tensor([0, 1]), 3, (8, 8))
     rows, cols = chain_matrices((8, 8), (axis_windows((3, 3), (2, 2), (1, 1)),), True, torch.device("cpu"))

@@ -1,0 +1,127 @@
+"""Every aligning family under a bf16 autocast on the CPU, as a CUDA bf16 training step runs it.
+
+Autocast runs matmul, einsum and bmm in bf16 wherever it is on. The label path must not let it in: a label product
+in bf16 rounds the labels to 3 digits, and fp32 labels meeting bf16 ones make ``lerp`` refuse the pair (the bug
+this file was written for: a stem's window weights came out bf16, and 24 families' CUDA bf16 steps raised; the
+families without a ``lerp`` rounded their labels quietly). The CUDA twin (``test_backbones_cuda``) needs a GPU;
+this one needs none. A tracker wrapper checks what the ``LabelTracker`` protocol promises: every label tensor
+handed to or taken from the model's label path is fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_backbones_common import B, IMG, C, cutmix_batch
+from test_backbones_cuda import ALIGNING, _model
+from torch import Tensor
+from torch.testing import assert_close
+
+from mixlabels import TLAlign, TokenLabeling, backbones
+from mixlabels._align import Fork, LabelTracker, Scheme, TokenLayout
+from mixlabels._label_map import TokenLabelMap
+from mixlabels._rules import Rules
+
+
+def _fp32(what: str, t: Tensor | None, seen: list[str]) -> None:
+    if t is not None:
+        assert t.dtype == torch.float32, f"{what} is {t.dtype} under a bf16 autocast; labels stay fp32"
+        seen.append(what)
+
+
+class _Checked:
+    """A tracker that checks the dtype of every label tensor crossing the protocol, then delegates."""
+
+    def __init__(self, tracker: LabelTracker, seen: list[str]) -> None:
+        self._t, self._seen = tracker, seen
+
+    def labels_for(self, layer: int) -> Tensor | None:
+        y = self._t.labels_for(layer)
+        _fp32("labels_for", y, self._seen)
+        return y
+
+    def residual(self, layer: int, keep: Tensor | None, *, mixed: Tensor | None) -> None:
+        _fp32("a residual's mixed labels", mixed, self._seen)
+        self._t.residual(layer, keep, mixed=mixed)
+
+    def _checked(self, what: str, merge: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        def run(y: Tensor) -> Tensor:
+            _fp32(f"{what}'s input", y, self._seen)
+            out = merge(y)
+            _fp32(f"{what}'s output", out, self._seen)
+            return out
+
+        return run
+
+    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
+        self._t.aggregate(self._checked("aggregate", merge))
+
+    def fork(self) -> Fork:
+        fork = self._t.fork()
+        _fp32("a fork's labels", fork.labels, self._seen)
+        return fork
+
+    def join(self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None) -> None:
+        self._t.join(fork, share, merge=None if merge is None else self._checked("join", merge), keep=keep)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
+class _CheckedScheme:
+    """``scheme`` with its trackers wrapped in ``_Checked`` (schemes are a protocol: rules, start, token logits)."""
+
+    def __init__(self, scheme: Scheme, seen: list[str]) -> None:
+        self._scheme, self._seen = scheme, seen
+        self.needs_token_logits = scheme.needs_token_logits
+
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        return self._scheme.rules(label_map, layout)
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        return _Checked(self._scheme.start(label_map, layout), self._seen)  # type: ignore[return-value]
+
+
+def check_bf16_step(family: backbones.Family, device: str) -> None:
+    """TL-Align in train mode on ``device`` under its bf16 autocast: labels fp32 at every event, targets fp32 rows
+    summing to 1 and close to the fp32 step's (bf16 attention weights: about 3 digits), and the loss trains."""
+    model = _model(family).to(device).train()
+    images, lm = cutmix_batch()
+    images, lm = images.to(device), lm.to(device)
+    seen: list[str] = []
+    adapted = backbones.adapt(model, _CheckedScheme(TLAlign(), seen))  # type: ignore[arg-type]
+    torch.manual_seed(5)
+    full = adapted(images, lm).target
+    torch.manual_seed(5)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = adapted(images, lm)
+        loss = out.loss()
+    assert seen, f"{family.name}: the tracker saw no label tensor, so the checks above checked nothing"
+    assert out.target.dtype == torch.float32 and not out.target.requires_grad
+    assert_close(out.target.sum(-1), torch.ones(B, device=device))
+    assert_close(out.target, full, rtol=0, atol=3e-2)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
+def test_bf16_autocast_keeps_every_label_fp32(family: backbones.Family) -> None:
+    check_bf16_step(family, "cpu")
+
+
+@pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
+def test_bf16_autocast_token_targets_stay_fp32(family: backbones.Family) -> None:
+    """Aligned token labeling (annotator maps mixed on the patch grid, then aligned) under the same autocast."""
+    model = _model(family).eval()
+    images, lm = cutmix_batch()
+    lm = lm.with_token_targets(torch.rand(B, IMG, IMG, C, generator=torch.Generator().manual_seed(3)).softmax(-1))
+    seen: list[str] = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = backbones.adapt(model, _CheckedScheme(TokenLabeling(beta=0.5, aligned=True), seen))(images, lm)  # type: ignore[arg-type]
+    assert seen, f"{family.name}: the tracker saw no label tensor"
+    assert out.target.dtype == torch.float32
+    assert out.token_target is None or out.token_target.dtype == torch.float32
