@@ -19,7 +19,7 @@ import torch
 from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds
 from benchmarks._training_step import TrainingSteps
 
-__all__ = ["Steps", "compiled_pair", "dynamo_stats", "eager_pair", "timed_with_memory"]
+__all__ = ["Steps", "compiled_pair", "dynamo_stats", "eager_pair", "kernel_table", "timed_with_memory"]
 
 
 class Steps(TrainingSteps):
@@ -104,10 +104,53 @@ def compiled_pair(
     if "cutmix" not in calls:
         return info
     timed = timed_with_memory(steps, calls, args, deadline, log)
+    profiled(steps, calls, timed, args, log)
     return {**info, **{name: {**info[name], **row} for name, row in timed.items()}}
+
+
+def profiled(steps: Steps, calls: dict[str, Callable[[], None]], rows: dict[str, Any], args: argparse.Namespace,
+             log: Callable[[str], None]) -> None:
+    """With ``--profile``: each timed row gains its step's ``kernel_table``, and the log its top five kernels."""
+    if not getattr(args, "profile", False):
+        return
+    for name, step in calls.items():
+        table = rows[name]["kernels"] = kernel_table(step, steps.device)
+        log(f"  {name}: {table['per_step_ms']:.2f} ms of kernels a step, {table['launches_per_step']:.0f} launches; top: "
+            + "; ".join(f"{k['ms_per_step']:.2f} ms {k['name'][:60]}" for k in table["top"][:5]))
+
+
+def kernel_table(step: Callable[[], None], device: torch.device, steps: int = 5, top: int = 15) -> dict[str, Any]:
+    """What ``step`` runs on the device, from the profiler over ``steps`` steps: kernel time and launches a step,
+    and the ``top`` kernels by time (on the CPU: its operators by self time). Where a ratio says a step is slower,
+    this says which kernels make the difference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if cuda and getattr(getattr(event, "device_type", None), "name", "") != "CUDA":  # kernels, not host calls
+            continue
+        us = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": event.key, "ms_per_step": us / 1e3 / steps, "calls_per_step": event.count / steps})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return {
+        "per_step_ms": sum(r["ms_per_step"] for r in rows),
+        "launches_per_step": sum(r["calls_per_step"] for r in rows),
+        "top": rows[:top],
+    }
 
 
 def eager_pair(steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None]) -> dict[str, Any]:
     """CutMix + NoAlign and CutMix + TL-Align (the device's route), eager, side by side."""
-    return timed_with_memory(steps, {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign")}, args, deadline, log)
+    calls = {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign")}
+    timed = timed_with_memory(steps, calls, args, deadline, log)
+    profiled(steps, calls, timed, args, log)
+    return timed
 

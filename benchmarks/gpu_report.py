@@ -117,6 +117,10 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
         out.append("")
     tests = parts.get("tests", {})
     out += ["### GPU tests", "", _missing(tests) or f"`{tests.get('command', '?')}`: {tests.get('summary', '?')}", ""]
+    if tests.get("counts"):
+        out += [", ".join(f"{n} {kind.lower()}" for kind, n in tests["counts"].items()) + " (outcomes printed before the end)", ""]
+    if tests.get("failed"):
+        out += ["Failed: " + ", ".join(f"`{t}`" for t in tests["failed"]), ""]
     families = parts.get("families", {})
     modes = sorted({str(row.get("mode", "compiled")) for row in families.values() if isinstance(row, dict) and "model" in row})
     out += [f"### Every family's small model, {' and '.join(modes) or 'compiled'} (ratio of CutMix + TL-Align to "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -155,7 +156,8 @@ def measure_mixers(args: argparse.Namespace, log: Callable[[str], None]) -> dict
 def run_tests(args: argparse.Namespace, deadline: Deadline, out: Path) -> dict[str, Any]:
     files = [f for f in CUDA_TESTS if Path(f).exists()]
     workers = ["-n", str(args.test_workers)] if args.test_workers > 1 else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *workers, *files]
+    # -v: each test's outcome is printed as it ends, so a run cut off by the budget still names its failures
+    cmd = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider", "-o", "addopts=", *workers, *files]
     if args.dry_run:
         cmd += ["-k", "every_route"]
     budget = max(10.0, min(args.test_budget_s, deadline.left()))
@@ -166,8 +168,19 @@ def run_tests(args: argparse.Namespace, deadline: Deadline, out: Path) -> dict[s
         partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
         text, code = f"{partial}\nTIMED OUT after {budget:.0f} s", -1
     (out / "gpu_tests.log").write_text(text if isinstance(text, str) else text.decode())
-    last = [line for line in str(text).splitlines() if line.strip()][-1:] or [""]
-    return {"command": " ".join(cmd[1:]), "returncode": code, "summary": last[0]}
+    return {"command": " ".join(cmd[1:]), "returncode": code, **outcomes_of(str(text))}
+
+
+def outcomes_of(text: str) -> dict[str, Any]:
+    """pytest -v output: its last line, the count of each outcome printed so far, and the failed or erroring tests
+    by id (one line each, printed as they end: also where the run was cut off before its summary)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    kinds = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+    outcomes = set(re.findall(rf"\b({kinds}) +(tests/\S+)", text))  # xdist's order, and the -rfE summary's
+    outcomes |= {(kind, test) for test, kind in re.findall(rf"(tests/\S+) +({kinds})\b", text)}  # without xdist
+    counts = {kind: sum(1 for k, _ in outcomes if k == kind) for kind in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    failed = sorted({test for kind, test in outcomes if kind in ("FAILED", "ERROR")})
+    return {"summary": lines[-1] if lines else "", "counts": counts, "failed": failed}
 
 
 # --------------------------------------------------------------------------- the suite
@@ -189,6 +202,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="families to measure (default: all, in benchmarks/_families.py's order)")
     p.add_argument("--family-min-s", type=float, default=40.0, help="start a family only with this much time left")
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
+    p.add_argument("--profile", action="store_true",
+                   help="families: after timing, profile each variant's step (kernel time, launches, top kernels)")
     p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
     p.add_argument("--test-workers", type=int, default=16)

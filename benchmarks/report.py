@@ -61,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--add-op-count", type=Path, metavar="FILE", help="an op_count.py JSON (runs/op_count/op_count.json)")
     p.add_argument("--add-gpu-suite", type=Path, nargs="+", metavar="FILE",
                    help="gpu_suite.py JSONs (runs/gpu/gpu_suite.json); a later file's parts replace an earlier one's")
+    p.add_argument("--append", action="store_true",
+                   help="--add-gpu-suite: merge onto the summary already in benchmarks/results (its earlier runs kept, "
+                   "the parts the new files measured replaced), for when the earlier runs' JSONs are gone")
     p.add_argument("--note", action="append", default=[],
                    help="--add-gpu-suite: a note on each file's run, in order (what it measured, what it missed)")
     p.add_argument("--command", help="--add-ablation: the command that ran it, when its output does not record it")
@@ -88,8 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.add_gpu_suite is not None:
             notes = args.note + [""] * len(args.add_gpu_suite)
             suites = [summarize_gpu_suite(path, note)[1] for path, note in zip(args.add_gpu_suite, notes)]
-            merged = suites[0]
-            for later in suites[1:]:
+            existing = args.results_dir / "gpu-suite.json"
+            if args.append and not existing.is_file():
+                raise FileNotFoundError(f"--append: no earlier GPU suite summary at {existing}")
+            merged = json.loads(existing.read_text()) if args.append else suites.pop(0)
+            for later in suites:
                 merged = merge_gpu_suites(merged, later)
             added.append(("gpu-suite", merged))
         for name, summary in added:

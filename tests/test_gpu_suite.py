@@ -84,3 +84,59 @@ def test_every_mixer_runs_at_the_dry_runs_size() -> None:
     x, y = torch.rand(2, 3, size, size), torch.tensor([0, 1])
     for name, call in mixer_candidates(10, 16).items():
         call(x, y)  # raises on a configuration the size cannot hold
+
+
+def test_test_outcomes_name_the_failures_also_of_a_run_cut_off() -> None:
+    """The suite's tests part runs pytest -v: each outcome is a line as it ends (xdist puts it before the id, a
+    plain run after), the -rfE summary repeats failures (counted once); a run the budget cut off has no summary
+    line, and its failures are still named."""
+    cut_off = (
+        "[gw0] [  1%] PASSED tests/test_a.py::test_x[1] \n"
+        "[gw1] [  2%] FAILED tests/test_a.py::test_y[bf16-a] \n"
+        "tests/test_b.py::test_z SKIPPED (needs a GPU)                 [ 50%]\n"
+        "tests/test_b.py::test_w ERROR                                  [ 75%]\n"
+        "\nTIMED OUT after 120 s"
+    )
+    got = gpu_suite.outcomes_of(cut_off)
+    assert got["counts"] == {"PASSED": 1, "FAILED": 1, "ERROR": 1, "SKIPPED": 1}
+    assert got["failed"] == ["tests/test_a.py::test_y[bf16-a]", "tests/test_b.py::test_w"]
+    assert got["summary"] == "TIMED OUT after 120 s"
+    finished = gpu_suite.outcomes_of(cut_off + "\nFAILED tests/test_a.py::test_y[bf16-a] - RuntimeError: lerp\n1 failed, 1 passed")
+    assert finished["counts"]["FAILED"] == 1 and finished["summary"] == "1 failed, 1 passed"
+    summary = {"parts": {"tests": {"command": "pytest", **got}}}
+    assert "Failed: `tests/test_a.py::test_y[bf16-a]`, `tests/test_b.py::test_w`" in summary_table(summary)
+
+
+def test_profile_adds_each_variants_kernel_table(tmp_path: Path) -> None:
+    """--profile: after the timing, each variant's step says where its time goes (the CPU's operators here)."""
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "vit", "--family-mode",
+                             "eager", "--profile", "--rounds", "1", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    for variant in ("cutmix", "tlalign"):
+        table = result["parts"]["families"]["vit"][variant]["kernels"]
+        assert table["per_step_ms"] > 0 and table["launches_per_step"] >= len(table["top"]) > 0
+        times = [row["ms_per_step"] for row in table["top"]]
+        assert times == sorted(times, reverse=True) and sum(times) <= table["per_step_ms"] + 1e-9
+
+
+def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> None:
+    """report --append --add-gpu-suite: the earlier runs stay (their raw JSONs may be gone), the new run's parts
+    replace theirs, the parts it did not measure stay; without an earlier summary it refuses."""
+    import shutil
+
+    from benchmarks import report
+
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    shutil.copytree(report.RESULTS_DIR, results)
+    shutil.copy(report.README, readme)
+    earlier = json.loads((results / "gpu-suite.json").read_text())
+    gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "vit", "--rounds", "1",
+                    "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "run")])
+    args = ["--results-dir", str(results), "--output", str(tmp_path / "RESULTS.md"), "--readme", str(readme),
+            "--add-gpu-suite", str(tmp_path / "run" / "gpu_suite.json"), "--note", "the new run"]
+    assert report.main(["--append", *args]) == 0
+    merged = json.loads((results / "gpu-suite.json").read_text())
+    assert merged["runs"][:-1] == earlier["runs"] and merged["runs"][-1]["note"] == "the new run"
+    assert set(merged["parts"]["families"]) - {"seconds"} == {"vit"} and merged["parts"]["routes"] == earlier["parts"]["routes"]
+    assert "the new run" in (tmp_path / "RESULTS.md").read_text()
+    (results / "gpu-suite.json").unlink()
+    assert report.main(["--append", *args]) == 2
