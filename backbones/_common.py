@@ -238,10 +238,10 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
     """``kernel_labels`` of many conv weights at once: weights of one tap count are reduced together.
 
     Weights of one shape are stacked; where a tap count has several shapes, the stacks' ``(o, i)`` tap rows
-    are concatenated ``(sum o*i, kh*kw)``, normalised together and averaged per weight by one segment mean.
-    About seven operators per tap count and two per further shape, instead of five per weight: a
-    ResNet-18's thirteen stride-1 3x3 convs have four shapes, a DenseNet-121's 58 one. The stack is one
-    copy of those weights, made once per step.
+    are concatenated ``(sum o*i, kh*kw)``, normalised together, split by shape (one operator) and averaged per
+    weight by a view and a mean per shape. About seven operators per tap count and three per further shape,
+    instead of five per weight: a ResNet-18's thirteen stride-1 3x3 convs have four shapes, a DenseNet-121's 58
+    one. The concatenation is one copy of those weights, made once per step.
 
     Returns:
         ``(kh, kw)`` fp32 per weight, in order.
@@ -270,8 +270,12 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 rows = _tap_rows([weights[i] for i in members], [len(same) for same in shapes.values()], per_tail, kh * kw)
                 rows = rows.abs_().to(torch.float32)  # (sum o i) t, weight by weight
                 sums = rows.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
-                lengths = _segment_lengths(tuple(int(weights[i].shape[0]) * int(weights[i].shape[1]) for i in members), device)
-                means = torch.segment_reduce(rows.div_(sums), "mean", lengths=lengths, axis=0).view(-1, kh, kw)
+                # each shape's weights are consecutive rows: a (count, o i, t) view and a parallel mean per shape.
+                # Not segment_reduce: its CUDA kernel loops over a segment in one thread per output (a 512x512
+                # conv's 262144 rows in sequence), tens of milliseconds a step where this takes microseconds
+                runs = torch.split(rows.div_(sums), [len(same) * shape[0] * shape[1] for shape, same in shapes.items()])
+                per_shape = [run.view(len(same), -1, kh * kw).mean(dim=1) for run, same in zip(runs, shapes.values())]
+                means = torch.cat(per_shape).view(-1, kh, kw)
             for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]
@@ -301,12 +305,6 @@ def _runs(items: Sequence[Tensor], lengths: Sequence[int]) -> list[list[Tensor]]
         runs.append(list(items[k : k + n]))
         k += n
     return runs
-
-
-@functools.lru_cache(maxsize=64)
-def _segment_lengths(lengths: tuple[int, ...], device: torch.device) -> Tensor:
-    """The rows of each weight in ``label_kernels``' concatenation (a constant of the model: cached)."""
-    return torch.tensor(lengths, device=device)
 
 
 def mix_tokens(matrix: Tensor, labels: Tensor) -> Tensor:

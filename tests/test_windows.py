@@ -227,15 +227,29 @@ def test_a_conv_chain_equals_the_product_of_its_explicit_matrices() -> None:
 
 
 def test_label_kernels_of_many_shapes_equal_each_weights_own() -> None:
-    """``label_kernels`` reduces weights of one tap count together (a stack per shape, a segment mean across
-    shapes): every result equals ``kernel_labels`` of that weight alone, in the order given."""
+    """``label_kernels`` reduces weights of one tap count together (a stack per shape, or rows of every shape
+    normalised together and a mean per shape): every result equals ``kernel_labels`` of that weight alone, in the
+    order given. No ``segment_reduce``: its CUDA kernel reduces each segment in one thread (a 512x512 conv's
+    262144 rows in sequence, milliseconds a step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
     from mixlabels.backbones._common import kernel_labels, label_kernels
 
     g = torch.Generator().manual_seed(0)
     shapes = [(8, 4, 3, 3), (16, 8, 3, 3), (8, 4, 3, 3), (4, 1, 7, 7), (6, 2, 3, 3), (5, 5, 1, 5), (4, 1, 7, 7)]
     weights = [torch.randn(*shape, generator=g) for shape in shapes]
     weights[1][3, 2] = 0.0  # an all-zero (o, i) slice: its taps add nothing
-    for got, w in zip(label_kernels(weights), weights, strict=True):
+
+    class Ops(TorchDispatchMode):
+        seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        kernels = label_kernels(weights)
+    assert "mean.dim" in ops.seen and not any(op.startswith("segment_reduce") for op in ops.seen)
+    for got, w in zip(kernels, weights, strict=True):
         assert got.shape == w.shape[-2:]
         assert_close(got, kernel_labels(w), rtol=1e-6, atol=1e-7)
     assert_close(label_kernels(weights[:1])[0], kernel_labels(weights[0]))
