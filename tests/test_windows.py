@@ -66,6 +66,26 @@ def test_window_chains_equal_explicit_matrices(grid: tuple[int, int], path: tupl
     assert_close(ours.sum(-1), torch.ones(2, out[0] * out[1]))  # rows stay distributions
 
 
+def test_window_route_by_batch_and_size_gives_the_same_labels() -> None:
+    """A run of windows is one dense matrix product only while ``b n' n`` is small (the product reads the matrix
+    once per sample); both routes give the same labels."""
+    from mixlabels.backbones._convnet import window_route
+
+    assert window_route(8, (14, 14), (7, 7)) == "dense"
+    assert window_route(128, (14, 14), (7, 7)) == "separable"
+    assert window_route(2, (56, 56), (28, 28)) == "separable"  # 2.5M pairs a sample
+    path = (Window((3, 3), (2, 2), (1, 1)),)
+    y = torch.rand(64, 196, 3, generator=torch.Generator().manual_seed(0))
+    y = y / y.sum(-1, keepdim=True)
+    assert window_route(2, (14, 14), (7, 7)) == "dense" and window_route(64, (14, 14), (7, 7)) == "separable"
+    dense, grid = apply_path(path, y[:2], (14, 14))
+    separable, same = apply_path(path, y, (14, 14))
+    assert grid == same == (7, 7)
+    assert_close(separable[:2], dense, rtol=1e-6, atol=1e-7)
+    matrix, _ = path_matrix(path, (14, 14))
+    assert_close(separable.double(), matrix @ y.double(), rtol=1e-6, atol=1e-7)
+
+
 def _explicit_window_weights(pixels: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``(b, k, H, W)`` pixel weights multiplied out by the per-axis windows, in float64."""
     out = torch.einsum("ih,bkhw,jw->bijk", rows.double(), pixels.double(), cols.double())
