@@ -251,7 +251,7 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
         groups.setdefault((int(w.shape[-2]), int(w.shape[-1]), w.dtype, w.device), {}).setdefault(tuple(w.shape), []).append(i)
     out: list[Tensor | None] = [None] * len(weights)
     with torch.no_grad():
-        for (kh, kw, _, device), by_shape in groups.items():
+        for (kh, kw, _, _), by_shape in groups.items():
             # shapes ordered by their trailing (i, kh, kw): weights sharing it concatenate along o without a view
             tails: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
             for shape in by_shape:
