@@ -350,3 +350,15 @@ def test_same_window_chain_equals_timm_modules() -> None:
     assert_close((ref > 0).double(), (rearrange(x, "n 1 i j -> (i j) n") > 0).double(), rtol=0, atol=0)
     y = torch.rand(2, n, 3, generator=torch.Generator().manual_seed(1))
     assert_close(apply_path(path, y, grid)[0].double(), ref @ y.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_window_routes_benchmark_times_both_routes_and_names_the_one_taken() -> None:
+    """benchmarks/window_routes.py (the figures behind ``window_route``'s threshold): both routes give the same
+    labels (it checks), each timed, and the route named is the one ``apply_path`` takes."""
+    from benchmarks import window_routes
+    from mixlabels.backbones._convnet import window_route
+
+    rows = window_routes.main(["--batch-sizes", "1", "64", "--rounds", "1", "--calls", "1"])
+    assert [(r.grid, r.batch) for r in rows] == [(g, b) for g in window_routes.GRIDS for b in (1, 64)]
+    assert all(r.dense_ms > 0 and r.separable_ms > 0 and r.route == window_route(r.batch, r.grid, r.out) for r in rows)
+    assert {r.route for r in rows} == {"dense", "separable"}

@@ -1,0 +1,109 @@
+"""A run of windows on the labels, both ways, side by side: one dense ``(n', n)`` matrix per sample, or separable.
+
+``apply_path`` chooses by ``window_route`` (the dense product only while ``b n' n`` is small). This times both
+routes on the windows of a ResNet at 224 px (its stride-2 convs and shortcuts: 56x56 -> 28x28 -> 14x14 -> 7x7)
+at a few batch sizes, interleaved, on the CPU or a GPU, and prints which route ``window_route`` takes. The
+numbers behind the threshold, measured where a user trains.
+
+Usage::
+
+    python benchmarks/window_routes.py                          # CPU, batches 8 and 128
+    python benchmarks/window_routes.py --device cuda --batch-sizes 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``mixlabels`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mixlabels.backbones._common import mix_tokens  # noqa: E402
+from mixlabels.backbones._convnet import Window, _window_kron, window_axes, window_route  # noqa: E402
+from mixlabels.backbones._windows import apply_separable, chain_matrices  # noqa: E402
+
+GRIDS = ((56, 56), (28, 28), (14, 14))
+WINDOW = Window((3, 3), (2, 2), (1, 1))  # a ResNet block's strided 3x3 conv
+
+
+def _ms(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Milliseconds a call, ``calls`` calls after one warm-up, the device synchronised around them."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+@dataclass(frozen=True)
+class Row:
+    grid: tuple[int, int]
+    out: tuple[int, int]
+    batch: int
+    dense_ms: float
+    separable_ms: float
+    route: str
+
+    @property
+    def pairs(self) -> int:
+        return self.batch * self.out[0] * self.out[1] * self.grid[0] * self.grid[1]
+
+
+def measure(device: torch.device, batch_sizes: Sequence[int], rounds: int, calls: int) -> list[Row]:
+    """For every grid and batch: both routes' median ms over ``rounds`` interleaved rounds, and the route taken."""
+    rows: list[Row] = []
+    for grid in GRIDS:
+        axes = window_axes([WINDOW], grid)
+        r, c = chain_matrices(grid, axes, True, device)
+        out = (int(r.shape[0]), int(c.shape[0]))
+        dense_matrix = _window_kron(grid, axes, device)
+        for b in batch_sizes:
+            y = torch.rand(b, grid[0] * grid[1], 2, device=device)
+            routes: dict[str, Callable[[], object]] = {
+                "dense": lambda: mix_tokens(dense_matrix, y),
+                "separable": lambda: apply_separable(y, grid, r, c),
+            }
+            torch.testing.assert_close(routes["dense"](), routes["separable"](), rtol=1e-5, atol=1e-6)
+            times: dict[str, list[float]] = {name: [] for name in routes}
+            for _ in range(rounds):
+                for name, fn in routes.items():
+                    times[name].append(_ms(fn, device, calls))
+            rows.append(Row(grid, out, b, statistics.median(times["dense"]), statistics.median(times["separable"]),
+                            window_route(b, grid, out)))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 128])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is printed")
+    p.add_argument("--calls", type=int, default=5, help="calls per round")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = measure(torch.device(args.device), args.batch_sizes, args.rounds, args.calls)
+    print("| grid | batch | b n' n | dense ms | separable ms | route taken |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        (h, w), (i, j) = row.grid, row.out
+        print(f"| {h}x{w} -> {i}x{j} | {row.batch} | {row.pairs:,} | {row.dense_ms:.3f} | {row.separable_ms:.3f} | "
+              f"{row.route} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
