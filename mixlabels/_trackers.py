@@ -60,13 +60,13 @@ class CompactTracker:
                 "the pixels (TokenLayout without pixel_windows) and aggregate them through the stem"
             )
         if rules.tracks_aligned or rules.tracks_input:
-            with _fp32(label_map.device):  # a stem's window weights are matrix products: fp32 labels from the start
-                if self._dense:
-                    tokens = label_map.mixed_token_targets(layout.grid)  # b n c
-                    prefix = label_map.image_targets().unsqueeze(1).expand(-1, layout.num_prefix, -1)
-                    y0 = torch.cat([prefix, tokens], dim=1)
-                else:
-                    y0 = initial_weights(label_map, layout)  # b n k
+            # fp32 under any autocast: the label map computes its weights and targets in an fp32 region
+            if self._dense:
+                tokens = label_map.mixed_token_targets(layout.grid)  # b n c
+                prefix = label_map.image_targets().unsqueeze(1).expand(-1, layout.num_prefix, -1)
+                y0 = torch.cat([prefix, tokens], dim=1)
+            else:
+                y0 = initial_weights(label_map, layout)  # b n k
             self._y = y0 if rules.tracks_aligned else None
             self._static = y0 if rules.tracks_input else None
 
