@@ -14,9 +14,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,25 +26,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``mixlabels`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._gpu_timing import Deadline, timed_rounds  # noqa: E402
 from mixlabels.backbones._common import mix_tokens  # noqa: E402
 from mixlabels.backbones._convnet import Window, _window_kron, window_axes, window_route  # noqa: E402
 from mixlabels.backbones._windows import apply_separable, chain_matrices  # noqa: E402
 
 GRIDS = ((56, 56), (28, 28), (14, 14))
 WINDOW = Window((3, 3), (2, 2), (1, 1))  # a ResNet block's strided 3x3 conv
-
-
-def _ms(fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    """Milliseconds a call, ``calls`` calls after one warm-up, the device synchronised around them."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 @dataclass(frozen=True)
@@ -76,10 +64,8 @@ def measure(device: torch.device, batch_sizes: Sequence[int], rounds: int, calls
                 "separable": lambda: apply_separable(y, grid, r, c),
             }
             torch.testing.assert_close(routes["dense"](), routes["separable"](), rtol=1e-5, atol=1e-6)
-            times: dict[str, list[float]] = {name: [] for name in routes}
-            for _ in range(rounds):
-                for name, fn in routes.items():
-                    times[name].append(_ms(fn, device, calls))
+            # interleaved rounds, one warm-up call each, CUDA events on a GPU: the GPU suite's timer
+            times = timed_rounds(routes, rounds, calls, 1, device, Deadline(math.inf), lambda _: None)
             rows.append(Row(grid, out, b, statistics.median(times["dense"]), statistics.median(times["separable"]),
                             window_route(b, grid, out)))
     return rows
