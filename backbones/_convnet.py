@@ -76,6 +76,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, conv_chain, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space, mix_tokens, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
+from mixlabels.backbones._reparam import Scales, scales_of
 
 __all__ = [
     "Window",
@@ -93,6 +94,7 @@ __all__ = [
     "kernel_labels",
     "Kernels",
     "path_kernels",
+    "conv_weights",
     "block_kernels",
     "path_matrix",
     "merge_matrix",
@@ -152,14 +154,24 @@ class KernelConv:
     the same positions (RepVGG-style kxk, 1x1 and identity, each with its norm: one conv with the summed kernel, as
     timm's ``fuse`` writes it), or a conv built with ``padding='same'`` (its static padding computed)."""
 
-    kernel: Callable[[], Tensor]
-    """The ``(o, i, kh, kw)`` kernel, read at call time (the weights change every step)."""
+    kernel: Callable[..., Tensor]
+    """The ``(o, i, kh, kw)`` kernel, read at call time (the weights change every step): ``kernel(scales)``
+    where ``norms`` names batch norms it folds in, else ``kernel()``."""
     padding: tuple[int, int]
     dilation: tuple[int, int] = (1, 1)
+    norms: tuple[nn.Module, ...] = ()
+    """The batch norms whose fold scales the kernel reads (``_reparam.Scales``): ``Kernels`` computes those of all
+    its convs in one pass. Their running statistics move in a training forward: ``AdaptedConvNet`` reads such a
+    kernel as its path applies (after its block's forward, as the reference does), FastViT all of them before any
+    of their blocks runs (each block's kernel is read before its forward there)."""
 
     @property
     def weight(self) -> Tensor:
-        return self.kernel()
+        return self.kernel_with(scales_of(self.norms))
+
+    def kernel_with(self, scales: Scales) -> Tensor:
+        """The kernel, given fold scales holding at least this conv's ``norms``."""
+        return self.kernel(scales) if self.norms else self.kernel()
 
 
 @dataclass(frozen=True)
@@ -428,13 +440,13 @@ def path_grid(path: Path, grid: tuple[int, int]) -> tuple[int, int]:
     return grid
 
 
-def path_convs(path: Path) -> Iterator[nn.Conv2d]:
-    """The stride-1 convs of ``path``, those inside ``Parallel`` branches included."""
+def path_convs(path: Path) -> Iterator[nn.Conv2d | KernelConv]:
+    """The stride-1 convs of ``path`` (``KernelConv``\\ s too), those inside ``Parallel`` branches included."""
     for op in path:
         if isinstance(op, Parallel):
             for b in op.branches:
                 yield from path_convs(b)
-        elif isinstance(op, nn.Conv2d):
+        elif isinstance(op, (nn.Conv2d, KernelConv)):
             yield op
 
 
@@ -464,23 +476,23 @@ class Kernels:
     on the first read: once per forward rather than a few operators per conv as each block is reached, and not at
     all where no path is applied (``NoAlign``)."""
 
-    def __init__(self, convs: Iterable[nn.Conv2d]) -> None:
+    def __init__(self, convs: Iterable[nn.Conv2d | KernelConv]) -> None:
         self._convs = list(dict.fromkeys(convs))
-        self._kernels: dict[nn.Module, Tensor] | None = None
-        self._wide: dict[tuple[nn.Module, int], Tensor] = {}
+        self._kernels: dict[nn.Module | KernelConv, Tensor] | None = None
+        self._wide: dict[tuple[nn.Module | KernelConv, int], Tensor] = {}
 
-    def get(self, conv: nn.Module) -> Tensor | None:
+    def get(self, conv: nn.Module | KernelConv) -> Tensor | None:
         if self._kernels is None:
             with torch.no_grad():  # labels carry no gradient: the weights are read without a detach each
-                self._kernels = dict(zip(self._convs, label_kernels([effective_weight(c) for c in self._convs])))
+                self._kernels = dict(zip(self._convs, label_kernels(conv_weights(self._convs))))
         return self._kernels.get(conv)
 
-    def label_kernel(self, conv: nn.Conv2d) -> Tensor:
+    def label_kernel(self, conv: nn.Conv2d | KernelConv) -> Tensor:
         """``conv``'s label kernel ``(kh, kw)``: the one computed together where this holds it, else the conv's own."""
         kernel = self.get(conv)
-        return kernel_labels(effective_weight(conv)) if kernel is None else kernel
+        return kernel_labels(_op_weight(conv)) if kernel is None else kernel
 
-    def wide(self, conv: nn.Module, channels: int) -> Tensor | None:
+    def wide(self, conv: nn.Module | KernelConv, channels: int) -> Tensor | None:
         """``get(conv)`` expanded to the depthwise weight ``(channels, 1, kh, kw)`` ``conv_chain`` convolves labels with.
 
         Kernels of one shape are expanded together (a stack, a view, an expand and an unbind: four operators per
@@ -502,6 +514,13 @@ class Kernels:
 
 _WIDE_GROUP = 5
 """Convs of one kernel shape from which ``Kernels.wide`` expands them together (four operators against one each)."""
+
+
+def conv_weights(convs: Sequence[nn.Conv2d | KernelConv]) -> list[Tensor]:
+    """The weights ``convs`` convolve with (``effective_weight``; a ``KernelConv``'s kernel), the fold scales of
+    every ``KernelConv``'s norms computed together."""
+    scales = scales_of(n for c in convs if isinstance(c, KernelConv) for n in c.norms)
+    return [c.kernel_with(scales) if isinstance(c, KernelConv) else effective_weight(c) for c in convs]
 
 
 def path_kernels(paths: Iterable[Path]) -> Kernels:
@@ -587,7 +606,7 @@ def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:
 def _label_kernel(op: Any, kernels: Kernels, channels: int | None = None) -> Tensor:
     """The label kernel of a path's stride-1 conv: from ``kernels`` (``(channels, 1, kh, kw)`` where ``channels`` is
     given: ``Kernels.wide``), else ``(kh, kw)`` computed here (a ``KernelConv``)."""
-    if not isinstance(op, nn.Conv2d):
+    if not isinstance(op, nn.Conv2d) and kernels.get(op) is None:  # a KernelConv made after the forward's kernels
         return kernel_labels(_op_weight(op))
     if channels is not None and (wide := kernels.wide(op, channels)) is not None:
         return wide
@@ -775,6 +794,10 @@ class AdaptedConvNet(AdaptedBase):
     ``_logits`` (the head on the last map) and ``_position_logits`` (the head on every position).
     """
 
+    _fresh_paths = False
+    """Whether a unit's ``_paths`` depend on what the forward computed before it (VGG's ``pre_logits`` reads its
+    map's size): the walk then asks for them as it reaches the unit, not from the table made before it."""
+
     def _stem_modules(self) -> list[nn.Module]:
         raise NotImplementedError
 
@@ -827,6 +850,7 @@ class AdaptedConvNet(AdaptedBase):
     def _walk(
         self, units: Sequence[nn.Module | CrossPart], x: Tensor, grid: tuple[int, int], layer: int,
         labels: LabelTracker | DenseRules, kernels: Kernels | None = None, pending: _Pending | None = None,
+        paths: dict[nn.Module, tuple[Path, Path | None]] | None = None,
     ) -> tuple[Tensor, tuple[int, int], int]:
         """The units from ``layer`` on: their forward and their labels' events (the fast path's tracker) or explicit
         matrices (the reference's ``DenseRules``); the map, its grid, the next layer.
@@ -840,7 +864,7 @@ class AdaptedConvNet(AdaptedBase):
                     pending.flush()
                 waiting, x = blk.split(x)
                 fork = labels.fork()
-                x, grid, layer = self._walk(blk.units, x, grid, layer, labels, kernels, pending)
+                x, grid, layer = self._walk(blk.units, x, grid, layer, labels, kernels, pending, paths)
                 if pending is not None:
                     pending.flush()
                 x = blk.cat(waiting, x)
@@ -850,7 +874,7 @@ class AdaptedConvNet(AdaptedBase):
             if isinstance(labels, DenseRules):
                 grid = block_labels_reference(labels, layer, grid, *self._paths(blk), keep, plain=self._plain(blk))
             else:
-                branch, shortcut = self._paths(blk)
+                branch, shortcut = self._paths(blk) if paths is None else paths[blk]
                 if shortcut is None and pending is not None:
                     pending.add(branch, grid)
                     grid = path_grid(branch, grid)
@@ -861,23 +885,29 @@ class AdaptedConvNet(AdaptedBase):
             layer += self._is_layer(blk)
         return x, grid, layer
 
-    def _all_paths(self, units: Sequence[nn.Module | CrossPart]) -> Iterator[Path]:
+    def _all_paths(self, units: Sequence[nn.Module | CrossPart]) -> dict[nn.Module, tuple[Path, Path | None]]:
+        """Every unit's ``_paths``, made once per forward: the kernels computed together are keyed by the very
+        ops (a ``KernelConv`` too) the walk then applies."""
+        out: dict[nn.Module, tuple[Path, Path | None]] = {}
         for blk in units:
             if isinstance(blk, CrossPart):
-                yield from self._all_paths(blk.units)
-                continue
-            branch, shortcut = self._paths(blk)
-            yield branch
-            if shortcut:
-                yield shortcut
+                out.update(self._all_paths(blk.units))
+            else:
+                out[blk] = self._paths(blk)
+        return out
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
         tracker = start_on_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
-        kernels = path_kernels(self._all_paths(blocks))  # computed together, on the first conv a path applies
+        paths = self._all_paths(blocks)
+        convs = (op for pair in paths.values() for p in pair if p for op in path_convs(p))
+        # computed together, on the first conv a path applies. A KernelConv is found again only in the very path made
+        # here; one that folds batch norms is read as its path applies, after its block's forward updated their
+        # running statistics in training (as the reference reads it), not with the others before
+        kernels = Kernels(op for op in convs if not (isinstance(op, KernelConv) and (self._fresh_paths or op.norms)))
         pending = _Pending(tracker, kernels)
-        x, grid, _ = self._walk(blocks, x, grid, 0, tracker, kernels, pending)
+        x, grid, _ = self._walk(blocks, x, grid, 0, tracker, kernels, pending, None if self._fresh_paths else paths)
         pending.flush()
         tracker.pool("mean", 0)
         output, token_logits = self._head(x)

@@ -15,6 +15,7 @@ from test_backbones_common import (
     POOLED,
     SCHEMES,
     check_parity,
+    check_parity_moving_statistics,
     check_preservation,
     check_unmixed_is_one_hot,
     cutmix_batch,
@@ -342,6 +343,13 @@ def test_reparameterisable_blocks(kind: str) -> None:
         check_parity(model, scheme)
     check_parity(model, "tokens_aligned", token_space=True)
     check_unmixed_is_one_hot(model, POOLED)
+
+
+@pytest.mark.parametrize("kind", sorted(_REP))
+def test_rep_fast_path_reads_the_statistics_the_reference_reads(kind: str) -> None:
+    """In training the forward moves the running statistics the fused kernels read (momentum above 0): the fast
+    path reads them where the reference does."""
+    check_parity_moving_statistics(_REP[kind](), "tl_align")
 
 
 @pytest.mark.parametrize("kind", sorted(_REP))

@@ -7,6 +7,8 @@ depth on, same seed), fast path = explicit dense reference, and the identity cas
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any
 
 import torch
@@ -101,19 +103,27 @@ def check_preservation(model: nn.Module, scheme: Any) -> None:
     assert_close(adapted(images), plain, rtol=0, atol=0)  # without labels: the model's own forward
 
 
+def _fast_and_reference(fast: nn.Module, reference: nn.Module, scheme_name: str, token_space: bool = False) -> tuple[Any, Any, TokenLabelMap]:
+    """The fast path's output on ``fast`` and the reference's on ``reference`` (one model, or copies), one CutMix
+    batch in training mode, drop path drawing alike; their logits and targets agree to 1e-5."""
+    fast.train()
+    reference.train()
+    images, lm = cutmix_batch(token_space=token_space)
+    torch.manual_seed(11)
+    a = backbones.adapt(fast, SCHEMES[scheme_name])(images, lm)
+    torch.manual_seed(11)
+    b = backbones.adapt(reference, SCHEMES[scheme_name], reference=True)(images, lm)
+    assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    assert_close(a.target, b.target, rtol=1e-5, atol=1e-5)
+    return a, b, lm
+
+
 def check_parity(model: nn.Module, scheme_name: str, token_space: bool = False, must_move: bool = True) -> None:
     """Fast path (events, compact labels) = reference (explicit matrices, dense labels) to 1e-5.
 
     ``must_move``: alignment must move the targets (a parity test on unmoved targets could hardly fail).
     """
-    model.train()
-    images, lm = cutmix_batch(token_space=token_space)
-    torch.manual_seed(11)
-    a = backbones.adapt(model, SCHEMES[scheme_name])(images, lm)
-    torch.manual_seed(11)
-    b = backbones.adapt(model, SCHEMES[scheme_name], reference=True)(images, lm)
-    assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
-    assert_close(a.target, b.target, rtol=1e-5, atol=1e-5)
+    a, b, lm = _fast_and_reference(model, model, scheme_name, token_space)
     assert_close(a.target.sum(-1), torch.ones(B))
     assert not a.target.requires_grad and (a.target >= 0).all()
     if a.token_target is not None or b.token_target is not None:
@@ -127,6 +137,19 @@ def check_parity(model: nn.Module, scheme_name: str, token_space: bool = False, 
         assert (a.target - lm.image_targets()).abs().max() > 1e-3, "alignment did not move the targets"
     if scheme_name in ("none", "tokens"):
         assert_close(a.target, lm.image_targets())
+
+
+def check_parity_moving_statistics(model: nn.Module, scheme_name: str = "tl_align", momentum: float = 0.5) -> None:
+    """``check_parity``'s comparison where the training forward moves the batch norms' running statistics that a
+    fused kernel reads: the fast path and the reference each on its own copy, from the same statistics. Both must
+    read a kernel's statistics at the same point of the forward (before or after its block's norms update)."""
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            mod.momentum = momentum
+    fast = copy.deepcopy(model)
+    _fast_and_reference(fast, copy.deepcopy(model), scheme_name)
+    moved = [n for (n, x), (_, y) in zip(model.named_buffers(), fast.named_buffers()) if "running_var" in n and not torch.equal(x, y)]
+    assert moved, "the forward moved no running statistics: this check could not fail"
 
 
 def check_torchvision_builders(family_name: str) -> None:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import timm
 import torch
-from test_backbones_common import POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
+from test_backbones_common import POOLED, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
 from timm.models.fastvit import Attention, MobileOneBlock, RepMixer
 from torch import nn
 from torch.testing import assert_close
@@ -98,3 +98,9 @@ def test_every_timm_name_adapts_and_refusals() -> None:
     images, lm = cutmix_batch()
     with pytest.raises(ValueError, match="no class token"):
         backbones.adapt(make(), TransMix())(images, lm)
+
+
+def test_fast_path_reads_the_statistics_the_reference_reads() -> None:
+    """In training the forward moves the running statistics the fused kernels read (momentum above 0): the fast
+    path, which computes label kernels ahead where it can, reads them where the reference does."""
+    check_parity_moving_statistics(make(drop=0.4), "tl_align")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import timm
 import torch
-from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, cutmix_batch
+from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
 from timm.models.repghost import RepGhostModule, RepGhostNet
 from torch import nn
 from torch.testing import assert_close
@@ -120,3 +120,9 @@ def test_timm_names_adapt_and_refusals() -> None:
         backbones.AdaptedRepGhostNet(model, TLAlign())
     with pytest.raises(TypeError, match="GhostNet is not a timm RepGhostNet"):
         backbones.AdaptedRepGhostNet(timm.models.ghostnet.GhostNet(cfgs=TINY_CFGS, num_classes=C), TLAlign())
+
+
+def test_fast_path_reads_the_statistics_the_reference_reads() -> None:
+    """In training the forward moves the running statistics the fused kernels read (momentum above 0): the fast
+    path, which computes label kernels ahead where it can, reads them where the reference does."""
+    check_parity_moving_statistics(make(), "tl_align")

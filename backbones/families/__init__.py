@@ -10,7 +10,8 @@ itself built on ``vit``; naflexvit on ``eva``, building its tokens as timm's ``N
 tv_regnet its head; tv_maxvit shares ``maxxvit``'s partition labels and stem and runs its MBConvs by
 ``backbones._convnet``'s block events; the pooled CNNs (tv_resnet, tv_convnext, tv_efficientnet, tv_regnet, repvit,
 starnet, convmixer, densenet, ghostnet, senet, vovnet) share ``backbones._convnet.AdaptedConvNet`` (densenet's, ghostnet's and
-vovnet's concatenations are ``_convnet.Parallel`` branches); repvit takes ``fastvit``'s ``identity_kernel``.
+vovnet's concatenations are ``_convnet.Parallel`` branches); fastvit, repvit, repghost and byobnet fold their
+re-parameterisable blocks' kernels with ``backbones._reparam``.
 Round 3's later CNNs: res2net is ``resnet``'s adapter with Bottle2neck's block forward and paths (its split groups
 ``Parallel`` branches); resnest takes ``resnet``'s stem and head helpers; cspnet (DarkNet stages), vgg, hgnet,
 mambaout and resnest build on ``AdaptedConvNet`` (cspnet and vgg read ``vovnet``'s ClassifierHead helpers; hgnet's HG

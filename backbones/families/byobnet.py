@@ -14,7 +14,7 @@ MobileViT block is one):
 - ``RepVggBlock`` / ``MobileOneBlock`` (RepVGG, MobileOne; a rep or one stem too): kxk conv branches, a 1x1 and
   an identity batch norm summed, no shortcut around them: one conv with the kernel timm's ``reparameterize``
   writes (each branch scaled by its norm's ``gamma / sqrt(running_var + eps)``, the 1x1 and the identity as
-  centre taps), as ``repvit``'s RepVggDw and ``fastvit``'s MobileOne (whose ``_scaled`` it takes): the block
+  centre taps), as ``repvit``'s RepVggDw and ``fastvit``'s MobileOne (folded with ``backbones._reparam``): the block
   ``aggregate``\\ s by that conv's rule (strided: its windows; a 1x1: a channel op). The kernel reads the running
   statistics in training too, so a model trained with branches and the same model reparameterised have one rule.
   timm's experimental drop path around the conv branches (``drop_path_rate > 0``) is refused;
@@ -97,8 +97,8 @@ from mixlabels.backbones._convnet import (
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family
+from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
 from mixlabels.backbones.families.convnext import _token_logits as _head_on_positions
-from mixlabels.backbones.families.repvit import _scaled
 
 __all__ = ["AdaptedByobNet", "BYOBNET_FAMILY", "byobnet_refusal", "rep_kernel", "tiny_mobilevit"]
 
@@ -199,31 +199,32 @@ def _rep_refusal(blk: Any, where: str) -> str | None:
     return after
 
 
-def _identity(weight: Tensor, groups: int) -> Tensor:
-    """The identity as a ``(o, i/g, kh, kw)`` kernel: channel ``c`` reads itself (index ``c mod i/g`` in its group)
-    at the centre tap, as timm's ``_fuse_bn_tensor`` writes it."""
-    eye = torch.zeros_like(weight)
-    per_group = int(weight.shape[1])
-    channels = torch.arange(int(weight.shape[0]), device=weight.device)
-    eye[channels, channels % per_group, weight.shape[-2] // 2, weight.shape[-1] // 2] = 1.0
-    return eye
+def rep_norms(blk: nn.Module) -> tuple[nn.Module, ...]:
+    """The batch norms ``rep_kernel`` folds: every kxk branch's, the 1x1's, the identity's."""
+    b: Any = blk
+    convs, scale = _rep_branches(b)
+    return (*(c.bn for c in convs), *(() if scale is None else (scale.bn,)), *(() if b.identity is None else (b.identity,)))
 
 
-def rep_kernel(blk: nn.Module) -> Tensor:
+def rep_kernel(blk: nn.Module, scales: Scales | None = None) -> Tensor:
     """The kernel timm's ``reparameterize`` writes for a ``RepVggBlock`` / ``MobileOneBlock``: every branch's kernel
     scaled by its norm's ``gamma / sqrt(running_var + eps)`` and summed, the 1x1 and the identity as centre taps.
-    Computed here rather than by timm's ``_get_kernel_bias``, which caches an identity tensor on the module."""
+    Computed here rather than by timm's ``_get_kernel_bias``, which caches an identity tensor on the module.
+    ``scales``: the norms' fold scales where computed together with others' (``_reparam``)."""
     b: Any = blk
     with torch.no_grad():
         if b.reparam_conv is not None:
             return b.reparam_conv.weight.detach()  # type: ignore[no-any-return]
+        s = scales_of(rep_norms(blk)) if scales is None else scales
         convs, scale = _rep_branches(b)
-        k = sum((_scaled(c.conv.weight, c.bn) for c in convs), torch.zeros_like(convs[0].conv.weight))
+        k = scaled(convs[0].conv.weight, s[convs[0].bn])  # a new tensor: the sums below and the identity add to it
+        for c in convs[1:]:
+            k = k + scaled(c.conv.weight, s[c.bn])
         ph, pw = k.shape[-2] // 2, k.shape[-1] // 2
         if scale is not None:
-            k = k + F.pad(_scaled(scale.conv.weight, scale.bn), [pw, pw, ph, ph])
+            k = k + F.pad(scaled(scale.conv.weight, s[scale.bn]), [pw, pw, ph, ph])
         if b.identity is not None:
-            k = k + _scaled(_identity(k, int(convs[0].conv.groups)), b.identity)
+            k = add_centre(k, s[b.identity])
         return k.detach()
 
 
@@ -238,7 +239,7 @@ def _rep_path(blk: Any) -> Path:
         return (Window(geometry[0], (int(conv.stride[0]), int(conv.stride[1])), geometry[1]),)
     if conv.kernel_size == (1, 1):
         return ()
-    return (KernelConv(functools.partial(rep_kernel, blk), geometry[1]),)
+    return (KernelConv(functools.partial(rep_kernel, blk), geometry[1], (1, 1), rep_norms(blk)),)
 
 
 def _ops_refusal(modules: list[nn.Module], where: str) -> str | None:

@@ -4,8 +4,11 @@ TL-Align Table 10 and Appendix D, applied to FastViT's parts. A reparameterisabl
 kxk + 1x1 + identity branches, each with its batch norm; the large-kernel conv's 7x7 + 3x3) is,
 once reparameterised, ONE convolution: its label rule is that conv's, with the kernel timm's own
 ``reparameterize`` would write (``_get_kernel_bias``: branches' kernels scaled by their norms'
-``gamma / sqrt(running_var + eps)`` and summed, the identity as a centre tap). The rule is then
+``gamma / sqrt(running_var + eps)`` and summed, the identity as a centre tap; folded here with
+``backbones._reparam``, the same sums, every norm's scale of a forward in one pass). The rule is then
 the same for a model trained with branches and the same model reparameterised for inference.
+The label kernels of a forward's convs (RepCPE, RepMixer, ConvMlp, the final conv) are computed
+together (``_convnet.Kernels``).
 Events, ``layer`` counting every RepCPE, RepMixer block and attention block:
 
 - the stem (two 3x3 stride-2 MobileOne blocks, then a 1x1 one) and each stage's ``PatchEmbed``
@@ -59,13 +62,14 @@ from mixlabels.backbones._common import (
     check_static_conv,
     conv_aggregate,
     conv_mix,
-    kernel_labels,
     mix_token_space,
     start_on_convs,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
+from mixlabels.backbones._convnet import KernelConv, Kernels
 from mixlabels.backbones._family import Family
+from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
 
 __all__ = ["AdaptedFastViT", "FASTVIT_FAMILY", "fastvit_refusal", "tiny_fastvit", "fused_kernel", "identity_kernel"]
 
@@ -79,15 +83,51 @@ FASTVIT_FAMILY = (
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-def fused_kernel(block: nn.Module) -> Tensor:
+def _conv_branches(b: Any) -> list[Any]:
+    return [] if b.conv_kxk is None else list(b.conv_kxk)
+
+
+def fused_norms(block: nn.Module) -> tuple[nn.Module, ...]:
+    """The batch norms ``fused_kernel`` folds (none where the block is reparameterised)."""
+    b: Any = block
+    if b.reparam_conv is not None:
+        return ()
+    if type(block) is ReparamLargeKernelConv:
+        small = getattr(b, "small_conv", None)  # timm sets it only with a small kernel
+        return (b.large_conv.bn, *(() if small is None else (small.bn,)))
+    return (*(c.bn for c in _conv_branches(b)), *(() if b.conv_scale is None else (b.conv_scale.bn,)),
+            *(() if b.identity is None else (b.identity,)))
+
+
+def fused_kernel(block: nn.Module, scales: Scales | None = None) -> Tensor:
     """The kernel a reparameterisable block (``MobileOneBlock``, ``ReparamLargeKernelConv``) is one conv with:
-    its ``reparam_conv`` when reparameterised, else the branches fused as timm's ``reparameterize`` fuses them."""
+    its ``reparam_conv`` when reparameterised, else the branches fused as timm's ``reparameterize`` fuses them
+    (``_get_kernel_bias``, ``get_kernel_bias``: the same sums in the same order; the bias is not needed).
+    ``scales``: the norms' fold scales where computed together with others' (``_reparam``)."""
     b: Any = block
     with torch.no_grad():
         if b.reparam_conv is not None:
             return b.reparam_conv.weight.detach()  # type: ignore[no-any-return]
-        kernel, _ = b._get_kernel_bias() if type(block) is MobileOneBlock else b.get_kernel_bias()
-        return kernel.detach()  # type: ignore[no-any-return]
+        s = scales_of(fused_norms(block)) if scales is None else scales
+        if type(block) is ReparamLargeKernelConv:
+            k = scaled(b.large_conv.conv.weight, s[b.large_conv.bn])
+            small = getattr(b, "small_conv", None)
+            if small is not None:
+                pad = (b.kernel_size - b.small_kernel) // 2
+                k = k + F.pad(scaled(small.conv.weight, s[small.bn]), [pad] * 4)
+            return k
+        k: Tensor | None = None  # type: ignore[no-redef]
+        for c in _conv_branches(b):
+            k = scaled(c.conv.weight, s[c.bn]) if k is None else k + scaled(c.conv.weight, s[c.bn])
+        if b.conv_scale is not None:
+            pad = b.kernel_size // 2
+            one = F.pad(scaled(b.conv_scale.conv.weight, s[b.conv_scale.bn]), [pad] * 4)
+            k = one if k is None else k + one
+        if k is None:  # the identity alone (RepMixer's norm)
+            w = b.identity.weight
+            k = w.new_zeros(b.out_chs, b.in_chs // b.groups, b.kernel_size, b.kernel_size)
+        # k is a new tensor (a product, a sum, a padding or zeros): the identity adds at its centre taps in place
+        return k if b.identity is None else add_centre(k, s[b.identity])
 
 
 def identity_kernel(weight: Tensor) -> Tensor:
@@ -97,13 +137,24 @@ def identity_kernel(weight: Tensor) -> Tensor:
     return eye
 
 
-def _repmixer_kernel(mixer: Any) -> Tensor:
+def repmixer_norms(mixer: Any) -> tuple[nn.Module, ...]:
+    """The batch norms ``_repmixer_kernel`` folds (none where the RepMixer is reparameterised)."""
+    return () if mixer.reparam_conv is not None else (*fused_norms(mixer.mixer), *fused_norms(mixer.norm))
+
+
+def _repmixer_kernel(mixer: Any, scales: Scales | None = None) -> Tensor:
     """``s (K_mixer - K_norm)``'s per-channel direction: the kernel of RepMixer's residual branch."""
     with torch.no_grad():
         if mixer.reparam_conv is not None:  # x + s (M - N) folded into one conv: take the identity out
             w = mixer.reparam_conv.weight.detach()
             return w - identity_kernel(w)  # type: ignore[no-any-return]
-        return fused_kernel(mixer.mixer) - fused_kernel(mixer.norm)
+        s = scales_of(repmixer_norms(mixer)) if scales is None else scales
+        k = fused_kernel(mixer.mixer, s)
+        norm = mixer.norm
+        if mixer.mixer.reparam_conv is None and norm.reparam_conv is None and norm.conv_kxk is None and norm.conv_scale is None:
+            # K_norm is the identity alone: subtracted at k's centre taps, in place (k is a new tensor)
+            return add_centre(k, s[norm.identity], alpha=-1.0)
+        return k - fused_kernel(norm, s)
 
 
 def _cpe_kernel(cpe: Any) -> Tensor:
@@ -218,8 +269,36 @@ def _attend(attn: Any, x: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor
     return rearrange(out, "b (h w) c -> b c h w", h=h), mixed, a
 
 
-def _mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, conv: Any) -> Tensor:
-    return conv_mix(labels, grid, kernel_labels(kernel), _pair(conv.padding), _pair(conv.dilation))
+def _mix(labels: Tensor, grid: tuple[int, int], kernels: Kernels, op: Any) -> Tensor:
+    kernel = kernels.get(op)
+    assert kernel is not None, "a conv the labels mix by is missing from the forward's kernels"
+    return conv_mix(labels, grid, kernel, _pair(op.padding), _pair(op.dilation))
+
+
+def _label_convs(m: Any, tracker: LabelTracker) -> dict[nn.Module, Any]:
+    """Every conv the labels mix by in this forward, by the module it stands for (RepCPE, RepMixer, ConvMlp, the
+    final conv): a plain conv, or a ``KernelConv`` with the fused kernel and the norms it folds. Their label kernels
+    are computed together (``Kernels``), and every norm's fold scale in one pass."""
+    ops: dict[nn.Module, Any] = {}
+    layer = 0
+    for s in m.stages:
+        if isinstance(s.pos_emb, RepConditionalPosEnc):
+            pe = s.pos_emb
+            if tracker.labels_for(layer) is not None:
+                rc = pe.reparam_conv
+                ops[pe] = pe.pos_enc if rc is None else KernelConv(partial(_cpe_kernel, pe), _pair(rc.padding), _pair(rc.dilation))
+            layer += 1
+        for blk in s.blocks:
+            if tracker.labels_for(layer) is not None:
+                if type(blk) is RepMixerBlock:
+                    mixer = blk.token_mixer
+                    conv = _conv(mixer.mixer) if mixer.reparam_conv is None else mixer.reparam_conv
+                    ops[mixer] = KernelConv(partial(_repmixer_kernel, mixer), _pair(conv.padding), _pair(conv.dilation), repmixer_norms(mixer))
+                ops[blk.mlp] = blk.mlp.conv.conv
+            layer += 1
+    fc, conv = m.final_conv, _conv(m.final_conv)
+    ops[fc] = KernelConv(partial(fused_kernel, fc), _pair(conv.padding), _pair(conv.dilation), fused_norms(fc))
+    return ops
 
 
 def _mix_matrix(grid: tuple[int, int], kernel: Tensor, conv: Any) -> Tensor:
@@ -242,6 +321,8 @@ class AdaptedFastViT(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         tracker = start_on_convs(self.scheme, label_map, start, grid, _depth(m), [_conv(b) for b in list(m.stem)[:2]])
+        ops = _label_convs(m, tracker)
+        kernels = Kernels(ops.values())
         layer = 0
         for s in m.stages:
             if isinstance(s.downsample, PatchEmbed):
@@ -250,15 +331,13 @@ class AdaptedFastViT(AdaptedBase):
             if isinstance(s.pos_emb, RepConditionalPosEnc):
                 y = tracker.labels_for(layer)
                 x = s.pos_emb(x)
-                pe = s.pos_emb
-                geometry = pe.pos_enc if pe.reparam_conv is None else pe.reparam_conv
-                tracker.residual(layer, None, mixed=None if y is None else _mix(y, grid, _cpe_kernel(pe), geometry))
+                tracker.residual(layer, None, mixed=None if y is None else _mix(y, grid, kernels, ops[s.pos_emb]))
                 layer += 1
             for blk in s.blocks:
-                x = self._block(blk, x, layer, tracker, grid)
+                x = self._block(blk, x, layer, tracker, grid, kernels, ops)
                 layer += 1
         fc, last = m.final_conv, grid
-        tracker.aggregate(lambda y: _mix(y, last, fused_kernel(fc), _conv(fc)))
+        tracker.aggregate(lambda y: _mix(y, last, kernels, ops[fc]))
         x = fc(x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -267,12 +346,13 @@ class AdaptedFastViT(AdaptedBase):
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     @staticmethod
-    def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels,
+               ops: dict[nn.Module, Any]) -> Tensor:
         y, mixed = tracker.labels_for(layer), None
         if type(blk) is RepMixerBlock:
             mixer = blk.token_mixer
             if y is not None:
-                mixed = _mix(y, grid, _repmixer_kernel(mixer), _conv(mixer.mixer) if mixer.reparam_conv is None else mixer.reparam_conv)
+                mixed = _mix(y, grid, kernels, ops[mixer])
             x = mixer(x)  # timm's own: x + s (mixer(x) - norm(x)), no stochastic depth
             tracker.residual(layer, None, mixed=mixed)
             out, keep = branch(blk.drop_path, blk.layer_scale(blk.mlp(x)))
@@ -282,9 +362,9 @@ class AdaptedFastViT(AdaptedBase):
             tracker.residual(layer, keep, mixed=mixed)
             x = x + out
             out, keep = branch(blk.drop_path2, blk.layer_scale_2(blk.mlp(x)))
-        conv = blk.mlp.conv.conv  # ConvMlp's depthwise 7x7 (its norm scales whole channels: no label effect)
+        # ConvMlp's depthwise 7x7 (its norm scales whole channels: no label effect)
         y = tracker.labels_for(layer)
-        tracker.residual(layer, keep, mixed=None if y is None else _mix(y, grid, conv.weight.detach(), conv))
+        tracker.residual(layer, keep, mixed=None if y is None else _mix(y, grid, kernels, ops[blk.mlp]))
         return x + out
 
     # ------------------------------------------------------------------------------------------ reference

@@ -1,6 +1,6 @@
 """Adapter for timm's RepGhostNet (``repghostnet_*``), with its training-time branches or reparameterised for
 inference (``convert_to_deploy``, ``reparameterize``); it is ``ghostnet``'s adapter with RepGhost's module rule,
-and takes ``repvit``'s norm scaling and ``fastvit``'s ``identity_kernel`` for the fused kernel.
+and folds the fused kernel with ``backbones._reparam`` (every norm's scale of a forward in one pass).
 
 The label rules of ``backbones._convnet`` on RepGhostNet's bottlenecks. Units after the stem, in
 order: every ``RepGhostBottleneck`` (one layer each), then the last stage's 1x1 ``ConvBnAct`` (a
@@ -36,10 +36,9 @@ from timm.models.repghost import RepGhostBottleneck, RepGhostModule, RepGhostNet
 from torch import Tensor, nn
 
 from mixlabels.backbones._convnet import KernelConv, Path, path_of, path_refusal
+from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones.families.fastvit import identity_kernel
 from mixlabels.backbones.families.ghostnet import TINY_CFGS, AdaptedGhostNet, bottleneck_middle_refusal, ghost_units_refusal
-from mixlabels.backbones.families.repvit import _scaled
 
 __all__ = ["AdaptedRepGhostNet", "REPGHOST_FAMILY", "repghost_refusal", "repghost_kernel"]
 
@@ -57,13 +56,22 @@ def _fused(ghost: Any) -> bool:
     return isinstance(ghost.cheap_operation, nn.Sequential) and len(ghost.fusion_bn) > 0
 
 
-def repghost_kernel(ghost: nn.Module) -> Tensor:
-    """The ``(c, 1, k, k)`` kernel timm's ``RepGhostModule.switch_to_deploy`` writes: the cheap depthwise conv scaled
-    by its norm, plus the identity (centre taps) scaled by the fusion norm."""
+def repghost_norms(ghost: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The cheap conv's norm and the fusion norm: what ``repghost_kernel`` folds."""
     g: Any = ghost
+    return g.cheap_operation[1], g.fusion_bn[0]
+
+
+def repghost_kernel(ghost: nn.Module, scales: Scales | None = None) -> Tensor:
+    """The ``(c, 1, k, k)`` kernel timm's ``RepGhostModule.switch_to_deploy`` writes: the cheap depthwise conv scaled
+    by its norm, plus the identity (centre taps) scaled by the fusion norm. ``scales``: the norms' fold scales
+    where computed together with others' (``_reparam``)."""
+    g: Any = ghost
+    cheap, fusion = repghost_norms(ghost)
+    s = scales_of((cheap, fusion)) if scales is None else scales
     with torch.no_grad():
-        k = _scaled(g.cheap_operation[0].weight, g.cheap_operation[1])
-        return (k + _scaled(identity_kernel(k), g.fusion_bn[0])).detach()
+        k = scaled(g.cheap_operation[0].weight, s[cheap])  # a new tensor: the identity adds in place
+        return add_centre(k, s[fusion]).detach()
 
 
 def _cheap_modules(ghost: Any) -> list[Any]:
@@ -76,7 +84,7 @@ def _cheap_path(ghost: Any) -> Path:
     if not _fused(ghost):  # reparameterised (one conv) or built without the identity branch
         return path_of(_cheap_modules(ghost))
     conv = ghost.cheap_operation[0]
-    return (KernelConv(functools.partial(repghost_kernel, ghost), (int(conv.padding[0]), int(conv.padding[1]))),)
+    return (KernelConv(functools.partial(repghost_kernel, ghost), (int(conv.padding[0]), int(conv.padding[1])), (1, 1), repghost_norms(ghost)),)
 
 
 def _ghost_path(ghost: Any) -> Path:

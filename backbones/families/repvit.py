@@ -1,8 +1,8 @@
 """Adapter for timm's RepViT (``repvit_*``), with its training-time branches or ``fuse()``\\ d for inference.
 
 The label rules of ``backbones._convnet`` (both walks in its ``AdaptedConvNet``) on RepViT's parts;
-a reparameterisable token mixer by the one kernel it fuses into, as in ``fastvit`` (whose
-``identity_kernel`` it takes). Events, ``layer`` counting every ``RepViTBlock`` and every
+a reparameterisable token mixer by the one kernel it fuses into, as in ``fastvit`` (folded with
+``backbones._reparam``: every norm's scale of a forward in one pass). Events, ``layer`` counting every ``RepViTBlock`` and every
 ``RepVitDownsample``'s FFN:
 
 - the stem (two 3x3 stride-2 ``ConvNorm``\\ s): the labels start on the pixels and aggregate over
@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._convnet import AdaptedConvNet, KernelConv, Path, conv_norm_act_ops, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones.families.fastvit import identity_kernel
+from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
 
 __all__ = ["AdaptedRepViT", "REPVIT_FAMILY", "repvit_refusal", "repvgg_kernel"]
 
@@ -68,16 +68,13 @@ _LAYERS = (RepViTBlock, RepVitDownsample)
 
 
 # ---------------------------------------------------------------------------------------------- the fused kernel
-def _bn_scale(norm: nn.Module) -> Tensor | None:
-    """A batch norm's per-channel ``gamma / sqrt(running_var + eps)`` (what timm's ``fuse`` folds); ``None``: no norm."""
-    if not isinstance(norm, nn.BatchNorm2d):
-        return None
-    return norm.weight / (norm.running_var + norm.eps) ** 0.5  # type: ignore[operator]
+def _norm(module: nn.Module) -> nn.Module | None:
+    """A batch norm timm's ``fuse`` folds; ``None``: no norm (an ``Identity``)."""
+    return module if isinstance(module, nn.BatchNorm2d) else None
 
 
-def _scaled(weight: Tensor, norm: nn.Module) -> Tensor:
-    scale = _bn_scale(norm)
-    return weight if scale is None else weight * rearrange(scale, "c -> c 1 1 1")
+def _fold(weight: Tensor, norm: nn.Module | None, scales: Scales) -> Tensor:
+    return weight if norm is None else scaled(weight, scales[norm])
 
 
 def _conv_of(module: Any) -> Any:
@@ -85,24 +82,34 @@ def _conv_of(module: Any) -> Any:
     return module.c if type(module) is ConvNorm else module
 
 
-def repvgg_kernel(dw: nn.Module) -> Tensor:
+def repvgg_norms(dw: nn.Module) -> tuple[nn.Module, ...]:
+    """The batch norms ``RepVggDw.fuse()`` folds: the kxk branch's, the legacy 1x1's, the shared one."""
+    d: Any = dw
+    norms = [_norm(d.conv.bn), None if type(d.conv1) is nn.Conv2d else _norm(d.conv1.bn), _norm(d.bn)]
+    return tuple(n for n in norms if n is not None)
+
+
+def repvgg_kernel(dw: nn.Module, scales: Scales | None = None) -> Tensor:
     """The ``(c, 1, k, k)`` kernel timm's ``RepVggDw.fuse()`` writes: the kxk and 1x1 branches, each scaled by its
     norm, plus the identity as centre taps, then the shared norm's scale (``legacy``: each branch has its own).
-    Computed here rather than by ``fuse()``, which builds convs whose init would draw from the global RNG."""
+    Computed here rather than by ``fuse()``, which builds convs whose init would draw from the global RNG.
+    ``scales``: the norms' fold scales where computed together with others' (``_reparam``)."""
     d: Any = dw
+    s = scales_of(repvgg_norms(dw)) if scales is None else scales
     with torch.no_grad():
-        k = _scaled(d.conv.c.weight, d.conv.bn)
+        k = _fold(d.conv.c.weight, _norm(d.conv.bn), s)
         c1: Any = d.conv1  # a bare conv, or a ConvNorm (legacy)
-        one = c1.weight if type(c1) is nn.Conv2d else _scaled(c1.c.weight, c1.bn)
+        one = c1.weight if type(c1) is nn.Conv2d else _fold(c1.c.weight, _norm(c1.bn), s)
         ph, pw = k.shape[-2] // 2, k.shape[-1] // 2
-        k = k + F.pad(one, [pw, pw, ph, ph]) + identity_kernel(k)
-        return _scaled(k, d.bn).detach()
+        k = add_centre(k + F.pad(one, [pw, pw, ph, ph]), 1.0)  # the sum is a new tensor: the identity adds in place
+        return _fold(k, _norm(d.bn), s).detach()
 
 
 def _fused_conv(dw: Any) -> KernelConv:
     """A ``RepVggDw`` as the one stride-1 conv it fuses into (its kxk branch's geometry)."""
     conv = dw.conv.c
-    return KernelConv(functools.partial(repvgg_kernel, dw), (int(conv.padding[0]), int(conv.padding[1])), (int(conv.dilation[0]), int(conv.dilation[1])))
+    return KernelConv(functools.partial(repvgg_kernel, dw), (int(conv.padding[0]), int(conv.padding[1])),
+                      (int(conv.dilation[0]), int(conv.dilation[1])), repvgg_norms(dw))
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -111,6 +111,8 @@ class AdaptedVGG(AdaptedConvNet):
             self._pre_logits_grid = grid
         return blk(x), None
 
+    _fresh_paths = True  # pre_logits' path depends on the map size its block saw (``_pre_logits_grid``)
+
     def _paths(self, blk: Any) -> tuple[Path, Path | None]:
         if type(blk) is not ConvMlp:
             return path_of([blk]), None
