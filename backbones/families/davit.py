@@ -60,7 +60,8 @@ from mixlabels.backbones._common import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones.families.swin import shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import through_hooks
+from mixlabels.backbones._convnet import Kernels
+from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
 __all__ = ["AdaptedDaViT", "DAVIT_FAMILY"]
 
@@ -195,13 +196,18 @@ class AdaptedDaViT(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         depth = sum(len(_blocks(stage)) for stage in m.stages)
         tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.stem.conv)
+        blocks = [blk for stage in m.stages for blk in _blocks(stage)]
+        # the ConvPosEnc kernels computed together; under FSDP2's per-block sharding a block's weights are whole only
+        # inside its forward, so each is computed there
+        kernels = None if any(is_sharded(blk) for blk in blocks) else Kernels(
+            cpe.proj for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None for cpe in (blk.cpe1, blk.cpe2))
         layer = 0
         for stage in m.stages:
             if isinstance(stage.downsample, Downsample):
                 grid = conv_aggregate(tracker, grid, stage.downsample.conv)
             x = stage.downsample(x)
             for blk in _blocks(stage):
-                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid, kernels=kernels), x)
                 layer += 1
         x = m.norm_pre(x)
         tracker.pool("mean", 0)
@@ -214,16 +220,17 @@ class AdaptedDaViT(AdaptedBase):
         m: Any = self.model
         return tuple(blk for stage in m.stages for blk in _blocks(stage))
 
-    def _cpe(self, cpe: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _cpe(self, cpe: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None) -> Tensor:
         labels = tracker.labels_for(layer)
         if labels is not None:  # input-independent kernel: a cheap l-channel conv
             conv = cpe.proj
-            tracker.residual(layer, None, mixed=conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation))
+            kernel = conv_label_kernel(conv.weight) if kernels is None else kernels.label_kernel(conv)
+            tracker.residual(layer, None, mixed=conv_mix(labels, grid, kernel, conv.padding, conv.dilation))
         return cpe(x)  # type: ignore[no-any-return]
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None = None) -> Tensor:
         b, c, h, w = x.shape
-        shortcut = rearrange(self._cpe(blk.cpe1, x, layer, tracker, grid), "b c h w -> b (h w) c")
+        shortcut = rearrange(self._cpe(blk.cpe1, x, layer, tracker, grid, kernels), "b c h w -> b (h w) c")
         cur = blk.norm1(shortcut)
         mixed = None
         if isinstance(blk, SpatialBlock):  # not type(): fully_shard subclasses a sharded block
@@ -239,7 +246,7 @@ class AdaptedDaViT(AdaptedBase):
         cur, keep = branch(blk.drop_path1, cur)
         tracker.residual(layer, keep, mixed=mixed)
         x = rearrange(shortcut + cur, "b (h w) c -> b c h w", h=h)
-        x = self._cpe(blk.cpe2, x, layer, tracker, grid)
+        x = self._cpe(blk.cpe2, x, layer, tracker, grid, kernels)
         if blk.mlp is not None:
             t = rearrange(x, "b c h w -> b (h w) c")
             out, keep = branch(blk.drop_path2, blk.mlp(blk.norm2(t)))

@@ -212,9 +212,10 @@ class AdaptedNest(AdaptedBase):
         b = x.shape[0]
         q, k, v = _qkv(attn, blk.norm1(x))
         dropout_p = attn.attn_drop.p if attn.training else 0.0
-        if labels is not None:  # blockified like the tokens: (b t) n l
-            y = rearrange(labels, "b (h w) l -> b h w l", h=grid[0])
-            labels = rearrange(y, "b (gh bh) (gw bw) l -> (b gh gw) (bh bw) l", **sizes)
+        gh = grid[0] // sizes["bh"]
+        one_block = grid == (sizes["bh"], sizes["bw"])  # the grid's row-major order is already the block's: no views
+        if labels is not None and not one_block:  # blockified like the tokens: (b t) n l
+            labels = rearrange(labels, "b (gh bh gw bw) l -> (b gh gw) (bh bw) l", gh=gh, **sizes)
         if not attn.fused_attn:
             a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # timm's explicit path
             if labels is not None:
@@ -224,8 +225,8 @@ class AdaptedNest(AdaptedBase):
             out, mixed = attention_with_labels(q, k, v, labels, attn.scale, dropout_p)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-        if mixed is not None:  # back to the grid's row-major order
-            mixed = rearrange(mixed, "(b gh gw) (bh bw) l -> b (gh bh gw bw) l", b=b, gh=grid[0] // sizes["bh"], **sizes)
+        if mixed is not None and not one_block:  # back to the grid's row-major order
+            mixed = rearrange(mixed, "(b gh gw) (bh bw) l -> b (gh bh gw bw) l", b=b, gh=gh, **sizes)
         out, keep = branch(blk.drop_path1, _attn_out(attn, out, b))
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out
