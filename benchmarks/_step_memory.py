@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -215,8 +216,21 @@ def measure_memory(variant: str, args: argparse.Namespace, progress: Callable[[s
         cmd.append("--no-amp")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"the memory run of {variant} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"the memory run of {variant} on {args.model} {_how_it_ended(proc.returncode)}:\n{proc.stderr[-4000:]}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
     result: dict[str, Any] = json.loads(line)
     return result
 
+
+def _how_it_ended(returncode: int) -> str:
+    """A failed subprocess's end in words: a signal by name, and what a SIGKILL without a traceback usually is."""
+    if returncode >= 0:
+        return f"failed (exit status {returncode})"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if name == "SIGKILL":
+        return ("was killed (SIGKILL), most likely by the kernel's out-of-memory killer (dmesg says): the model is too "
+                "big for this machine's memory at this batch size; use a smaller --batch-size or leave the family out")
+    return f"was killed by {name}"

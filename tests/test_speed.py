@@ -202,3 +202,22 @@ def test_cells_variant_is_the_same_step_on_a_densified_mask(tmp_path: Path) -> N
                          "--warmup", "1", "--repeats", "1", "--variants", "cutmix", "tlalign", "tlalign-cells",
                          "--out", str(tmp_path)])
     assert set(result["steps"]) == {"cutmix", "tlalign", "tlalign-cells"}
+
+
+@pytest.mark.parametrize("returncode, words", [(-9, "out-of-memory killer"), (-11, "SIGSEGV"), (3, "exit status 3")])
+def test_a_failed_memory_run_says_how_it_ended(monkeypatch: pytest.MonkeyPatch, returncode: int, words: str) -> None:
+    """The memory worker runs in a subprocess: one the kernel kills for memory leaves no traceback, so the error
+    must name the signal and the likely cause (seen: convmixer_768_32 at batch 8 on 24 GiB)."""
+    import argparse
+    import subprocess
+
+    from benchmarks import _step_memory
+
+    def killed(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, returncode, stdout="", stderr="profiler_start")
+
+    monkeypatch.setattr(_step_memory.subprocess, "run", killed)
+    args = argparse.Namespace(device="cpu", model="convmixer_768_32", batch_size=8, warmup=1, num_classes=1000, amp=False)
+    with pytest.raises(RuntimeError, match=words) as err:
+        _step_memory.measure_memory("cutmix", args, lambda _: None)
+    assert "convmixer_768_32" in str(err.value)
