@@ -605,9 +605,8 @@ def _weighted_sum(terms: Sequence[tuple[float, Tensor]]) -> Tensor:
 
 def _label_kernel(op: Any, kernels: Kernels, channels: int | None = None) -> Tensor:
     """The label kernel of a path's stride-1 conv: from ``kernels`` (``(channels, 1, kh, kw)`` where ``channels`` is
-    given: ``Kernels.wide``), else ``(kh, kw)`` computed here (a ``KernelConv``)."""
-    if not isinstance(op, nn.Conv2d) and kernels.get(op) is None:  # a KernelConv made after the forward's kernels
-        return kernel_labels(_op_weight(op))
+    given: ``Kernels.wide``), else ``(kh, kw)`` computed here (``Kernels.label_kernel``: a ``KernelConv`` that folds
+    batch norms, or one made after the forward's kernels)."""
     if channels is not None and (wide := kernels.wide(op, channels)) is not None:
         return wide
     return kernels.label_kernel(op)

@@ -51,7 +51,6 @@ from mixlabels.backbones._common import (
     branch,
     check_static_conv,
     conv_aggregate,
-    conv_label_kernel,
     conv_mix,
     explicit_mix,
     mix_token_space,
@@ -198,9 +197,9 @@ class AdaptedDaViT(AdaptedBase):
         tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.stem.conv)
         blocks = [blk for stage in m.stages for blk in _blocks(stage)]
         # the ConvPosEnc kernels computed together; under FSDP2's per-block sharding a block's weights are whole only
-        # inside its forward, so each is computed there
-        kernels = None if any(is_sharded(blk) for blk in blocks) else Kernels(
-            cpe.proj for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None for cpe in (blk.cpe1, blk.cpe2))
+        # inside its forward, so none is held and each is computed there (``Kernels.label_kernel``)
+        kernels = Kernels(() if any(is_sharded(blk) for blk in blocks) else (
+            cpe.proj for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None for cpe in (blk.cpe1, blk.cpe2)))
         layer = 0
         for stage in m.stages:
             if isinstance(stage.downsample, Downsample):
@@ -220,15 +219,14 @@ class AdaptedDaViT(AdaptedBase):
         m: Any = self.model
         return tuple(blk for stage in m.stages for blk in _blocks(stage))
 
-    def _cpe(self, cpe: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None) -> Tensor:
+    def _cpe(self, cpe: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         labels = tracker.labels_for(layer)
         if labels is not None:  # input-independent kernel: a cheap l-channel conv
             conv = cpe.proj
-            kernel = conv_label_kernel(conv.weight) if kernels is None else kernels.label_kernel(conv)
-            tracker.residual(layer, None, mixed=conv_mix(labels, grid, kernel, conv.padding, conv.dilation))
+            tracker.residual(layer, None, mixed=conv_mix(labels, grid, kernels.label_kernel(conv), conv.padding, conv.dilation))
         return cpe(x)  # type: ignore[no-any-return]
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None = None) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         b, c, h, w = x.shape
         shortcut = rearrange(self._cpe(blk.cpe1, x, layer, tracker, grid, kernels), "b c h w -> b (h w) c")
         cur = blk.norm1(shortcut)
