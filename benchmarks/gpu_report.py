@@ -43,6 +43,11 @@ def summarize_gpu_suite(path: Path, note: str | None = None) -> tuple[str, dict[
     """``benchmarks/results/gpu-suite.json`` from one or more suite JSONs: the first run whole, a later run's
     parts replacing the first's (each keeps its own provenance); ``--out`` shown as a user would type it."""
     result = json.loads(path.read_text())
+    tests, log = result.get("parts", {}).get("tests"), path.parent / "gpu_tests.log"
+    if isinstance(tests, dict) and not _missing(tests) and log.is_file():
+        from benchmarks.gpu_suite import outcomes_of
+
+        tests.update(outcomes_of(log.read_text()))  # the log is the record: read by today's parser, not the run's
     prov = dict(result.get("provenance", {}))
     prov["command"] = re.sub(r"--out \S+", "--out runs/gpu", str(prov.get("command", "")))
     return "gpu-suite", {**result, "provenance": prov, "runs": [{"provenance": prov, "note": note or "",
@@ -53,6 +58,8 @@ def merge_gpu_suites(first: dict[str, Any], later: dict[str, Any]) -> dict[str, 
     """``first`` with ``later``'s measured parts (and, for DeiT-S, its modes) in their place."""
     merged = {**first, "parts": dict(first["parts"]), "runs": [*first.get("runs", []), *later.get("runs", [])]}
     for name, part in later["parts"].items():
+        if isinstance(part, dict) and set(part) <= {"skipped", "seconds"}:
+            continue  # the run reached its deadline before this part: it measured nothing to replace a figure with
         if name == "deit" and name in merged["parts"]:
             merged["parts"]["deit"] = {**merged["parts"]["deit"], **{k: v for k, v in part.items() if k != "seconds"}}
         else:
@@ -137,4 +144,25 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
         out.append(f"| {family} | {row['model']} | {c['ms_median']:.2f} | {t['ms_median']:.2f} | {_ratio(t)} | "
                    f"{t['memory_ratio']:.3f} | {t.get('graphs', '-')} | {t.get('graph_breaks', '-')} |")
     out.append("")
-    return out
+    return out + _kernel_rows(deit, families)
+
+
+def _kernel_rows(deit: dict[str, Any], families: dict[str, Any]) -> list[str]:
+    """With ``--profile``: each profiled step's time beside its kernels' time and launches. Where the step takes
+    longer than its kernels, the GPU waited on the host for the difference (launches, library calls, Python)."""
+    rows: list[tuple[str, str, dict[str, Any]]] = []
+    for name, table in [("DeiT-S compiled", deit.get("compiled", {})), *(
+            (f"{row.get('model', family)} compiled", row) for family, row in families.items() if isinstance(row, dict))]:
+        for variant in ("cutmix", "tlalign"):
+            row = table.get(variant) if isinstance(table, dict) else None
+            if isinstance(row, dict) and "kernels" in row and "ms_median" in row:
+                rows.append((name, variant, row))
+    if not rows:
+        return []
+    out = ["### Where a step's time goes (`--profile`: the profiler's kernel time and launches a step)", "",
+           "| model | variant | step ms | kernel ms | launches | step - kernels ms |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, variant, row in rows:
+        k = row["kernels"]
+        out.append(f"| {name} | {variant} | {row['ms_median']:.2f} | {k['per_step_ms']:.2f} | {k['launches_per_step']:.0f} | "
+                   f"{row['ms_median'] - k['per_step_ms']:.2f} |")
+    return [*out, ""]

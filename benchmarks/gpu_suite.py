@@ -180,7 +180,10 @@ def outcomes_of(text: str) -> dict[str, Any]:
     outcomes |= {(kind, test) for test, kind in re.findall(rf"(tests/\S+) +({kinds})\b", text)}  # without xdist
     counts = {kind: sum(1 for k, _ in outcomes if k == kind) for kind in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
     failed = sorted({test for kind, test in outcomes if kind in ("FAILED", "ERROR")})
-    return {"summary": lines[-1] if lines else "", "counts": counts, "failed": failed}
+    # pytest's closing line, or the budget's; a plugin's warning can come after the closing line (pytest-benchmark under xdist)
+    closing = [line for line in lines if re.fullmatch(r"=+ .* in [\d.]+s.* =+", line.strip())]
+    cut = [line for line in lines if line.startswith("TIMED OUT")]
+    return {"summary": (closing or cut or lines or [""])[-1], "counts": counts, "failed": failed}
 
 
 # --------------------------------------------------------------------------- the suite

@@ -101,8 +101,10 @@ def test_test_outcomes_name_the_failures_also_of_a_run_cut_off() -> None:
     assert got["counts"] == {"PASSED": 1, "FAILED": 1, "ERROR": 1, "SKIPPED": 1}
     assert got["failed"] == ["tests/test_a.py::test_y[bf16-a]", "tests/test_b.py::test_w"]
     assert got["summary"] == "TIMED OUT after 120 s"
-    finished = gpu_suite.outcomes_of(cut_off + "\nFAILED tests/test_a.py::test_y[bf16-a] - RuntimeError: lerp\n1 failed, 1 passed")
-    assert finished["counts"]["FAILED"] == 1 and finished["summary"] == "1 failed, 1 passed"
+    closing = "========== 1 failed, 1 passed, 1 skipped, 1 error in 3.10s (0:00:03) =========="
+    finished = gpu_suite.outcomes_of(cut_off.replace("TIMED OUT after 120 s", "") + "\nFAILED tests/test_a.py::test_y[bf16-a] - "
+                                     f"RuntimeError: lerp\n{closing}\n  warner(PytestBenchmarkWarning(text))\n")
+    assert finished["counts"]["FAILED"] == 1 and finished["summary"] == closing  # not a plugin's warning printed after it
     summary = {"parts": {"tests": {"command": "pytest", **got}}}
     assert "Failed: `tests/test_a.py::test_y[bf16-a]`, `tests/test_b.py::test_w`" in summary_table(summary)
 
@@ -140,3 +142,34 @@ def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> Non
     assert "the new run" in (tmp_path / "RESULTS.md").read_text()
     (results / "gpu-suite.json").unlink()
     assert report.main(["--append", *args]) == 2
+
+
+def test_a_part_the_deadline_skipped_keeps_the_earlier_runs_figures() -> None:
+    """A later run that reached its deadline before a part measured nothing there: merging it keeps the earlier
+    figures of that part, and still replaces the parts it did measure."""
+    from benchmarks.gpu_report import merge_gpu_suites
+
+    earlier = {"parts": {"deit": {"eager": {"cutmix": {"ms_median": 1.0}}}, "tests": {"summary": "1 passed"}}, "runs": [{"n": 1}]}
+    later = {"parts": {"deit": {"skipped": "deadline", "seconds": 0.1}, "tests": {"summary": "2 passed"}}, "runs": [{"n": 2}]}
+    merged = merge_gpu_suites(earlier, later)
+    assert merged["parts"]["deit"] == earlier["parts"]["deit"] and merged["parts"]["tests"] == {"summary": "2 passed"}
+    assert merged["runs"] == [{"n": 1}, {"n": 2}]
+
+
+def test_profiled_steps_show_the_time_the_kernels_do_not_account_for() -> None:
+    """With --profile, the summary sets each profiled step beside its kernel time and launches, and their
+    difference (the GPU waiting on the host); a run without profiles adds no such table."""
+    def row(ms: float, kernel_ms: float, launches: int) -> dict[str, Any]:
+        return {"ms_median": ms, "ratio": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "peak_mb": 1.0, "memory_ratio": 1.0,
+                "kernels": {"per_step_ms": kernel_ms, "launches_per_step": launches, "top": []}}
+
+    result = {"parts": {"deit": {"compiled": {"cutmix": row(27.9, 18.6, 816), "tlalign": row(29.3, 18.9, 866)}},
+                        "families": {"resnet": {"model": "resnet18", "cutmix": row(13.25, 9.72, 395),
+                                                "tlalign": row(19.48, 10.40, 529), "seconds": 1.0}}}}
+    text = summary_table(result)
+    assert "| DeiT-S compiled | tlalign | 29.30 | 18.90 | 866 | 10.40 |" in text
+    assert "| resnet18 compiled | cutmix | 13.25 | 9.72 | 395 | 3.53 |" in text
+    for table in (result["parts"]["deit"]["compiled"], result["parts"]["families"]["resnet"]):
+        for variant in ("cutmix", "tlalign"):
+            del table[variant]["kernels"]  # type: ignore[index]
+    assert "Where a step's time goes" not in summary_table(result)
