@@ -54,6 +54,8 @@ import torch.nn.functional as F
 from einops import reduce, repeat
 from torch import Tensor
 
+from mixlabels._label_map import fp32_labels
+
 __all__ = [
     "ROUTES",
     "Route",
@@ -467,7 +469,7 @@ def _attention_matrix(q: Tensor, k: Tensor, scale: float, attn_mask: Tensor | No
 
 def explicit_mix(a: Tensor, labels: Tensor) -> Tensor:
     """``mean_h(a) @ labels`` in fp32 for an attention matrix ``(b, h, n, m)`` that exists anyway."""
-    with torch.autocast(device_type=a.device.type, enabled=False):
+    with fp32_labels(a.device):
         return reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels.detach().float()
 
 
@@ -483,7 +485,7 @@ def class_attention(q: Tensor, k: Tensor, scale: float, index: int = 0, bias: Te
     Returns:
         ``(b, n)`` fp32, no grad, rows sum to 1.
     """
-    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+    with torch.no_grad(), fp32_labels(q.device):
         scores = torch.einsum("bhd,bhnd->bhn", q[:, :, index].float(), k.float()) * scale  # b h n
         if bias is not None:
             scores = scores + bias[..., index, :].float()

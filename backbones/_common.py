@@ -33,6 +33,7 @@ from timm.layers.std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d
 from torchvision.ops import StochasticDepth
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
@@ -427,7 +428,7 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
     Returns:
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
-    with torch.autocast(device_type=labels.device.type, enabled=False):
+    with fp32_labels(labels.device):
         b, n, l = (int(s) for s in labels.shape)
         if n <= _DENSE_CONV_TOKENS:
             y = labels.float()
@@ -497,7 +498,7 @@ def conv_mix_pair(
     Returns:
         ``(b, h*w, l)`` fp32, rows summing to 1 where the inputs' do.
     """
-    with torch.autocast(device_type=first.device.type, enabled=False):
+    with fp32_labels(first.device):
         n = grid[0] * grid[1]
         if n <= _DENSE_CONV_TOKENS:
             kernel = (int(k_first.shape[0]), int(k_first.shape[1]))

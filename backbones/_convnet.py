@@ -72,6 +72,7 @@ from timm.layers.std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, conv_chain, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space, mix_tokens, start_on_windows
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
@@ -545,7 +546,7 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
     """
     if kernels is None:
         kernels = path_kernels([path])
-    with torch.autocast(device_type=labels.device.type, enabled=False):
+    with fp32_labels(labels.device):
         y = labels.float()
         i = 0
         while i < len(path):

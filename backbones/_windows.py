@@ -22,6 +22,8 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mixlabels._label_map import fp32_labels
+
 __all__ = [
     "AxisWindow",
     "axis_windows",
@@ -109,7 +111,7 @@ def apply_separable(labels: Tensor, grid: tuple[int, int], rows: Tensor, cols: T
     """``(A_h (x) A_w) Y``: ``(b, h*w, l) -> (b, i*j, l)`` in two matrix products, in the labels' dtype
     (autocast off: label sums must not drop to half precision)."""
     b, l = labels.shape[0], labels.shape[-1]
-    with torch.autocast(device_type=labels.device.type, enabled=False):
+    with fp32_labels(labels.device):
         # two large matrix products over a transposed copy: an expanded ``bmm`` per (b, h) row instead dispatches
         # fewer operators but runs a batch of thousands of (j, w) x (w, l) products, several times slower on a CPU
         y = rearrange(labels, "b (h w) l -> (b l h) w", h=grid[0]) @ cols.T.to(labels.dtype)  # (b l h) j

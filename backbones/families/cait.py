@@ -34,6 +34,7 @@ from einops import rearrange, reduce
 from timm.models.cait import Cait, ClassAttn, LayerScaleBlock, LayerScaleBlockClassAttn, TalkingHeadAttn
 from torch import Tensor, nn
 
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels, class_attention
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, stride_grid
@@ -152,7 +153,7 @@ class AdaptedCaiT(AdaptedBase):
         a, v = talking_heads(attn, blk.norm1(x))
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
-            with torch.autocast(device_type=y.device.type, enabled=False):
+            with fp32_labels(y.device):
                 patches = talking_heads_label_mix(a, y[:, 1:])
             mixed = torch.cat((y[:, :1], patches), dim=1)  # the class token is not here yet
         out = rearrange(attn.attn_drop(a) @ v, "b h n d -> b n (h d)")

@@ -43,6 +43,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._windows import apply_separable
@@ -251,7 +252,7 @@ class AdaptedCrossViT(AdaptedBase):
         if not attn.fused_attn:
             a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # timm's explicit path
             if y is not None:
-                with torch.autocast(device_type=y.device.type, enabled=False):
+                with fp32_labels(y.device):
                     mixed = a.detach().float().mean(dim=1) @ y[:, seg[0] : seg[1]]
             out = attn.attn_drop(a) @ v
         elif y is not None:
@@ -287,7 +288,7 @@ class AdaptedCrossViT(AdaptedBase):
                 if y is not None:
                     (ci, _), (cj, ej) = segs[i], segs[j]
                     source = torch.cat([y[:, ci : ci + 1], y[:, cj + 1 : ej]], dim=1) if f == 0 else y[:, ci : ci + 1]
-                    with torch.autocast(device_type=y.device.type, enabled=False):
+                    with fp32_labels(y.device):
                         cls = mean[..., : source.shape[1]] @ source  # b 1 l
                     mixed = torch.cat([y[:, :ci], cls, y[:, ci + 1 :]], dim=1)
                 tracker.residual(layer, keep, mixed=mixed)

@@ -51,6 +51,7 @@ from timm.models.efficientformer_v2 import (
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
+from mixlabels._label_map import fp32_labels
 from mixlabels._rules import normalise_rows
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import (
@@ -230,7 +231,7 @@ def _attention_downsample(attn: Any, x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _abs_weights(a: Tensor) -> Tensor:
     """``mean_h Norm(|A'_h|)`` ``(b, n, m)`` fp32: the normalised absolute weights of every head, averaged."""
-    with torch.autocast(device_type=a.device.type, enabled=False):
+    with fp32_labels(a.device):
         return reduce(normalise_rows(a.detach().float().abs()), "b h n m -> b n m", "mean")
 
 
@@ -256,7 +257,7 @@ def _attention2d_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, i
 
 def _downsample_labels(down: Any, a: Tensor, labels: Tensor, grid: tuple[int, int]) -> Tensor:
     """The attention path of an attention ``Downsample``: ``(A Y + W Y) / 2`` on the query grid ``(b, n/4, l)``."""
-    with torch.autocast(device_type=a.device.type, enabled=False):
+    with fp32_labels(a.device):
         attended = reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels
     local = normalise_rows(window_sums(labels, grid, *_windows(down.attn.v_local.conv))[0])
     return (attended + local) / 2

@@ -53,6 +53,7 @@ from timm.models.efficientvit_mit import (
 )
 from torch import Tensor, nn
 
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_stem
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
@@ -168,7 +169,7 @@ def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor
     Returns:
         ``(b, n, l)`` fp32.
     """
-    with torch.no_grad(), torch.autocast(device_type=q.device.type, enabled=False):
+    with torch.no_grad(), fp32_labels(q.device):
         q, k = q.detach().float(), k.detach().float()
         num = q @ (k.transpose(-1, -2) @ values.float())  # b g n l
         den = q @ rearrange(k.sum(dim=2), "b g d -> b g d 1")  # b g n 1: the row sums
@@ -184,7 +185,7 @@ def _v_kernels(mla: Any, conv: nn.Conv2d, dtype: torch.dtype) -> Tensor:
 
 def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
     """``Norm(T(K_g)) Y`` for every head's kernel ``(g, kh, kw)``: ``(b, n, l) -> (b, g, n, l)`` fp32, border-renormalised."""
-    with torch.autocast(device_type=labels.device.type, enabled=False):
+    with fp32_labels(labels.device):
         y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
         k = rearrange(kernels.float(), "g kh kw -> g 1 kh kw")
         mass = F.conv2d(torch.ones_like(y[:1]), k, padding=padding, dilation=dilation)  # 1 g h w
@@ -202,7 +203,7 @@ def _mla_qkv(mla: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _mla_out(mla: Any, q: Tensor, k: Tensor, v: Tensor, grid: tuple[int, int]) -> Tensor:
-    with torch.autocast(device_type=v.device.type, enabled=False):
+    with fp32_labels(v.device):
         out = mla._attn(q, k, v)  # timm's own linear attention
     return mla.proj(rearrange(out, "b g (h w) d -> b (g d) h w", h=grid[0]))  # type: ignore[no-any-return]
 

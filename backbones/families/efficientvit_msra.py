@@ -48,6 +48,7 @@ from timm.models.efficientvit_msra import (
 )
 from torch import Tensor, nn
 
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_convs
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
@@ -178,7 +179,7 @@ def _window_attention(lwa: Any, x: Tensor, labels: Tensor | None, grid: tuple[in
     out = rearrange(out, "(b nh nw) c wh ww -> b c (nh wh) (nw ww)", nh=nh, nw=nw)
     if labels is None:
         return out, None
-    with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
+    with torch.no_grad(), fp32_labels(x.device):
         y = rearrange(labels.float(), "b (nh wh nw ww) l -> (b nh nw) (wh ww) l", nh=nh, wh=ws, nw=nw)
         z: Tensor | None = None
         total = torch.zeros_like(y)

@@ -49,6 +49,7 @@ from timm.models.levit import (
 )
 from torch import Tensor, nn
 
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, mix_token_space, start_on_convs
 from mixlabels.backbones._dense import DenseRules
@@ -206,7 +207,7 @@ class AdaptedLeViT(AdaptedBase):
     @staticmethod
     def _downsample(ds: Any, x: Tensor, tracker: LabelTracker) -> Tensor:
         x, a = _attend(ds.attn_downsample, x)
-        with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
+        with torch.no_grad(), fp32_labels(x.device):
             merge_matrix = reduce(a.detach().float(), "b h q k -> b q k", "mean")
 
         def merge(labels: Tensor) -> Tensor:  # each subsampled query's labels: its attention row over the full grid

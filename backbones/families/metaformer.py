@@ -41,6 +41,7 @@ from timm.layers.norm import LayerNorm2d
 from timm.models.metaformer import Attention, MetaFormer, MetaFormerBlock, Pooling, SepConv
 from torch import Tensor, nn
 
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
@@ -125,7 +126,7 @@ def pooling_mix(labels: Tensor, grid: tuple[int, int], kernel: int) -> Tensor:
     ``own_i Y_i + mean_i (S_i / m_i)``: the window mean is the same average pool timm runs (in-grid taps only, on
     the labels viewed ``(b, l, h, w)``), the two weights constants of the grid, three operators a block.
     """
-    with torch.autocast(device_type=labels.device.type, enabled=False):
+    with fp32_labels(labels.device):
         y = labels.float()
         window_mean = F.avg_pool2d(rearrange(y, "b (h w) l -> b l h w", h=grid[0]), kernel, 1, kernel // 2, count_include_pad=False)
         own, mean = _pooling_weights(grid, kernel, y.device)

@@ -28,6 +28,7 @@ from timm.layers.mlp import Mlp
 from timm.models.mlp_mixer import MixerBlock, MlpMixer
 from torch import Tensor, nn
 
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, mix_tokens, stride_grid
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
@@ -118,7 +119,7 @@ class AdaptedMixer(AdaptedBase):
         """One ``MixerBlock`` with its events (subclasses: other ``MlpMixer`` block types)."""
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
-            with torch.autocast(device_type=y.device.type, enabled=False):
+            with fp32_labels(y.device):
                 mixed = mix_tokens(token_mixing_matrix(blk.mlp_tokens), y)
         out, keep = branch(blk.drop_path, _token_mlp(blk, x))
         tracker.residual(layer, keep, mixed=mixed)

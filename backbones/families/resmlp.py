@@ -24,6 +24,7 @@ from timm.models.mlp_mixer import Affine, ResBlock
 from torch import Tensor, nn
 
 from mixlabels import LabelTracker
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._common import branch, mix_tokens
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_refusal
@@ -76,7 +77,7 @@ class AdaptedResMLP(AdaptedMixer):
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
-            with torch.autocast(device_type=y.device.type, enabled=False):
+            with fp32_labels(y.device):
                 mixed = mix_tokens(linear_mixing_matrix(blk.linear_tokens), y)
         out, keep = branch(blk.drop_path, _linear_tokens(blk, x))
         tracker.residual(layer, keep, mixed=mixed)

@@ -42,6 +42,7 @@ from timm.models.tnt import TNT, Attention, Block, PixelEmbed
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._windows import apply_separable
 from mixlabels.backbones._common import AdaptedBase, branch
@@ -181,7 +182,7 @@ class AdaptedTNT(AdaptedBase):
         a, v = _scores(blk.attn_in, blk.norm_in(pixel))  # (b n) h m m; labels read it before the in-place dropout
         mixed = None
         if y is not None:
-            with torch.autocast(device_type=y.device.type, enabled=False):
+            with fp32_labels(y.device):
                 inner = a.detach().float().mean(dim=1) @ rearrange(y[:, 1 + n :], "b (n m) l -> (b n) m l", m=per)
         out, keep = branch(blk.drop_path, _attn_out(blk.attn_in, a, v))  # keep: per patch, (b n)
         if y is not None:
@@ -203,7 +204,7 @@ class AdaptedTNT(AdaptedBase):
         if tracker.wants_class_attention(layer):
             tracker.class_attention(layer, self._pixel_row(mean[:, 0, 1:], start))
         if y is not None:
-            with torch.autocast(device_type=y.device.type, enabled=False):
+            with fp32_labels(y.device):
                 mixed = torch.cat([mean @ y[:, : 1 + n], y[:, 1 + n :]], dim=1)
         out, keep = branch(blk.drop_path, _attn_out(blk.attn_out, a, v))
         tracker.residual(layer, keep, mixed=mixed)

@@ -41,6 +41,7 @@ from timm.models.volo import VOLO, Attention, ClassAttention, ClassBlock, Downsa
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Readout, TokenLabelMap
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels, class_attention, explicit_mix
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, start_on_windows
@@ -130,7 +131,7 @@ def outlook_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, int]) 
     the head-mean ``(b, n, t, t)`` attentions, one ``fold``: the ones channel's fold is each row's
     in-grid mass, the renormaliser.
     """
-    with torch.no_grad(), torch.autocast(device_type=labels.device.type, enabled=False):
+    with torch.no_grad(), fp32_labels(labels.device):
         b, l = labels.shape[0], labels.shape[-1]
         y = rearrange(labels.float(), "b (h w) l -> b l h w", h=grid[0])
         y = torch.cat([y, y.new_ones(b, 1, *grid)], dim=1)  # the ones channel: the in-grid mass
