@@ -87,7 +87,7 @@ def compiled_pair(
         if deadline.left() < 0:
             raise OutOfTime("while compiling")
         torch._dynamo.reset()
-        compiled = torch.compile(steps.adapted[variant])
+        compiled = torch.compile(steps.adapted[variant], mode=getattr(args, "compile_mode", None))
         t0 = time.perf_counter()
         try:
             with dynamo_stats() as stats:
@@ -110,13 +110,17 @@ def compiled_pair(
 
 def profiled(steps: Steps, calls: dict[str, Callable[[], None]], rows: dict[str, Any], args: argparse.Namespace,
              log: Callable[[str], None]) -> None:
-    """With ``--profile``: each timed row gains its step's ``kernel_table``, and the log its top five kernels."""
+    """With ``--profile``: each timed row gains its step's ``kernel_table``, and the log its top five kernels (and,
+    on a GPU, its top five host calls)."""
     if not getattr(args, "profile", False):
         return
     for name, step in calls.items():
         table = rows[name]["kernels"] = kernel_table(step, steps.device)
         log(f"  {name}: {table['per_step_ms']:.2f} ms of kernels a step, {table['launches_per_step']:.0f} launches; top: "
             + "; ".join(f"{k['ms_per_step']:.2f} ms {k['name'][:60]}" for k in table["top"][:5]))
+        if "host_top" in table:
+            log(f"  {name}: {table['host_ms_per_step']:.2f} ms of host calls a step; top: "
+                + "; ".join(f"{k['ms_per_step']:.2f} ms {k['calls_per_step']:.0f}x {k['name'][:50]}" for k in table["host_top"][:5]))
 
 
 def kernel_table(step: Callable[[], None], device: torch.device, steps: int = 5, top: int = 15) -> dict[str, Any]:
@@ -132,19 +136,28 @@ def kernel_table(step: Callable[[], None], device: torch.device, steps: int = 5,
             step()
         if cuda:
             torch.cuda.synchronize()
-    rows = []
+    rows, host = [], []
     for event in prof.key_averages():
-        if cuda and getattr(getattr(event, "device_type", None), "name", "") != "CUDA":  # kernels, not host calls
+        on_device = getattr(getattr(event, "device_type", None), "name", "") == "CUDA"
+        if cuda and not on_device:  # a host call: what the GPU may wait on
+            if event.self_cpu_time_total > 0:
+                host.append({"name": event.key, "ms_per_step": event.self_cpu_time_total / 1e3 / steps,
+                             "calls_per_step": event.count / steps})
             continue
         us = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
         if us > 0:
             rows.append({"name": event.key, "ms_per_step": us / 1e3 / steps, "calls_per_step": event.count / steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
-    return {
+    host.sort(key=lambda r: -r["ms_per_step"])
+    table: dict[str, Any] = {
         "per_step_ms": sum(r["ms_per_step"] for r in rows),
         "launches_per_step": sum(r["calls_per_step"] for r in rows),
         "top": rows[:top],
     }
+    if cuda:  # the host's own time by operator and runtime call (self time, so nothing counted twice)
+        table["host_ms_per_step"] = sum(r["ms_per_step"] for r in host)
+        table["host_top"] = host[:top]
+    return table
 
 
 def eager_pair(steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None]) -> dict[str, Any]:

@@ -160,9 +160,11 @@ def _kernel_rows(deit: dict[str, Any], families: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     out = ["### Where a step's time goes (`--profile`: the profiler's kernel time and launches a step)", "",
-           "| model | variant | step ms | kernel ms | launches | step - kernels ms |", "| --- | --- | --- | --- | --- | --- |"]
+           "| model | variant | step ms | kernel ms | launches | step - kernels ms | host calls ms |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, variant, row in rows:
         k = row["kernels"]
+        host = f"{k['host_ms_per_step']:.2f}" if "host_ms_per_step" in k else "-"  # profiled since run 6
         out.append(f"| {name} | {variant} | {row['ms_median']:.2f} | {k['per_step_ms']:.2f} | {k['launches_per_step']:.0f} | "
-                   f"{row['ms_median'] - k['per_step_ms']:.2f} |")
+                   f"{row['ms_median'] - k['per_step_ms']:.2f} | {host} |")
     return [*out, ""]

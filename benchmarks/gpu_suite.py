@@ -207,6 +207,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
     p.add_argument("--profile", action="store_true",
                    help="families: after timing, profile each variant's step (kernel time, launches, top kernels)")
+    p.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"], default=None,
+                   help="torch.compile's mode for every compiled step (default: timm's --torchcompile, no mode; "
+                   "reduce-overhead replays CUDA graphs, which take the host's launch time off a step)")
     p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
     p.add_argument("--test-workers", type=int, default=16)

@@ -62,14 +62,15 @@ def step(adapted: nn.Module, images: torch.Tensor, label_map: Any) -> tuple[Any,
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_compiles_whole(family: Any, backend: str, tol: float, device: str = "cpu", route: str | None = None) -> None:
+def check_compiles_whole(family: Any, backend: str, tol: float, device: str = "cpu", route: str | None = None,
+                         mode: str | None = None) -> None:
     if route is not None:
         with attention_route(route):  # type: ignore[arg-type]
-            return check_compiles_whole(family, backend, tol, device)
+            return check_compiles_whole(family, backend, tol, device, mode=mode)
     torch._dynamo.reset()
     model = family.example().to(device).train()
     adapted = backbones.adapt(model, TLAlign())
-    compiled = torch.compile(adapted, backend=backend, fullgraph=True)
+    compiled = torch.compile(adapted, backend=backend, fullgraph=True, mode=mode)
     first, *others = batches(2, device)
     want, want_grads = step(adapted, *first)
     got, got_grads = step(compiled, *first)  # type: ignore[arg-type]
