@@ -436,10 +436,6 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
                 y = mix_tokens(t, y)
             return y
         y = _as_grid(labels.float(), grid)  # a view: channels-last memory
-        if torch.compiler.is_compiling():
-            for kernel, padding, dilation in steps:
-                y = window_conv(y, kernel[0, 0] if kernel.dim() == 4 else kernel, padding, dilation)
-            return _as_tokens(y)
         ones = _ones((1, l, grid[0], grid[1]), labels.device)
         for kernel, padding, dilation in steps:
             # a (kh, kw) kernel, or one already expanded to (l, 1, kh, kw) (``Kernels.wide``, expanded per shape)
@@ -447,40 +443,6 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
             mass = F.conv2d(ones, k, padding=padding, dilation=dilation, groups=l)  # 1 l h w: in-grid tap weight
             y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l) / mass
         return _as_tokens(y)
-
-
-def window_conv(y: Tensor, kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
-    """A stride-1 depthwise conv of every channel by one ``(kh, kw)`` kernel, divided by its in-grid tap weight:
-    ``conv_chain``'s step written as a sum over the windows of a padded view, the form ``torch.compile`` takes.
-
-    A convolution is an external call in a compiled graph, two per step with its mass, and a GPU pays a
-    library call's host time for each (a compiled resnet18 made 40 of them a step, each on a label map of a
-    few channels). As a padding and a weighted sum over windows, inductor generates the step as its own
-    kernels, the division and the in-grid weight fused in. Eager runs keep ``F.conv2d``: the same sum is more
-    operators there.
-
-    Args:
-        y: ``(b, l, h, w)``.
-        kernel: ``(kh, kw)``, the same for every channel.
-
-    Returns:
-        ``(b, l, h', w')`` with ``h' = h + 2 p - d (kh - 1)`` (likewise ``w'``).
-    """
-    b, l, h, w = (int(s) for s in y.shape)
-    kh, kw = int(kernel.shape[0]), int(kernel.shape[1])
-    (ph, pw), (dh, dw) = padding, dilation
-    span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
-    oh, ow = h + 2 * ph - span_h + 1, w + 2 * pw - span_w + 1
-    # b l h' w' kh kw: every output's window, its taps dilation apart (a view of the padded map)
-    windows = F.pad(y, (pw, pw, ph, ph)).unfold(2, span_h, 1).unfold(3, span_w, 1)[..., ::dh, ::dw]
-    k = kernel.to(y)
-    # kh h': whether a tap's row lies in the grid (likewise columns): the in-grid weight without a map of ones
-    rows = torch.arange(oh, device=y.device) + (torch.arange(kh, device=y.device) * dh - ph).unsqueeze(1)
-    cols = torch.arange(ow, device=y.device) + (torch.arange(kw, device=y.device) * dw - pw).unsqueeze(1)
-    row_in = ((rows >= 0) & (rows < h)).to(k)
-    col_in = ((cols >= 0) & (cols < w)).to(k)
-    mass = torch.einsum("uv,ui,vj->ij", k, row_in, col_in)  # h' w'
-    return (windows * k).sum(dim=(-2, -1)) / mass
 
 
 def conv_mix_pair(

@@ -246,48 +246,6 @@ def test_a_conv_chain_equals_the_product_of_its_explicit_matrices() -> None:
     assert_close(_common.conv_chain(labels, grid, steps).double(), expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("grid, kernel, pad, dil", [((9, 10), (3, 3), (1, 1), (1, 1)), ((14, 14), (7, 7), (3, 3), (1, 1)),
-                                                    ((12, 9), (3, 5), (2, 1), (2, 1)), ((9, 9), (1, 1), (0, 0), (1, 1)),
-                                                    ((11, 13), (5, 5), (4, 4), (2, 2))])
-def test_window_conv_equals_the_explicit_matrix(grid: tuple[int, int], kernel: tuple[int, int], pad: tuple[int, int],
-                                                dil: tuple[int, int]) -> None:
-    """``window_conv`` (the compiled form of a conv step: a weighted sum over a padded map's windows, the in-grid
-    weight from row and column masks) against ``Norm(T(kernel))`` in float64, with odd, uneven and dilated
-    kernels and a padding wider than the kernel's reach."""
-    from mixlabels.backbones import _common
-    from mixlabels.backbones._dense import conv_matrix, row_normalise
-
-    g = torch.Generator().manual_seed(kernel[0] * 10 + kernel[1])
-    labels, k = torch.rand(3, grid[0] * grid[1], 2, generator=g), torch.rand(*kernel, generator=g)
-    y = _common.window_conv(_common._as_grid(labels, grid), k, pad, dil)
-    matrix, _ = conv_matrix(grid, k.double(), padding=pad, dilation=dil)
-    assert_close(_common._as_tokens(y).double(), row_normalise(matrix) @ labels.double(), rtol=1e-6, atol=1e-7)
-
-
-def test_a_compiled_conv_chain_makes_no_convolution_and_equals_eager() -> None:
-    """Under ``torch.compile`` a chain's steps are ``window_conv``s: the traced graph calls no convolution (an
-    external library call each in a compiled graph), and inductor's result equals the eager convolutions'."""
-    from mixlabels.backbones import _common
-
-    g, grid = torch.Generator().manual_seed(5), (12, 12)
-    labels = torch.rand(2, grid[0] * grid[1], 3, generator=g)
-    steps = [(torch.rand(3, 3, generator=g), (1, 1), (1, 1)), (torch.rand(3, 3, generator=g).expand(3, 1, 3, 3), (1, 1), (1, 1)),
-             (torch.rand(7, 7, generator=g), (3, 3), (1, 1))]
-    targets: list[object] = []
-
-    def recording(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
-        targets.extend(node.target for node in gm.graph.nodes)
-        return gm.forward
-
-    torch._dynamo.reset()
-    traced = torch.compile(_common.conv_chain, backend=recording, fullgraph=True)(labels, grid, steps)
-    assert targets and not [t for t in targets if "conv" in str(t)]
-    eager = _common.conv_chain(labels, grid, steps)
-    assert_close(traced, eager, rtol=1e-6, atol=1e-7)
-    torch._dynamo.reset()
-    assert_close(torch.compile(_common.conv_chain, fullgraph=True)(labels, grid, steps), eager, rtol=1e-6, atol=1e-7)
-
-
 def test_label_kernels_of_many_shapes_equal_each_weights_own() -> None:
     """``label_kernels`` reduces weights of one tap count together (a stack per shape, or rows of every shape
     normalised together and a mean per shape): every result equals ``kernel_labels`` of that weight alone, in the
