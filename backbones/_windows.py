@@ -96,14 +96,17 @@ def chain_matrices(
     of ``Norm(W)``); otherwise the product of the 0/1 matrices (plain sums).
     """
     mats: list[Tensor] = []
-    for axis in (0, 1):
-        total = torch.eye(grid[axis])
-        for window in windows:
-            m = axis_matrix(total.shape[0], window[axis])
-            if normalise:
-                m = m / m.sum(dim=-1, keepdim=True).clamp_min(1.0)
-            total = m @ total
-        mats.append(total.to(device))
+    # built on the CPU with autocast off: under a caller's CPU autocast the products would run in bf16, and the
+    # rounded matrices would stay in the cache for every later step, fp32 ones included
+    with fp32_labels(torch.device("cpu")):
+        for axis in (0, 1):
+            total = torch.eye(grid[axis])
+            for window in windows:
+                m = axis_matrix(total.shape[0], window[axis])
+                if normalise:
+                    m = m / m.sum(dim=-1, keepdim=True).clamp_min(1.0)
+                total = m @ total
+            mats.append(total.to(device))
     return mats[0], mats[1]
 
 

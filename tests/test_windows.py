@@ -138,6 +138,23 @@ def test_label_map_weights_and_targets_stay_fp32_under_autocast() -> None:
             assert torch.equal(got, want)
 
 
+def test_cached_window_matrices_are_fp32_also_when_first_built_under_autocast() -> None:
+    """``chain_matrices`` is cached: built first inside a caller's bf16 autocast, its products must not round, or
+    every later step reads the rounded matrices (found as the digest changing senet's fast path after a bf16
+    test had run in the same process)."""
+    grid, run = (19, 23), (axis_windows((3, 3), (2, 2), (1, 1)), axis_windows((3, 3), (1, 1), (1, 1)))
+    chain_matrices.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under = [m.clone() for m in chain_matrices(grid, run, True, torch.device("cpu"))]
+        chain_matrices.cache_clear()
+        plain = chain_matrices(grid, run, True, torch.device("cpu"))
+    finally:
+        chain_matrices.cache_clear()
+    for got, want in zip(under, plain):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_window_weights_refuse_wrong_shapes() -> None:
     lm = TokenLabelMap.unmixed(torch.tensor([0, 1]), 3, (8, 8))
     rows, cols = chain_matrices((8, 8), (axis_windows((3, 3), (2, 2), (1, 1)),), True, torch.device("cpu"))
