@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["summary_table", "gpu_section", "summarize_gpu_suite", "render_gpu_suite"]
+__all__ = ["summary_table", "gpu_section", "outcomes_of", "summarize_gpu_suite", "render_gpu_suite"]
 
 
 def _ratio(row: dict[str, Any]) -> str:
@@ -39,14 +39,27 @@ def _rows(table: dict[str, Any], memory: bool = False) -> list[str]:
     return lines
 
 
+def outcomes_of(text: str) -> dict[str, Any]:
+    """pytest -v output: its last line, the count of each outcome printed so far, and the failed or erroring tests
+    by id (one line each, printed as they end: also where the run was cut off before its summary)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    kinds = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+    outcomes = set(re.findall(rf"\b({kinds}) +(tests/\S+)", text))  # xdist's order, and the -rfE summary's
+    outcomes |= {(kind, test) for test, kind in re.findall(rf"(tests/\S+) +({kinds})\b", text)}  # without xdist
+    counts = {kind: sum(1 for k, _ in outcomes if k == kind) for kind in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    failed = sorted({test for kind, test in outcomes if kind in ("FAILED", "ERROR")})
+    # pytest's closing line, or the budget's; a plugin's warning can come after the closing line (pytest-benchmark under xdist)
+    closing = [line for line in lines if re.fullmatch(r"=+ .* in [\d.]+s.* =+", line.strip())]
+    cut = [line for line in lines if line.startswith("TIMED OUT")]
+    return {"summary": (closing or cut or lines or [""])[-1], "counts": counts, "failed": failed}
+
+
 def summarize_gpu_suite(path: Path, note: str | None = None) -> tuple[str, dict[str, Any]]:
     """``benchmarks/results/gpu-suite.json`` from one or more suite JSONs: the first run whole, a later run's
     parts replacing the first's (each keeps its own provenance); ``--out`` shown as a user would type it."""
     result = json.loads(path.read_text())
     tests, log = result.get("parts", {}).get("tests"), path.parent / "gpu_tests.log"
     if isinstance(tests, dict) and not _missing(tests) and log.is_file():
-        from benchmarks.gpu_suite import outcomes_of
-
         tests.update(outcomes_of(log.read_text()))  # the log is the record: read by today's parser, not the run's
     prov = dict(result.get("provenance", {}))
     prov["command"] = re.sub(r"--out \S+", "--out runs/gpu", str(prov.get("command", "")))

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ from benchmarks._gpu_steps import Steps, compiled_pair, eager_pair, timed_with_m
 from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds
 from benchmarks._mixer_timing import measure_mixers as time_mixers
 from benchmarks._provenance import finish, provenance
+from benchmarks.gpu_report import outcomes_of, summary_table
 
 PARTS = ("routes", "deit", "mixers", "tests", "families")
 CUDA_TESTS = ("tests/test_attention.py", "tests/test_backbones_cuda.py", "tests/test_compile_cuda.py")
@@ -171,21 +171,6 @@ def run_tests(args: argparse.Namespace, deadline: Deadline, out: Path) -> dict[s
     return {"command": " ".join(cmd[1:]), "returncode": code, **outcomes_of(str(text))}
 
 
-def outcomes_of(text: str) -> dict[str, Any]:
-    """pytest -v output: its last line, the count of each outcome printed so far, and the failed or erroring tests
-    by id (one line each, printed as they end: also where the run was cut off before its summary)."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    kinds = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
-    outcomes = set(re.findall(rf"\b({kinds}) +(tests/\S+)", text))  # xdist's order, and the -rfE summary's
-    outcomes |= {(kind, test) for test, kind in re.findall(rf"(tests/\S+) +({kinds})\b", text)}  # without xdist
-    counts = {kind: sum(1 for k, _ in outcomes if k == kind) for kind in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
-    failed = sorted({test for kind, test in outcomes if kind in ("FAILED", "ERROR")})
-    # pytest's closing line, or the budget's; a plugin's warning can come after the closing line (pytest-benchmark under xdist)
-    closing = [line for line in lines if re.fullmatch(r"=+ .* in [\d.]+s.* =+", line.strip())]
-    cut = [line for line in lines if line.startswith("TIMED OUT")]
-    return {"summary": (closing or cut or lines or [""])[-1], "counts": counts, "failed": failed}
-
-
 # --------------------------------------------------------------------------- the suite
 
 
@@ -269,8 +254,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         log(f"{part} done in {slot['seconds']:.0f} s")
     result["provenance"] = finish(result["provenance"])
     save()
-    from benchmarks.gpu_report import summary_table
-
     print(summary_table(result))
     return result
 
