@@ -40,8 +40,9 @@ def _rows(table: dict[str, Any], memory: bool = False) -> list[str]:
 
 
 def outcomes_of(text: str) -> dict[str, Any]:
-    """pytest -v output: its last line, the count of each outcome printed so far, and the failed or erroring tests
-    by id (one line each, printed as they end: also where the run was cut off before its summary)."""
+    """pytest -v output: its closing line (or the budget's ``TIMED OUT`` line, or else its last), the count of each
+    outcome printed so far, and the failed or erroring tests by id (one line each, printed as they end: also where
+    the run was cut off before its summary)."""
     lines = [line for line in text.splitlines() if line.strip()]
     kinds = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
     outcomes = set(re.findall(rf"\b({kinds}) +(tests/\S+)", text))  # xdist's order, and the -rfE summary's
@@ -177,7 +178,7 @@ def _kernel_rows(deit: dict[str, Any], families: dict[str, Any]) -> list[str]:
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, variant, row in rows:
         k = row["kernels"]
-        host = f"{k['host_ms_per_step']:.2f}" if "host_ms_per_step" in k else "-"  # profiled since run 6
+        host = f"{k['host_ms_per_step']:.2f}" if "host_ms_per_step" in k else "-"  # runs before the host profile: none
         out.append(f"| {name} | {variant} | {row['ms_median']:.2f} | {k['per_step_ms']:.2f} | {k['launches_per_step']:.0f} | "
                    f"{row['ms_median'] - k['per_step_ms']:.2f} | {host} |")
     return [*out, ""]

@@ -2,7 +2,8 @@
 
 The CUDA attention routes pick their kernel outside the trace (a constant of it); this checks that
 the compiled step runs that route's kernels and computes what eager computes, for a family of each
-kind of label path. Skipped without CUDA (``benchmarks/gpu_suite.py`` runs it on a lent GPU).
+kind of label path, also under CUDA graphs (``mode="reduce-overhead"``), and that the GPU suite's compiled,
+profiled step runs there. Skipped without CUDA (``benchmarks/gpu_suite.py`` runs it on a lent GPU).
 """
 
 from __future__ import annotations
