@@ -21,6 +21,7 @@ convolutional or MLP token mix here:
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -37,7 +38,9 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
-from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_windows, chain_matrices, window_sums
+from mixlabels.backbones._windows import (
+    AxisWindow, apply_separable, as_grid, as_tokens, average_windows, axis_out, axis_windows, chain_matrices, mix_tokens, window_sums,
+)
 
 __all__ = [
     "AdaptedBase",
@@ -52,8 +55,9 @@ __all__ = [
     "depthwise_route",
     "mix_tokens",
     "conv_mix",
+    "conv_steps_on_grid",
     "conv_mix_pair",
-    "sum_pool_merge",
+    "mean_pool_merge",
     "conv_aggregate",
     "start_on_stem",
     "start_on_windows",
@@ -274,12 +278,36 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 # each shape's weights are consecutive rows: a (count, o i, t) view and a parallel mean per shape.
                 # Not segment_reduce: its CUDA kernel loops over a segment in one thread per output (a 512x512
                 # conv's 262144 rows in sequence), tens of milliseconds a step where this takes microseconds
-                runs = torch.split(rows.div_(sums), [len(same) * shape[0] * shape[1] for shape, same in shapes.items()])
-                per_shape = [run.view(len(same), -1, kh * kw).mean(dim=1) for run, same in zip(runs, shapes.values())]
-                means = torch.cat(per_shape).view(-1, kh, kw)
+                counts = tuple(shape[0] * shape[1] for shape, same in shapes.items() for _ in same)  # rows per weight
+                if len(counts) * int(rows.shape[0]) <= _MEAN_MATRIX_ENTRIES:  # one product: depthwise convs, as a rule
+                    means = (_mean_matrix(counts, rows.device) @ rows.div_(sums)).view(-1, kh, kw)
+                else:
+                    runs = torch.split(rows.div_(sums), [len(same) * shape[0] * shape[1] for shape, same in shapes.items()])
+                    per_shape = [run.view(len(same), -1, kh * kw).mean(dim=1) for run, same in zip(runs, shapes.values())]
+                    means = torch.cat(per_shape).view(-1, kh, kw)
             for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]
+
+
+_MEAN_MATRIX_ENTRIES = 2**20
+"""``label_kernels`` averages the tap rows of weights of several shapes by one product with ``_mean_matrix``
+(``(g, sum o*i)``, cached) while it has at most this many entries (4 MiB): a ConvNeXt's or an EfficientNet's
+depthwise convs (a few thousand rows) in one operator where a view and a mean per shape and their concatenation
+take two per shape and two more; a ResNet's full 3x3 convs (1.5M rows) keep the means per shape."""
+
+
+@functools.lru_cache(maxsize=64)
+def _mean_matrix(counts: tuple[int, ...], device: torch.device) -> Tensor:
+    """``(g, sum(counts))`` fp32: row ``k`` is ``1 / counts[k]`` on the ``counts[k]`` consecutive columns of weight ``k``
+    (its rows among all weights' tap rows), 0 elsewhere: the matrix of the per-weight means. Built by comparisons
+    from static bounds, so ``torch.compile`` traces it without a data-dependent shape (it ignores the cache)."""
+    ends = list(itertools.accumulate(counts))
+    starts = torch.tensor([e - c for e, c in zip(ends, counts)], device=device)
+    stops = torch.tensor(ends, device=device)
+    cols = torch.arange(ends[-1], device=device)
+    inside = (cols >= starts[:, None]) & (cols < stops[:, None])  # g R
+    return inside.to(torch.float32) / torch.tensor(counts, device=device, dtype=torch.float32)[:, None]
 
 
 def _tap_rows(weights: Sequence[Tensor], per_shape: Sequence[int], per_tail: Sequence[int], taps: int) -> Tensor:
@@ -306,15 +334,6 @@ def _runs(items: Sequence[Tensor], lengths: Sequence[int]) -> list[list[Tensor]]
         runs.append(list(items[k : k + n]))
         k += n
     return runs
-
-
-def mix_tokens(matrix: Tensor, labels: Tensor) -> Tensor:
-    """``matrix @ labels`` for one ``(n, m)`` matrix shared by the batch and labels ``(b, m, l)``: ``(b, n, l)``.
-
-    ``@`` broadcasts a matrix over a batch in seven operators (views, an expand, a transpose, the product);
-    an expanded ``bmm`` is two, and multiplies the same rows.
-    """
-    return torch.bmm(matrix.expand(labels.shape[0], -1, -1), labels)
 
 
 def conv_label_kernel(weight: Tensor) -> Tensor:
@@ -378,23 +397,6 @@ def depthwise_route(grid: tuple[int, int]) -> bool:
     return grid[0] * grid[1] > _DENSE_CONV_TOKENS
 
 
-def _as_grid(labels: Tensor, grid: tuple[int, int]) -> Tensor:
-    """``rearrange(labels, "b (h w) l -> b l h w")`` as one strided view (einops' view and permute are two operators)."""
-    b, n, l = labels.shape
-    sb, sn, sl = labels.stride()
-    return labels.as_strided((b, l, grid[0], grid[1]), (sb, sl, sn * grid[1], sn))  # the storage offset: the input's
-
-
-def _as_tokens(y: Tensor) -> Tensor:
-    """``rearrange(y, "b l h w -> b (h w) l")``: one strided view where ``h`` and ``w`` merge (a convolution's
-    output in ``_as_grid``'s layout), einops otherwise."""
-    b, l, h, w = y.shape
-    sb, sl, sh, sw = y.stride()
-    if sh != sw * w:
-        return rearrange(y, "b l h w -> b (h w) l")
-    return y.as_strided((b, h * w, l), (sb, sw, sl))
-
-
 def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: torch.device) -> list[Tensor]:
     """``Norm(T(kernel))`` ``(n, n)`` fp32 of every step on a small grid, from the cached tap matrices.
 
@@ -417,32 +419,44 @@ def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: to
     return out
 
 
-def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:
+def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep], masses: Sequence[Tensor | None] | None = None) -> Tensor:
     """``conv_mix`` of consecutive stride-1 convs on one grid.
 
     Small grids build each ``T(kernel)`` from cached tap matrices. Larger ones run the labels, viewed
-    ``(b, l, h, w)`` in place (channels-last memory, no copy), through one depthwise convolution per step
-    (a group per label channel), each divided by its in-grid tap weight: four operators a step, and the
-    two layout views once for the whole chain rather than per conv.
+    ``(b, l, h, w)`` in place (channels-last memory, no copy), through ``conv_steps_on_grid``, the two layout
+    views once for the whole chain rather than per conv. ``masses``: ``conv_steps_on_grid``'s.
 
     Returns:
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
     with fp32_labels(labels.device):
-        b, n, l = (int(s) for s in labels.shape)
-        if n <= _DENSE_CONV_TOKENS:
+        if int(labels.shape[1]) <= _DENSE_CONV_TOKENS:
             y = labels.float()
             for t in _chain_matrices(grid, steps, labels.device):
                 y = mix_tokens(t, y)
             return y
-        y = _as_grid(labels.float(), grid)  # a view: channels-last memory
-        ones = _ones((1, l, grid[0], grid[1]), labels.device)
-        for kernel, padding, dilation in steps:
+        return as_tokens(conv_steps_on_grid(as_grid(labels.float(), grid), steps, masses))
+
+
+def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Tensor | None] | None = None) -> Tensor:
+    """Labels viewed ``(b, l, h, w)`` (``as_grid``) through one depthwise convolution per step (a group per label
+    channel), each divided by its in-grid tap weight: three operators a step, two where ``masses`` holds the step's
+    tap weight ``(1, h, w)`` already (``Kernels.mass``: computed for many convs in one call).
+
+    Returns:
+        ``(b, l, h, w)`` fp32 in the input's memory layout, rows summing to 1 where the input's do.
+    """
+    with fp32_labels(y.device):
+        _, l, h, w = (int(s) for s in y.shape)
+        ones = _ones((1, l, h, w), y.device)
+        for i, (kernel, padding, dilation) in enumerate(steps):
             # a (kh, kw) kernel, or one already expanded to (l, 1, kh, kw) (``Kernels.wide``, expanded per shape)
             k = kernel.to(y) if kernel.dim() == 4 else kernel.to(y).expand(l, 1, int(kernel.shape[0]), int(kernel.shape[1]))
-            mass = F.conv2d(ones, k, padding=padding, dilation=dilation, groups=l)  # 1 l h w: in-grid tap weight
+            mass = masses[i] if masses is not None else None
+            if mass is None:
+                mass = F.conv2d(ones, k, padding=padding, dilation=dilation, groups=l)  # 1 l h w: in-grid tap weight
             y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l) / mass
-        return _as_tokens(y)
+        return y
 
 
 def conv_mix_pair(
@@ -483,21 +497,23 @@ def pool_labels(labels: Tensor, grid: tuple[int, int], kernel: tuple[int, int], 
     return window_sums(labels, grid, kernel, stride, padding)
 
 
-def sum_pool_merge(grid: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int] = (0, 0)) -> tuple[Callable[[Tensor], Tensor], tuple[int, int]]:
-    """The ``aggregate`` merge of a strided window over ``grid``, and the grid it produces."""
-    out = tuple((g + 2 * p - k) // s + 1 for g, k, s, p in zip(grid, kernel, stride, padding))
+def mean_pool_merge(grid: tuple[int, int], kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int] = (0, 0)) -> tuple[Callable[[Tensor], Tensor], tuple[int, int]]:
+    """The ``aggregate`` merge of a strided window over ``grid``, and the grid it produces. The merge averages the
+    labels over each window's in-grid positions (``average_windows``: pooled where it can be), which keeps every row's
+    sum: pass ``normalised=True`` to ``aggregate``."""
+    axes = (axis_windows(kernel, stride, padding),)
 
     def merge(labels: Tensor) -> Tensor:
-        return pool_labels(labels, grid, kernel, stride, padding)[0]
+        return average_windows(labels, grid, axes)[0]
 
-    return merge, (int(out[0]), int(out[1]))
+    return merge, (axis_out(grid[0], axes[0][0]), axis_out(grid[1], axes[0][1]))
 
 
 def conv_aggregate(tracker: LabelTracker, grid: tuple[int, int], conv: Any) -> tuple[int, int]:
     """The ``aggregate`` event of a strided conv (downsampling, a stem) over ``grid``: labels summed
-    over each of its windows. Returns the grid it produces."""
-    merge, out = sum_pool_merge(grid, conv.kernel_size, conv.stride, conv.padding)
-    tracker.aggregate(merge)
+    over each of its windows (averaged, rows kept). Returns the grid it produces."""
+    merge, out = mean_pool_merge(grid, conv.kernel_size, conv.stride, conv.padding)
+    tracker.aggregate(merge, normalised=True)
     return out
 
 

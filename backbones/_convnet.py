@@ -42,7 +42,6 @@ Shapes: ``b`` batch, ``n`` positions (row-major over a grid ``h w``), ``l`` labe
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,9 +73,15 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, conv_chain, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space, mix_tokens, start_on_windows
+from mixlabels.backbones._common import (
+    AdaptedBase, _ones, conv_chain, conv_steps_on_grid, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
+    start_on_windows,
+)
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
-from mixlabels.backbones._windows import AxisWindow, apply_separable, axis_out, axis_windows, chain_matrices, same_axis_windows
+from mixlabels.backbones._windows import (
+    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, pool_ceil_mode, pool_on_grid,
+    same_axis_windows, window_route,
+)
 from mixlabels.backbones._reparam import Scales, scales_of
 
 __all__ = [
@@ -84,6 +89,7 @@ __all__ = [
     "Parallel",
     "CrossPart",
     "KernelConv",
+    "KernelBatch",
     "window_axes",
     "Path",
     "path_convs",
@@ -150,6 +156,19 @@ class Window:
 
 
 @dataclass(frozen=True, eq=False)
+class KernelBatch:
+    """A ``KernelConv``'s kernel as one of many built in one pass: ``build(modules, scales)`` returns the kernels of
+    several such modules (one family's reparameterised blocks) as ``kernel(scales)`` would, bit for bit (the same
+    elementwise operations on their weights concatenated along output channels: a few operators for all of them,
+    instead of several per conv). Convs whose ``key`` is equal (the builder, and what it needs alike: kernel shape,
+    which norms fold, dtype, device) are built together."""
+
+    key: tuple[Any, ...]
+    module: nn.Module
+    build: Callable[[Sequence[nn.Module], Scales], list[Tensor]]
+
+
+@dataclass(frozen=True, eq=False)
 class KernelConv:
     """A stride-1 conv whose kernel or static geometry no single ``nn.Conv2d`` holds: parallel branches summed at
     the same positions (RepVGG-style kxk, 1x1 and identity, each with its norm: one conv with the summed kernel, as
@@ -162,9 +181,11 @@ class KernelConv:
     dilation: tuple[int, int] = (1, 1)
     norms: tuple[nn.Module, ...] = ()
     """The batch norms whose fold scales the kernel reads (``_reparam.Scales``): ``Kernels`` computes those of all
-    its convs in one pass. Their running statistics move in a training forward: ``AdaptedConvNet`` reads such a
-    kernel as its path applies (after its block's forward, as the reference does), FastViT all of them before any
-    of their blocks runs (each block's kernel is read before its forward there)."""
+    its convs in one pass. Their running statistics move in a training forward, in their own block only:
+    ``AdaptedConvNet`` reads such kernels after the whole forward (what the reference reads right after each block),
+    FastViT all of them before any of their blocks runs (each block's kernel is read before its forward there)."""
+    batch: KernelBatch | None = None
+    """How the kernel is built together with others alike (``conv_weights``); ``None``: alone."""
 
     @property
     def weight(self) -> Tensor:
@@ -451,27 +472,6 @@ def path_convs(path: Path) -> Iterator[nn.Conv2d | KernelConv]:
             yield op
 
 
-_DENSE_WINDOW_PRODUCTS = 2**19
-"""A run of windows whose dense ``(n', n)`` matrix, applied to the whole batch, makes at most this many position
-pairs (``b n' n``) is that one cached matrix and one batched product (two operators); a larger one is separable
-(a product per axis). The batched product reads the whole matrix once per sample: on 2 CPU cores a ResNet's
-56x56 -> 28x28 window (2.5M pairs) took 15 ms at batch 8 and 240 ms at batch 128 that way, 0.4 and 1.6 ms
-separable; 14x14 -> 7x7 (9.6k pairs) 0.07 ms dense at batch 8 against 0.17 separable, and 0.9 against 0.3 at 128
-(``window_route`` decides; its test holds these sizes)."""
-
-
-def window_route(batch: int, grid: tuple[int, int], out: tuple[int, int]) -> str:
-    """``"dense"`` or ``"separable"``: how ``apply_path`` applies a run of windows from ``grid`` to ``out``."""
-    return "dense" if batch * out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_PRODUCTS else "separable"
-
-
-@functools.lru_cache(maxsize=128)
-def _window_kron(grid: tuple[int, int], axes: tuple[tuple[AxisWindow, AxisWindow], ...], device: torch.device) -> Tensor:
-    """``Norm(A_h) (x) Norm(A_w)``: a run of windows as one ``(n', n)`` fp32 matrix (shapes only: cached)."""
-    rows, cols = chain_matrices(grid, axes, True, device)
-    return torch.kron(rows, cols)
-
-
 class Kernels:
     """The label kernels ``(kh, kw)`` of a forward's stride-1 convs, by conv, computed together (``label_kernels``)
     on the first read: once per forward rather than a few operators per conv as each block is reached, and not at
@@ -481,6 +481,8 @@ class Kernels:
         self._convs = list(dict.fromkeys(convs))
         self._kernels: dict[nn.Module | KernelConv, Tensor] | None = None
         self._wide: dict[tuple[nn.Module | KernelConv, int], Tensor] = {}
+        self._mass: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
+        self._stacks: dict[tuple[Any, ...], tuple[list[nn.Module | KernelConv], Tensor | None]] = {}
 
     def get(self, conv: nn.Module | KernelConv) -> Tensor | None:
         if self._kernels is None:
@@ -493,35 +495,93 @@ class Kernels:
         kernel = self.get(conv)
         return kernel_labels(_op_weight(conv)) if kernel is None else kernel
 
-    def wide(self, conv: nn.Module | KernelConv, channels: int) -> Tensor | None:
-        """``get(conv)`` expanded to the depthwise weight ``(channels, 1, kh, kw)`` ``conv_chain`` convolves labels with.
+    def _stack(self, key: tuple[Any, ...], members: list[nn.Module | KernelConv]) -> tuple[list[nn.Module | KernelConv], Tensor | None]:
+        """The kernels of ``members`` stacked ``(g, 1, kh, kw)`` (a stack and a view, once per forward and ``key``), or
+        ``None`` where they are fewer than ``_WIDE_GROUP`` (then one operator per conv costs less)."""
+        if key not in self._stacks:
+            assert self._kernels is not None
+            stacked = torch.stack([self._kernels[c] for c in members]).unsqueeze(1) if len(members) >= _WIDE_GROUP else None
+            self._stacks[key] = (members, stacked)
+        return self._stacks[key]
 
-        Kernels of one shape are expanded together (a stack, a view, an expand and an unbind: four operators per
-        shape, not one per conv), where a shape has at least ``_WIDE_GROUP`` convs.
+    def _alike(self, kernel: Tensor, conv: nn.Module | KernelConv, geometry: bool) -> tuple[tuple[Any, ...], list[nn.Module | KernelConv]]:
+        """The convs whose kernels have ``kernel``'s shape (and, with ``geometry``, ``conv``'s padding and dilation),
+        and the key of their stack: one stack serves both where all of a shape share their geometry."""
+        assert self._kernels is not None
+        same = [c for c, k in self._kernels.items() if k.shape == kernel.shape]
+        if geometry:
+            alike = [c for c in same if _geometry(c) == _geometry(conv)]
+            if len(alike) < len(same):
+                return (tuple(kernel.shape), _geometry(conv)), alike
+        return (tuple(kernel.shape),), same
+
+    def wide(self, conv: nn.Module | KernelConv, channels: int) -> Tensor | None:
+        """``get(conv)`` expanded to the depthwise weight ``(channels, 1, kh, kw)`` ``conv_steps_on_grid`` convolves
+        labels with.
+
+        Kernels of one shape are expanded together (a stack and a view shared with ``mass``, an expand and an
+        unbind: not one operator per conv), where a shape has at least ``_WIDE_GROUP`` convs.
         """
         kernel = self.get(conv)
         if kernel is None:
             return None
         if (conv, channels) not in self._wide:
-            assert self._kernels is not None
-            same = [c for c, k in self._kernels.items() if k.shape == kernel.shape]
             kh, kw = int(kernel.shape[0]), int(kernel.shape[1])
-            if len(same) < _WIDE_GROUP:
+            same, stacked = self._stack(*self._alike(kernel, conv, geometry=False))
+            if stacked is None:
                 return kernel.expand(channels, 1, kh, kw)
-            stacked = torch.stack([self._kernels[c] for c in same]).view(len(same), 1, 1, kh, kw)
-            self._wide.update(((c, channels), k) for c, k in zip(same, stacked.expand(-1, channels, -1, -1, -1).unbind(0)))
+            expanded = stacked.unsqueeze(1).expand(-1, channels, -1, -1, -1)  # g channels 1 kh kw
+            self._wide.update(((c, channels), k) for c, k in zip(same, expanded.unbind(0)))
         return self._wide[(conv, channels)]
+
+    def mass(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
+        """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
+        fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
+        one grouped convolution of ones (the stack ``wide`` uses, and a conv and an unbind per grid: where a shape
+        has at least ``_WIDE_GROUP`` convs, fewer operators than a conv of ones per step); ``None``: not held here,
+        or too few alike (``conv_steps_on_grid`` then computes it per step)."""
+        kernel = self.get(conv)
+        if kernel is None:
+            return None
+        if (conv, grid) not in self._mass:
+            same, stacked = self._stack(*self._alike(kernel, conv, geometry=True))
+            if stacked is None:
+                return None
+            padding, dilation = _geometry(conv)
+            ones = _ones((1, len(same), grid[0], grid[1]), stacked.device)
+            masses = F.conv2d(ones, stacked, padding=padding, dilation=dilation, groups=len(same))  # 1 g h w
+            self._mass.update(((c, grid), m) for c, m in zip(same, masses.unbind(1)))
+        return self._mass[(conv, grid)]
+
+
+def _geometry(conv: nn.Module | KernelConv) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A stride-1 conv's padding and dilation."""
+    c: Any = conv
+    return _pair(c.padding), _pair(c.dilation)
 
 
 _WIDE_GROUP = 5
-"""Convs of one kernel shape from which ``Kernels.wide`` expands them together (four operators against one each)."""
+"""Convs of one kernel shape (and geometry) from which ``Kernels.wide`` expands them and ``Kernels.mass`` computes their
+tap weights together (a few operators per shape, against one per conv)."""
 
 
 def conv_weights(convs: Sequence[nn.Conv2d | KernelConv]) -> list[Tensor]:
     """The weights ``convs`` convolve with (``effective_weight``; a ``KernelConv``'s kernel), the fold scales of
-    every ``KernelConv``'s norms computed together."""
+    every ``KernelConv``'s norms computed together, and ``KernelConv``\ s of one ``KernelBatch`` key built together."""
     scales = scales_of(n for c in convs if isinstance(c, KernelConv) for n in c.norms)
-    return [c.kernel_with(scales) if isinstance(c, KernelConv) else effective_weight(c) for c in convs]
+    batches: dict[tuple[Any, ...], list[int]] = {}
+    for i, c in enumerate(convs):
+        if isinstance(c, KernelConv) and c.batch is not None:
+            batches.setdefault(c.batch.key, []).append(i)
+    built: dict[int, Tensor] = {}
+    for members in batches.values():
+        if len(members) > 1:
+            first = convs[members[0]]
+            assert isinstance(first, KernelConv) and first.batch is not None
+            modules = [c.batch.module for c in (convs[i] for i in members) if isinstance(c, KernelConv) and c.batch is not None]
+            built.update(zip(members, first.batch.build(modules, scales), strict=True))
+    return [built[i] if i in built else c.kernel_with(scales) if isinstance(c, KernelConv) else effective_weight(c)
+            for i, c in enumerate(convs)]
 
 
 def path_kernels(paths: Iterable[Path]) -> Kernels:
@@ -539,56 +599,89 @@ def block_kernels(tracker: LabelTracker, blocks: Sequence[tuple[Path, Path | Non
 def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kernels | None = None) -> tuple[Tensor, tuple[int, int]]:
     """Labels ``(b, n, l)`` through ``path`` (fp32), rows normalised op by op; and the grid it ends on.
 
-    A run of consecutive windows is one pair of per-axis matrices (``backbones._windows``): a
-    pixel-grid stem's conv and pool windows cost two small matrix products together. A conv's
+    A run of consecutive windows is pooled (one ``avg_pool2d`` a window), or one dense matrix, or one pair of
+    per-axis matrices (``backbones._windows``: a pixel-grid stem's conv and pool windows cost two small matrix
+    products together), as ``window_route`` chooses by size and device. A conv's
     label kernel is read from ``kernels`` where it holds one, else the path's own are computed together here
     (``path_kernels``: a stem's convs, a block's under FSDP2's per-block sharding).
     """
     if kernels is None:
         kernels = path_kernels([path])
     with fp32_labels(labels.device):
-        y = labels.float()
-        i = 0
-        while i < len(path):
-            op = path[i]
-            if isinstance(op, Window):
-                end = i
-                while end < len(path) and isinstance(path[end], Window):
-                    end += 1
-                run, i = [w for w in path[i:end] if isinstance(w, Window)], end
-                axes = window_axes(run, grid)
-                rows, cols = chain_matrices(grid, axes, True, y.device)
-                out = (int(rows.shape[0]), int(cols.shape[0]))
-                if window_route(int(y.shape[0]), grid, out) == "dense":
-                    y = mix_tokens(_window_kron(grid, axes, y.device), y)
-                else:
-                    y = apply_separable(y, grid, rows, cols)
-                grid = out
-            elif isinstance(op, Parallel):
-                out = op.out_grid(grid)
-                y = _weighted_sum(list(zip(op.shares(), _branch_labels(op.branches, y, grid, kernels))))
-                grid = out
-                i += 1
-            else:  # a run of stride-1 convs on one grid: one layout change for the run (``conv_chain``)
-                end = i
-                while end < len(path) and not isinstance(path[end], (Window, Parallel)):
-                    end += 1
-                convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
-                channels = int(y.shape[-1]) if depthwise_route(grid) else None  # expanded kernels for that route
-                y = conv_chain(y, grid, [(_label_kernel(c, kernels, channels), _pair(c.padding), _pair(c.dilation)) for c in convs])
-                i = end
-        return y, grid
+        y, grid = _walk(path, _Labels(labels.float(), False), grid, kernels)
+        return y.tokens(), grid
 
 
-def _branch_labels(branches: Sequence[Path], labels: Tensor, grid: tuple[int, int], kernels: Kernels) -> list[Tensor]:
-    """Each branch's labels (``apply_path``). A branch that extends an earlier one (its ops first, the same modules)
+@dataclass(frozen=True)
+class _Labels:
+    """Labels inside ``apply_path``: ``(b, n, l)``, or viewed ``(b, l, h, w)`` where ``on_grid`` (pooling and depthwise
+    convs read them so). Consecutive ops of one layout share a pair of layout views, taken only where the layout
+    changes: a view is an operator dispatched (no kernel, no copy)."""
+
+    y: Tensor
+    on_grid: bool
+
+    def grid_view(self, grid: tuple[int, int]) -> Tensor:
+        return self.y if self.on_grid else as_grid(self.y, grid)
+
+    def tokens(self) -> Tensor:
+        return as_tokens(self.y) if self.on_grid else self.y
+
+
+def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels) -> tuple[_Labels, tuple[int, int]]:
+    """``apply_path``'s walk, in whichever layout its ops leave the labels."""
+    i = 0
+    while i < len(path):
+        op = path[i]
+        if isinstance(op, Window):
+            end = i
+            while end < len(path) and isinstance(path[end], Window):
+                end += 1
+            run, i = [w for w in path[i:end] if isinstance(w, Window)], end
+            axes = window_axes(run, grid)
+            out = path_grid(tuple(run), grid)
+            ceil_modes = pool_ceil_mode(grid, axes)
+            route = window_route(int(labels.y.shape[0]), grid, out, labels.y.device, ceil_modes is not None)
+            if route == "pooled" and ceil_modes is not None:  # in the grid layout, as depthwise label convs
+                labels = _Labels(pool_on_grid(labels.grid_view(grid), axes, ceil_modes), True)
+            else:
+                labels = _Labels(average_windows(labels.tokens(), grid, axes)[0], False)
+            grid = out
+        elif isinstance(op, Parallel):
+            out = op.out_grid(grid)
+            if depthwise_route(grid) and not labels.on_grid:  # one layout view for all the branches' convs
+                labels = _Labels(labels.grid_view(grid), True)
+            parts = _branch_labels(op.branches, labels, grid, kernels)
+            on_grid = any(p.on_grid for p in parts)  # the sum in the layout most branches end in, as a rule
+            labels = _Labels(_weighted_sum([(s, p.grid_view(out) if on_grid else p.tokens()) for s, p in zip(op.shares(), parts)]), on_grid)
+            grid = out
+            i += 1
+        else:  # a run of stride-1 convs on one grid
+            end = i
+            while end < len(path) and not isinstance(path[end], (Window, Parallel)):
+                end += 1
+            convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
+            i = end
+            if depthwise_route(grid):  # expanded kernels, tap weights computed together where they are
+                channels = int(labels.y.shape[1] if labels.on_grid else labels.y.shape[-1])
+                steps = [(_label_kernel(c, kernels, channels), _pair(c.padding), _pair(c.dilation)) for c in convs]
+                masses = [kernels.mass(c, grid) for c in convs]
+                labels = _Labels(conv_steps_on_grid(labels.grid_view(grid), steps, masses), True)
+            else:
+                steps = [(_label_kernel(c, kernels), _pair(c.padding), _pair(c.dilation)) for c in convs]
+                labels = _Labels(conv_chain(labels.tokens(), grid, steps), False)
+    return labels, grid
+
+
+def _branch_labels(branches: Sequence[Path], labels: _Labels, grid: tuple[int, int], kernels: Kernels) -> list[_Labels]:
+    """Each branch's labels (``_walk``). A branch that extends an earlier one (its ops first, the same modules)
     continues from that branch's labels: where a block joins every intermediate output of one chain (SelecSLS,
     VoVNet's OSA, HGNet's aggregation) the chain's convs run once, not once per output."""
-    done: list[tuple[Path, Tensor, tuple[int, int]]] = []
+    done: list[tuple[Path, _Labels, tuple[int, int]]] = []
     for branch in branches:
         shared = [d for d in done if len(d[0]) <= len(branch) and all(a is b for a, b in zip(d[0], branch))]
         base = max(shared, key=lambda d: len(d[0]), default=((), labels, grid))
-        y, out = apply_path(branch[len(base[0]) :], base[1], base[2], kernels)
+        y, out = _walk(branch[len(base[0]) :], base[1], base[2], kernels)
         done.append((branch, y, out))
     return [y for _, y, _ in done]
 
@@ -664,7 +757,7 @@ def start_on_path(
     tracker, mid = start_on_windows(scheme, label_map, start, depth, windows)
     rest = stem[lead:]
     if rest:
-        tracker.aggregate(lambda y: apply_path(rest, y, mid)[0])
+        tracker.aggregate(lambda y: apply_path(rest, y, mid)[0], normalised=True)
     return tracker
 
 
@@ -679,14 +772,14 @@ def block_labels(
     if shortcut is None:
         if not branch:
             return grid  # channel ops only
-        tracker.aggregate(lambda y: apply_path(branch, y, grid, kernels)[0])
+        tracker.aggregate(lambda y: apply_path(branch, y, grid, kernels)[0], normalised=True)
         return path_grid(branch, grid)
     fork = tracker.fork() if plain else None
     labels, mixed = tracker.labels_for(layer), None
     if labels is not None and branch:
         mixed, _ = apply_path(branch, labels, grid, kernels)
     if shortcut:
-        tracker.aggregate(lambda y: apply_path(shortcut, y, grid, kernels)[0])
+        tracker.aggregate(lambda y: apply_path(shortcut, y, grid, kernels)[0], normalised=True)
     tracker.residual(layer, keep, mixed=mixed)
     if fork is not None:  # the plain channels: the branch alone, aggregating as a block without shortcut does
         tracker.join(fork, plain, merge=lambda y: apply_path(branch, y, grid, kernels)[0], keep=keep)
@@ -779,7 +872,7 @@ class _Pending:
         if self._grid is None:
             return
         path, grid, kernels = tuple(self._path), self._grid, self._kernels
-        self._tracker.aggregate(lambda y: apply_path(path, y, grid, kernels)[0])
+        self._tracker.aggregate(lambda y: apply_path(path, y, grid, kernels)[0], normalised=True)
         self._path, self._grid = [], None
 
 
@@ -848,42 +941,67 @@ class AdaptedConvNet(AdaptedBase):
         return sum(self._depth(u.units) if isinstance(u, CrossPart) else self._is_layer(u) for u in units)
 
     def _walk(
-        self, units: Sequence[nn.Module | CrossPart], x: Tensor, grid: tuple[int, int], layer: int,
-        labels: LabelTracker | DenseRules, kernels: Kernels | None = None, pending: _Pending | None = None,
-        paths: dict[nn.Module, tuple[Path, Path | None]] | None = None,
+        self, units: Sequence[nn.Module | CrossPart], x: Tensor, grid: tuple[int, int], layer: int, rules: DenseRules,
     ) -> tuple[Tensor, tuple[int, int], int]:
-        """The units from ``layer`` on: their forward and their labels' events (the fast path's tracker) or explicit
-        matrices (the reference's ``DenseRules``); the map, its grid, the next layer.
-
-        On the fast path a run of units without shortcut (each aggregates) is one ``aggregate`` of their paths
-        (``_Pending``): their maps are row-stochastic, so the renormalisation between them changes nothing but
-        rounding, and a run of convs or windows costs one layout change and one renormalisation."""
+        """The reference path from ``layer`` on: every unit's forward, then its explicit matrices; the map, its grid,
+        the next layer."""
         for blk in units:
             if isinstance(blk, CrossPart):
-                if pending is not None:
-                    pending.flush()
                 waiting, x = blk.split(x)
-                fork = labels.fork()
-                x, grid, layer = self._walk(blk.units, x, grid, layer, labels, kernels, pending, paths)
-                if pending is not None:
-                    pending.flush()
+                fork = rules.fork()
+                x, grid, layer = self._walk(blk.units, x, grid, layer, rules)
                 x = blk.cat(waiting, x)
-                labels.join(fork, int(waiting.shape[1]) / int(x.shape[1]))
+                rules.join(fork, int(waiting.shape[1]) / int(x.shape[1]))
                 continue
             x, keep = self._block(blk, x)
-            if isinstance(labels, DenseRules):
-                grid = block_labels_reference(labels, layer, grid, *self._paths(blk), keep, plain=self._plain(blk))
-            else:
-                branch, shortcut = self._paths(blk) if paths is None else paths[blk]
-                if shortcut is None and pending is not None:
-                    pending.add(branch, grid)
-                    grid = path_grid(branch, grid)
-                else:
-                    if pending is not None:
-                        pending.flush()
-                    grid = block_labels(labels, layer, grid, branch, shortcut, keep, kernels, plain=self._plain(blk))
+            grid = block_labels_reference(rules, layer, grid, *self._paths(blk), keep, plain=self._plain(blk))
             layer += self._is_layer(blk)
         return x, grid, layer
+
+    def _run(self, units: Sequence[nn.Module | CrossPart], x: Tensor) -> tuple[Tensor, list[Any]]:
+        """The fast path's forward of ``units``, before any label event: the map, and what the events need of it
+        in order, ``(unit, keep)`` per unit (who kept its branch) and ``(cross part, its units' record, the waiting
+        part's share of the channels)``."""
+        ran: list[Any] = []
+        for blk in units:
+            if isinstance(blk, CrossPart):
+                waiting, running = blk.split(x)
+                running, inner = self._run(blk.units, running)
+                x = blk.cat(waiting, running)
+                ran.append((blk, inner, int(waiting.shape[1]) / int(x.shape[1])))
+            else:
+                x, keep = self._block(blk, x)
+                ran.append((blk, keep))
+        return x, ran
+
+    def _events(
+        self, ran: list[Any], grid: tuple[int, int], layer: int, tracker: LabelTracker, kernels: Kernels, pending: _Pending,
+        paths: dict[nn.Module, tuple[Path, Path | None]] | None,
+    ) -> tuple[tuple[int, int], int]:
+        """The label events of the units ``_run`` ran, from ``layer`` on; the grid they end on, the next layer.
+
+        A run of units without shortcut (each aggregates) is one ``aggregate`` of their paths (``_Pending``): their
+        maps are row-stochastic, so the renormalisation between them changes nothing but rounding, and a run of
+        convs or windows costs one layout change."""
+        for item in ran:
+            if isinstance(item[0], CrossPart):
+                _, inner, share = item
+                pending.flush()
+                fork = tracker.fork()
+                grid, layer = self._events(inner, grid, layer, tracker, kernels, pending, paths)
+                pending.flush()
+                tracker.join(fork, share)
+                continue
+            blk, keep = item
+            branch, shortcut = self._paths(blk) if paths is None else paths[blk]
+            if shortcut is None:
+                pending.add(branch, grid)
+                grid = path_grid(branch, grid)
+            else:
+                pending.flush()
+                grid = block_labels(tracker, layer, grid, branch, shortcut, keep, kernels, plain=self._plain(blk))
+            layer += self._is_layer(blk)
+        return grid, layer
 
     def _all_paths(self, units: Sequence[nn.Module | CrossPart]) -> dict[nn.Module, tuple[Path, Path | None]]:
         """Every unit's ``_paths``, made once per forward: the kernels computed together are keyed by the very
@@ -900,14 +1018,15 @@ class AdaptedConvNet(AdaptedBase):
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
         tracker = start_on_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
-        paths = self._all_paths(blocks)
-        convs = (op for pair in paths.values() for p in pair if p for op in path_convs(p))
-        # computed together, on the first conv a path applies. A KernelConv is found again only in the very path made
-        # here; one that folds batch norms is read as its path applies, after its block's forward updated their
-        # running statistics in training (as the reference reads it), not with the others before
-        kernels = Kernels(op for op in convs if not (isinstance(op, KernelConv) and (self._fresh_paths or op.norms)))
+        # every unit's forward first, then the label events: a KernelConv that folds batch norms reads their running
+        # statistics, which a training forward moves in the norms' own block only, so after the whole forward they
+        # are what the reference reads right after that block; all the label kernels are then computed together
+        x, ran = self._run(blocks, x)
+        paths = None if self._fresh_paths else self._all_paths(blocks)  # fresh: asked for per unit, the forward done
+        kernels = Kernels(op for pair in (paths or self._all_paths(blocks)).values() for p in pair if p for op in path_convs(p)
+                          if not (self._fresh_paths and isinstance(op, KernelConv)))  # a fresh path's KernelConv is new
         pending = _Pending(tracker, kernels)
-        x, grid, _ = self._walk(blocks, x, grid, 0, tracker, kernels, pending, None if self._fresh_paths else paths)
+        self._events(ran, grid, 0, tracker, kernels, pending, paths)
         pending.flush()
         tracker.pool("mean", 0)
         output, token_logits = self._head(x)

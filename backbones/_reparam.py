@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Scales", "norm_scales", "scales_of", "scaled", "add_centre"]
+__all__ = ["Scales", "norm_scales", "scales_of", "scaled", "add_centre", "joined", "parted"]
 
 Scales = Mapping[nn.Module, Tensor]
 """Batch norm -> its ``(c,)`` fold scale ``gamma / sqrt(running_var + eps)``, for the norms of one forward."""
@@ -70,6 +70,16 @@ def _running_var(norm: nn.Module) -> Tensor:
 def _gamma(norm: nn.Module) -> Tensor:
     weight = getattr(norm, "weight", None)
     return weight if isinstance(weight, Tensor) else torch.ones_like(_running_var(norm))
+
+
+def joined(parts: Sequence[Tensor]) -> Tensor:
+    """``parts`` concatenated along the first dimension (the one part as itself: no copy to dispatch)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
+def parted(joint: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    """``joined``'s inverse: the parts of ``sizes`` rows, as views."""
+    return [joint] if len(sizes) == 1 else list(torch.split(joint, list(sizes)))
 
 
 def scaled(weight: Tensor, scale: Tensor) -> Tensor:

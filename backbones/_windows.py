@@ -9,6 +9,10 @@ pass per window: on CPU the pixel-grid stems (a ResNet's 7x7 stride-2 conv then 
 max pool, PVT's 7x7 stride-4 patch embedding) cost over ten times less this way, since
 ``avg_pool2d`` with ``divisor_override`` runs a scalar loop over every tap.
 
+Averaged windows (``Norm(W)``, what a merge of labels is) are also one ``avg_pool2d`` each with
+``count_include_pad=False`` (``apply_pooled``): one kernel where the products dispatch about
+fifteen operators, so it is the route on a GPU and, for small inputs, on a CPU (``window_route``).
+
 Shapes: ``b`` batch, ``h w`` the grid (row-major ``n = h*w``), ``i j`` the output grid,
 ``l`` label channels.
 """
@@ -19,6 +23,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
@@ -33,6 +38,14 @@ __all__ = [
     "axis_matrix",
     "chain_matrices",
     "apply_separable",
+    "as_grid",
+    "as_tokens",
+    "pool_ceil_mode",
+    "apply_pooled",
+    "pool_on_grid",
+    "window_route",
+    "mix_tokens",
+    "average_windows",
     "window_sums",
     "axes_sums",
 ]
@@ -120,6 +133,124 @@ def apply_separable(labels: Tensor, grid: tuple[int, int], rows: Tensor, cols: T
         y = rearrange(labels, "b (h w) l -> (b l h) w", h=grid[0]) @ cols.T.to(labels.dtype)  # (b l h) j
         y = rows.to(labels.dtype) @ rearrange(y, "(b l h) j -> (b l) h j", b=b, l=l)  # (b l) i j
         return rearrange(y, "(b l) i j -> b (i j) l", b=b)
+
+
+def as_grid(labels: Tensor, grid: tuple[int, int]) -> Tensor:
+    """``rearrange(labels, "b (h w) l -> b l h w")`` as one strided view (einops' view and permute are two operators):
+    channels-last memory where ``labels`` are contiguous."""
+    b, n, l = labels.shape
+    sb, sn, sl = labels.stride()
+    return labels.as_strided((b, l, grid[0], grid[1]), (sb, sl, sn * grid[1], sn))  # the storage offset: the input's
+
+
+def as_tokens(y: Tensor) -> Tensor:
+    """``rearrange(y, "b l h w -> b (h w) l")``: one strided view where ``h`` and ``w`` merge (a convolution's or a
+    pooling's output in ``as_grid``'s layout), einops otherwise."""
+    b, l, h, w = y.shape
+    sb, sl, sh, sw = y.stride()
+    if sh != sw * w:
+        return rearrange(y, "b l h w -> b (h w) l")
+    return y.as_strided((b, h * w, l), (sb, sw, sl))
+
+
+def pool_ceil_mode(grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]]) -> tuple[bool, ...] | None:
+    """The ``ceil_mode`` with which ``avg_pool2d`` (symmetric padding: each axis' padding before) makes exactly the
+    windows of every window in ``axes`` applied in turn from ``grid``, or ``None`` where one cannot: padding over
+    half the kernel or negative (a crop: VGG's pre-logits), or no ``ceil_mode`` giving the window's output size on both axes (a 'same' window's odd unit
+    after is then no padding ``avg_pool2d`` needs, since every window starts at ``o * stride - before`` either way)."""
+    modes = []
+    for window in axes:
+        fits = [
+            ceil for ceil in (False, True)
+            if all(0 <= 2 * p <= k and axis_out(size, (k, s, p, p, ceil)) == axis_out(size, (k, s, p, after, c))
+                   for size, (k, s, p, after, c) in zip(grid, window))
+        ]
+        if not fits:
+            return None
+        modes.append(fits[0])
+        grid = (axis_out(grid[0], window[0]), axis_out(grid[1], window[1]))
+    return tuple(modes)
+
+
+def apply_pooled(labels: Tensor, grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]], ceil_modes: Sequence[bool]) -> Tensor:
+    """``Norm(W_k) ... Norm(W_1) Y``: ``(b, h*w, l) -> (b, i*j, l)`` fp32, ``pool_on_grid`` on the labels viewed
+    ``(b, l, h, w)`` in place. ``ceil_modes``: ``pool_ceil_mode``'s."""
+    return as_tokens(pool_on_grid(as_grid(labels, grid), axes, ceil_modes))
+
+
+def pool_on_grid(y: Tensor, axes: Sequence[tuple[AxisWindow, AxisWindow]], ceil_modes: Sequence[bool]) -> Tensor:
+    """Labels viewed ``(b, l, h, w)`` (``as_grid``) through one ``avg_pool2d`` per window (``count_include_pad=False``:
+    every window's mean over its in-grid positions is its row of ``Norm(W)``): one kernel a window, where
+    ``apply_separable`` launches about six. ``ceil_modes``: ``pool_ceil_mode``'s.
+
+    Returns:
+        ``(b, l, i, j)`` fp32 in the input's memory layout.
+    """
+    with fp32_labels(y.device):
+        y = y.float()
+        for ((kh, sh, ph, _, _), (kw, sw, pw, _, _)), ceil in zip(axes, ceil_modes):
+            y = F.avg_pool2d(y, (kh, kw), (sh, sw), (ph, pw), ceil_mode=ceil, count_include_pad=False)
+        return y
+
+
+_DENSE_WINDOW_PRODUCTS = 2**19
+"""A run of windows whose dense ``(n', n)`` matrix, applied to the whole batch, makes at most this many position
+pairs (``b n' n``) is that one cached matrix and one batched product (two operators); a larger one is separable
+(a product per axis). The batched product reads the whole matrix once per sample: on 2 CPU cores a ResNet's
+56x56 -> 28x28 window (2.5M pairs) took 15 ms at batch 8 and 240 ms at batch 128 that way, 0.4 and 1.6 ms
+separable; 14x14 -> 7x7 (9.6k pairs) 0.07 ms dense at batch 8 against 0.17 separable, and 0.9 against 0.3 at 128
+(``window_route`` decides; its test holds these sizes)."""
+
+_POOLED_CPU_POSITIONS = 2**15
+"""On a CPU, a run of windows whose input has at most this many positions over the batch (``b h w``) is pooled
+(``apply_pooled``: one ``avg_pool2d`` a window, three operators with its two views, where the separable products
+dispatch fifteen). Above it the CPU's pooling loop is slower than the separable products' BLAS calls: a ResNet's
+3x3 stride-2 window on 2 cores (``benchmarks/window_routes.py``), 14x14 at batch 128 (25k positions) 0.20 ms
+pooled against 0.33 separable, 56x56 at batch 8 (25k) 0.22 against 0.18, 28x28 at 128 (100k) 0.84 against 0.42.
+On a GPU pooling is one memory-bound kernel whatever the size, where the separable products launch about six."""
+
+
+def window_route(batch: int, grid: tuple[int, int], out: tuple[int, int], device: torch.device | str = "cpu",
+                 poolable: bool = True) -> str:
+    """``"pooled"``, ``"dense"`` or ``"separable"``: how ``apply_path`` applies a run of windows from ``grid`` to
+    ``out`` on ``device`` (``poolable``: ``avg_pool2d`` can make its windows, ``pool_ceil_mode``)."""
+    on_cpu = torch.device(device).type == "cpu"
+    if poolable and (not on_cpu or batch * grid[0] * grid[1] <= _POOLED_CPU_POSITIONS):
+        return "pooled"
+    return "dense" if batch * out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_PRODUCTS else "separable"
+
+
+@functools.lru_cache(maxsize=128)
+def _window_kron(grid: tuple[int, int], axes: tuple[tuple[AxisWindow, AxisWindow], ...], device: torch.device) -> Tensor:
+    """``Norm(A_h) (x) Norm(A_w)``: a run of windows as one ``(n', n)`` fp32 matrix (shapes only: cached)."""
+    rows, cols = chain_matrices(grid, axes, True, device)
+    return torch.kron(rows, cols)
+
+
+def mix_tokens(matrix: Tensor, labels: Tensor) -> Tensor:
+    """``matrix @ labels`` for one ``(n, m)`` matrix shared by the batch and labels ``(b, m, l)``: ``(b, n, l)``.
+
+    ``@`` broadcasts a matrix over a batch in seven operators (views, an expand, a transpose, the product);
+    an expanded ``bmm`` is two, and multiplies the same rows.
+    """
+    return torch.bmm(matrix.expand(labels.shape[0], -1, -1), labels)
+
+
+def average_windows(labels: Tensor, grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]]) -> tuple[Tensor, tuple[int, int]]:
+    """``Norm(W_k) ... Norm(W_1) Y``: labels ``(b, h*w, l)`` averaged over the in-grid positions of every window of a
+    chain applied in turn, ``(b, i*j, l)`` fp32 (rows summing to 1 where the input's do), and the grid it ends on;
+    pooled, one dense matrix or separable, as ``window_route`` chooses."""
+    out = grid
+    for window in axes:
+        out = (axis_out(out[0], window[0]), axis_out(out[1], window[1]))
+    ceil_modes = pool_ceil_mode(grid, axes)
+    route = window_route(int(labels.shape[0]), grid, out, labels.device, ceil_modes is not None)
+    with fp32_labels(labels.device):
+        if route == "pooled" and ceil_modes is not None:
+            return apply_pooled(labels.float(), grid, axes, ceil_modes), out
+        if route == "dense":
+            return mix_tokens(_window_kron(grid, tuple(axes), labels.device), labels.float()), out
+        return apply_separable(labels.float(), grid, *chain_matrices(grid, tuple(axes), True, labels.device)), out
 
 
 def window_sums(

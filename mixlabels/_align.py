@@ -214,8 +214,13 @@ class LabelTracker(Protocol):
         """
         ...
 
-    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
-        """Tokens were merged; ``merge`` sums labels ``(b, n, l) -> (b, n', l)``."""
+    def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
+        """Tokens were merged; ``merge`` sums labels ``(b, n, l) -> (b, n', l)``, and the rows are renormalised.
+
+        ``normalised``: ``merge`` already keeps every row's sum (a row-normalised map, as averaging windows and
+        renormalised convs are), so the renormalisation, three operators, is left out (rounding drift it would
+        remove is removed where the targets are read out, which renormalises).
+        """
         ...
 
     def fork(self) -> Fork:

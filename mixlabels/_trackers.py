@@ -95,12 +95,16 @@ class CompactTracker:
             mixed = mixed.detach()
         self._y = self._rules.residual(self._y, mixed.float(), keep)
 
-    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
+    def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
+        def merged(y: Tensor) -> Tensor:
+            y = merge(y).float()
+            return y if normalised else self._rules.merge(y)
+
         with _fp32(self._lm.device):
             if self._y is not None:
-                self._y = self._rules.merge(merge(self._y).float())
+                self._y = merged(self._y)
             if self._static is not None:
-                self._static = self._rules.merge(merge(self._static).float())
+                self._static = merged(self._static)
 
     def fork(self) -> Fork:
         return Fork(self._y, self._static)  # the tensors are never modified in place: each event makes new ones

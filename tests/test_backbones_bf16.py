@@ -56,8 +56,8 @@ class _Checked:
 
         return run
 
-    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
-        self._t.aggregate(self._checked("aggregate", merge))
+    def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
+        self._t.aggregate(self._checked("aggregate", merge), normalised=normalised)
 
     def fork(self) -> Fork:
         fork = self._t.fork()

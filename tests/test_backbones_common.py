@@ -139,6 +139,17 @@ def check_parity(model: nn.Module, scheme_name: str, token_space: bool = False, 
         assert_close(a.target, lm.image_targets())
 
 
+def scatter_fold_scales(model: nn.Module, seed: int = 0) -> None:
+    """Every batch norm's running variance and weight drawn (variance in [0.5, 1.5)), so the scales a reparameterised
+    kernel folds in differ per channel and from 1 (at init they are all 1, which would hide a wrong fold)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_var.copy_(torch.rand(mod.running_var.shape, generator=g) + 0.5)
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g))
+
+
 def check_parity_moving_statistics(model: nn.Module, scheme_name: str = "tl_align", momentum: float = 0.5) -> None:
     """``check_parity``'s comparison where the training forward moves the batch norms' running statistics that a
     fused kernel reads: the fast path and the reference each on its own copy, from the same statistics. Both must

@@ -7,14 +7,15 @@ import copy
 import pytest
 import timm
 import torch
-from test_backbones_common import POOLED, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
-from timm.models.fastvit import Attention, MobileOneBlock, RepMixer
+from test_backbones_common import POOLED, scatter_fold_scales, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
+from timm.models.fastvit import Attention, FastVit, MobileOneBlock, RepMixer
 from torch import nn
 from torch.testing import assert_close
 
-from mixlabels import TLAlign, TransMix, backbones
+from mixlabels import TLAlign, TokenLayout, TransMix, backbones
 from mixlabels.backbones._common import kernel_labels
-from mixlabels.backbones.families.fastvit import _repmixer_kernel, fused_kernel, tiny_fastvit
+from mixlabels.backbones._convnet import KernelConv, conv_weights
+from mixlabels.backbones.families.fastvit import _label_convs, _repmixer_kernel, fused_kernel, tiny_fastvit
 
 
 def make(drop: float = 0.0, **kwargs: object) -> nn.Module:
@@ -76,6 +77,28 @@ def test_fused_kernels_are_the_reparameterised_convs() -> None:
         # s is 1e-5 at init, so the branch is 1e-5 of the identity's centre tap in fp32: the folded conv keeps it to
         # about 1e-3 (a trained s is orders larger); the labels of the folded model are the folded conv's
         assert_close(kernel_labels(_repmixer_kernel(m)), kernel_labels(branches[id(m)]), rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("reparameterised", [False, True])
+def test_repmixer_kernels_built_together_equal_each_alone_bit_for_bit(reparameterised: bool) -> None:
+    """``conv_weights`` builds the kernels of all alike RepMixers in one pass (``KernelBatch``): the same
+    elementwise operations on the weights joined along the channels, so the same bits as one by one."""
+    torch.manual_seed(0)  # two RepMixer stages of two blocks each, of two widths
+    model = FastVit(layers=(2, 2), embed_dims=(16, 32), mlp_ratios=(2.0, 2.0), downsamples=(False, True),
+                    token_mixers=("repmixer", "repmixer"), num_classes=10)
+    scatter_fold_scales(model)
+    mixers = [m for m in model.modules() if isinstance(m, RepMixer)]
+    if reparameterised:
+        for m in mixers:
+            m.reparameterize()
+    assert len(mixers) == 4
+    tracker = TLAlign().start(cutmix_batch()[1], TokenLayout(grid=(8, 8), num_prefix=0, depth=99, class_token=False))
+    ops = _label_convs(model, tracker)
+    convs = [ops[m] for m in mixers]
+    assert all(isinstance(c, KernelConv) and c.batch is not None for c in convs)
+    assert len({c.batch.key for c in convs if isinstance(c, KernelConv) and c.batch is not None}) < len(convs)
+    for together, m in zip(conv_weights(convs), mixers, strict=True):
+        assert torch.equal(together, _repmixer_kernel(m))
 
 
 def test_every_timm_name_adapts_and_refusals() -> None:

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import timm
 import torch
-from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
+from test_backbones_common import C, POOLED, scatter_fold_scales, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
 from timm.models.repghost import RepGhostModule, RepGhostNet
 from torch import nn
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, backbones
-from mixlabels.backbones._convnet import KernelConv
+from mixlabels.backbones._convnet import KernelConv, conv_weights
 from mixlabels.backbones.families.ghostnet import TINY_CFGS
 from mixlabels.backbones.families.repghost import _ghost_path, repghost_kernel
 
@@ -77,6 +77,18 @@ def test_fused_kernel_is_timms() -> None:
                 expected, _ = ghost.get_equivalent_kernel_bias()
             assert_close(repghost_kernel(ghost), expected)
             assert_close(op.weight, expected)
+
+
+def test_fused_kernels_built_together_equal_each_alone_bit_for_bit() -> None:
+    """``conv_weights`` builds the fused kernels of all alike modules in one pass (``KernelBatch``): the same
+    elementwise operations on the weights joined along the channels, so the same bits as one by one."""
+    model: Any = make()
+    scatter_fold_scales(model)
+    ghosts = [ghost for blk in model.blocks[:-1] for ghost in (blk[0].ghost1, blk[0].ghost2)]
+    convs = [op for ghost in ghosts for op in _ghost_path(ghost) if isinstance(op, KernelConv)]
+    assert len(convs) == len(ghosts) and len({c.batch.key for c in convs if c.batch is not None}) < len(convs)
+    for together, ghost in zip(conv_weights(convs), ghosts, strict=True):
+        assert torch.equal(together, repghost_kernel(ghost))
 
 
 @pytest.mark.parametrize("scheme", ["tl_align", "tokens_aligned"])

@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 import timm
 import torch
-from test_backbones_common import C, POOLED, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
+from test_backbones_common import C, POOLED, scatter_fold_scales, SCHEMES, check_parity, check_parity_moving_statistics, check_preservation, check_unmixed_is_one_hot, cutmix_batch
 from timm.models.repvit import RepVggDw, RepVit
 from torch import nn
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabeling, TransMix, backbones
-from mixlabels.backbones.families.repvit import repvgg_kernel
+from mixlabels.backbones._convnet import conv_weights
+from mixlabels.backbones.families.repvit import _fused_conv, repvgg_kernel
 
 FAMILY = next(f for f in backbones.FAMILIES if f.name == "repvit")
 
@@ -73,6 +74,20 @@ def test_repvgg_kernel_is_timms_fuse(legacy: bool) -> None:
     assert len(mixers) == 6  # four blocks, and the two downsamplings' pre-blocks
     for dw in mixers:
         assert_close(repvgg_kernel(dw), dw.fuse().weight)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_repvgg_kernels_built_together_equal_each_alone_bit_for_bit(legacy: bool) -> None:
+    """``conv_weights`` builds the fused kernels of all alike ``RepVggDw`` in one pass (``KernelBatch``): the same
+    elementwise operations on the weights joined along the channels, so the same bits as one by one."""
+    model = make(legacy=legacy)
+    scatter_fold_scales(model)
+    mixers = [mod for mod in model.modules() if isinstance(mod, RepVggDw)]
+    convs = [_fused_conv(dw) for dw in mixers]
+    assert len({c.batch.key for c in convs if c.batch is not None}) < len(convs)  # some are built together
+    for conv, together, dw in zip(convs, conv_weights(convs), mixers, strict=True):
+        assert torch.equal(together, repvgg_kernel(dw))
+        assert_close(together, dw.fuse().weight)
 
 
 @pytest.mark.parametrize("legacy", [False, True])

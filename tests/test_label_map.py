@@ -388,3 +388,18 @@ def test_mask_kinds_move_and_pin_as_themselves() -> None:
     if torch.cuda.is_available():  # pinning needs an accelerator runtime
         pinned = lm.pin_memory()
         assert pinned.sources.is_pinned() and isinstance(pinned.mask, BoxMask) and pinned.mask.boxes.is_pinned()
+
+
+@given(
+    cells=st.tuples(st.integers(1, 12), st.integers(1, 12)), tokens=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+    corners=st.lists(st.tuples(*[st.integers(-5, 17)] * 4), min_size=1, max_size=4),
+)
+def test_box_token_weights_equal_the_cells_bit_for_bit_on_any_grids_and_boxes_past_the_grid(
+    cells: tuple[int, int], tokens: tuple[int, int], corners: list[tuple[int, int, int, int]]
+) -> None:
+    """``BoxMask.token_weights`` (box/token overlaps in lcm units, both axes at once, no clamp of the bounds) equals
+    the dense cells' token weights bit for bit, whether or not the token grid divides the cells, for boxes
+    reaching past the grid on any side (clipped, as ``BoxMask`` documents) and empty ones."""
+    boxes = torch.tensor([(min(a, b), max(a, b), min(c, d), max(c, d)) for a, b, c, d in corners])
+    mask = BoxMask(boxes, cells)
+    assert torch.equal(mask.token_weights(tokens), CellMask(mask.dense()).token_weights(tokens))

@@ -23,9 +23,9 @@ from torch.testing import assert_close
 from mixlabels import AlignedTargets, NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TokenLayout
 from mixlabels._mask import BoxMask, CellMask
 from mixlabels.backbones import adapt
-from mixlabels.backbones._common import start_on_windows
+from mixlabels.backbones._common import mix_tokens, start_on_windows
 from mixlabels.backbones._convnet import Window, apply_path, path_matrix, window_axes
-from mixlabels.backbones._windows import axis_windows, chain_matrices, window_sums
+from mixlabels.backbones._windows import _window_kron, axis_windows, chain_matrices, window_sums
 from tests.test_backbones_common import sharpen
 
 windows_2d = st.tuples(st.integers(1, 7), st.integers(1, 4), st.integers(0, 3), st.booleans())
@@ -66,24 +66,78 @@ def test_window_chains_equal_explicit_matrices(grid: tuple[int, int], path: tupl
     assert_close(ours.sum(-1), torch.ones(2, out[0] * out[1]))  # rows stay distributions
 
 
-def test_window_route_by_batch_and_size_gives_the_same_labels() -> None:
-    """A run of windows is one dense matrix product only while ``b n' n`` is small (the product reads the matrix
-    once per sample); both routes give the same labels."""
-    from mixlabels.backbones._convnet import window_route
+def test_window_route_by_batch_size_and_device_gives_the_same_labels() -> None:
+    """On a CPU a run of windows is pooled while ``b h w`` is small (the CPU's pooling loop loses to BLAS above),
+    else one dense matrix product while ``b n' n`` is (the product reads the matrix once per sample), else
+    separable; on a GPU pooled wherever ``avg_pool2d`` makes the windows. Every route gives the same labels."""
+    from mixlabels.backbones._windows import window_route
 
-    assert window_route(8, (14, 14), (7, 7)) == "dense"
-    assert window_route(128, (14, 14), (7, 7)) == "separable"
-    assert window_route(2, (56, 56), (28, 28)) == "separable"  # 2.5M pairs a sample
+    assert window_route(8, (14, 14), (7, 7)) == "pooled"
+    assert window_route(128, (14, 14), (7, 7)) == "pooled"  # 25k positions
+    assert window_route(128, (28, 28), (14, 14)) == "separable"  # 100k positions, 19.7M pairs
+    assert window_route(8, (14, 14), (7, 7), poolable=False) == "dense"
+    assert window_route(128, (14, 14), (7, 7), poolable=False) == "separable"
+    assert window_route(2, (56, 56), (28, 28), poolable=False) == "separable"  # 2.5M pairs a sample
+    assert window_route(128, (56, 56), (28, 28), "cuda") == "pooled"
+    assert window_route(128, (56, 56), (28, 28), torch.device("cuda"), poolable=False) == "separable"
     path = (Window((3, 3), (2, 2), (1, 1)),)
-    y = torch.rand(64, 196, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.rand(200, 196, 3, generator=torch.Generator().manual_seed(0))
     y = y / y.sum(-1, keepdim=True)
-    assert window_route(2, (14, 14), (7, 7)) == "dense" and window_route(64, (14, 14), (7, 7)) == "separable"
-    dense, grid = apply_path(path, y[:2], (14, 14))
+    assert window_route(2, (14, 14), (7, 7)) == "pooled" and window_route(200, (14, 14), (7, 7)) == "separable"
+    pooled, grid = apply_path(path, y[:2], (14, 14))
     separable, same = apply_path(path, y, (14, 14))
     assert grid == same == (7, 7)
-    assert_close(separable[:2], dense, rtol=1e-6, atol=1e-7)
+    axes = window_axes(list(path), (14, 14))
+    dense = mix_tokens(_window_kron((14, 14), axes, y.device), y[:2])
     matrix, _ = path_matrix(path, (14, 14))
+    for labels in (pooled, dense, separable[:2]):
+        assert_close(labels.double(), matrix @ y[:2].double(), rtol=1e-6, atol=1e-7)
     assert_close(separable.double(), matrix @ y.double(), rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.tuples(st.integers(1, 23), st.integers(1, 23)), kernel=st.tuples(st.integers(1, 7), st.integers(1, 7)),
+    stride=st.tuples(st.integers(1, 4), st.integers(1, 4)), padding=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    ceil=st.booleans(), same=st.booleans(), second=st.booleans(),
+)
+def test_pooled_windows_equal_their_matrices_wherever_avg_pool_makes_them(
+    size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int], ceil: bool,
+    same: bool, second: bool,
+) -> None:
+    """``pool_ceil_mode`` accepts every window with padding at most half its kernel (TF 'same' windows, their odd
+    unit after, included), and ``apply_pooled`` then equals the chain of row-normalised window matrices on every
+    grid; it refuses (``None``) a window ``avg_pool2d`` cannot make."""
+    from mixlabels.backbones._windows import apply_pooled, pool_ceil_mode
+
+    padding = (min(padding[0], kernel[0] // 2), min(padding[1], kernel[1] // 2))
+    window = Window(kernel, stride, padding, ceil, same=same)
+    assume(min(window.out_grid(size)) > 0)
+    path = (window, Window((3, 3), (2, 2), (1, 1))) if second and min(window.out_grid(size)) >= 2 else (window,)
+    axes = window_axes(list(path), size)
+    modes = pool_ceil_mode(size, axes)
+    if not same:
+        assert modes is not None  # symmetric padding within half the kernel: always pooled
+    if modes is None:
+        assert same  # only a 'same' window's padding can exceed what avg_pool2d takes
+        return
+    n = size[0] * size[1]
+    y = torch.rand(3, n, 2, generator=torch.Generator().manual_seed(n))
+    y = y / y.sum(-1, keepdim=True)
+    matrix, out = path_matrix(path, size)
+    got = apply_pooled(y, size, axes, modes)
+    assert got.shape == (3, out[0] * out[1], 2)
+    assert_close(got.double(), matrix @ y.double(), rtol=1e-6, atol=1e-7)
+
+
+def test_pool_ceil_mode_refuses_padding_over_half_the_kernel_or_negative() -> None:
+    """``avg_pool2d`` takes padding from 0 to half its kernel; a window padded more (a 1x1 conv with padding 1) or
+    cropping (negative padding: VGG's pre-logits crop) stays on the matrix routes."""
+    from mixlabels.backbones._windows import pool_ceil_mode
+
+    assert pool_ceil_mode((8, 8), window_axes([Window((1, 1), (2, 2), (1, 1))], (8, 8))) is None
+    assert pool_ceil_mode((9, 9), window_axes([Window((1, 1), (1, 1), (-3, -3))], (9, 9))) is None
+    assert pool_ceil_mode((8, 8), window_axes([Window((3, 3), (2, 2), (1, 1))], (8, 8))) == (False,)
 
 
 def _explicit_window_weights(pixels: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -370,12 +424,13 @@ def test_same_window_chain_equals_timm_modules() -> None:
 
 
 def test_window_routes_benchmark_times_both_routes_and_names_the_one_taken() -> None:
-    """benchmarks/window_routes.py (the figures behind ``window_route``'s threshold): both routes give the same
-    labels (it checks), each timed, and the route named is the one ``apply_path`` takes."""
+    """benchmarks/window_routes.py (the figures behind ``window_route``'s thresholds): the three routes give the
+    same labels (it checks), each timed, and the route named is the one ``apply_path`` takes."""
     from benchmarks import window_routes
-    from mixlabels.backbones._convnet import window_route
+    from mixlabels.backbones._windows import window_route
 
     rows = window_routes.main(["--batch-sizes", "1", "64", "--rounds", "1", "--calls", "1"])
     assert [(r.grid, r.batch) for r in rows] == [(g, b) for g in window_routes.GRIDS for b in (1, 64)]
-    assert all(r.dense_ms > 0 and r.separable_ms > 0 and r.route == window_route(r.batch, r.grid, r.out) for r in rows)
-    assert {r.route for r in rows} == {"dense", "separable"}
+    assert all(r.dense_ms > 0 and r.separable_ms > 0 and r.pooled_ms > 0 and r.route == window_route(r.batch, r.grid, r.out)
+               for r in rows)
+    assert {r.route for r in rows} == {"pooled", "separable"}

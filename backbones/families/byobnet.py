@@ -539,7 +539,7 @@ class AdaptedByobNet(AdaptedBase):
     def _v2(blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int]) -> tuple[Tensor, int]:
         ph, pw, nh, nw = _patches(blk, grid, size)
         local = path_of(_flat(blk.conv_kxk))
-        tracker.aggregate(lambda y: apply_path(local, y, grid)[0])  # no shortcut around the block
+        tracker.aggregate(lambda y: apply_path(local, y, grid)[0], normalised=True)  # no shortcut around the block
         t = _unfold_v2(blk, _local(blk, x), ph, pw, nh, nw)  # b c p m
         for tb in blk.transformer:
             out, scores = _linear_attention(tb.attn, tb.norm1(t))

@@ -27,7 +27,7 @@ from timm.models.convnext import ConvNeXt, ConvNeXtBlock
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_mix, mix_token_space, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, mix_token_space, stride_grid
 from mixlabels.backbones._convnet import Kernels, apply_path, path_grid, path_of
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
@@ -97,7 +97,7 @@ def _downsample(tracker: LabelTracker, grid: tuple[int, int], conv: nn.Module) -
     """A stage's strided conv as an ``aggregate`` over its windows (``apply_path``: one cached matrix on small
     grids); returns the grid it makes."""
     path = path_of([conv])
-    tracker.aggregate(lambda y: apply_path(path, y, grid)[0])
+    tracker.aggregate(lambda y: apply_path(path, y, grid)[0], normalised=True)
     return path_grid(path, grid)
 
 
@@ -138,9 +138,9 @@ class AdaptedConvNeXt(AdaptedBase):
         conv = blk.conv_dw
         h = conv(x)
         labels, mixed = tracker.labels_for(layer), None
-        if labels is not None:  # the kernel's matrix, input-independent: a cheap l-channel conv
-            kernel = kernels.label_kernel(conv)
-            mixed = conv_mix(labels, grid, kernel, conv.padding, conv.dilation)
+        if labels is not None:  # the kernel's matrix, input-independent: a cheap l-channel conv (``conv_mix``), its
+            # kernel expanded and its in-grid tap weight computed with the other blocks' (``apply_path``)
+            mixed, _ = apply_path((conv,), labels, grid, kernels)
         out, keep = branch(blk.drop_path, _branch_tokens(blk, h))
         tracker.residual(layer, keep, mixed=mixed)
         return out + blk.shortcut(x)  # type: ignore[no-any-return]

@@ -57,13 +57,11 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import (
     AdaptedBase,
     branch,
-    conv_mix,
     mix_token_space,
     start_on_convs,
 )
-from mixlabels.backbones._convnet import Kernels
+from mixlabels.backbones._convnet import Kernels, Path, Window, apply_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
-from mixlabels.backbones._windows import window_sums
 from mixlabels.backbones._family import Family
 
 __all__ = ["AdaptedEfficientFormerV2", "EFFICIENTFORMERV2_FAMILY", "efficientformer_v2_refusal", "tiny_efficientformer_v2"]
@@ -119,6 +117,12 @@ def _depth(m: Any) -> int:
 
 def _windows(conv: Any) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     return _pair(conv.kernel_size), _pair(conv.stride), _pair(conv.padding)
+
+
+def _window(conv: Any) -> Path:
+    """A strided conv's windows as a path (``apply_path`` averages the labels over each window's in-grid positions:
+    ``Norm(W) Y``, pooled where it can be)."""
+    return (Window(*_windows(conv)),)
 
 
 def efficientformer_v2_refusal(model: nn.Module) -> str | None:
@@ -247,10 +251,9 @@ def _attention2d_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, i
     the strided conv's windows and upsampled back where it attends at half resolution."""
     y, low = labels, grid
     if attn.stride_conv is not None:
-        y, low = window_sums(labels, grid, *_windows(attn.stride_conv.conv))
-        y = normalise_rows(y)
+        y, low = apply_path(_window(attn.stride_conv.conv), labels, grid)
     own = Kernels(()) if kernels is None else kernels  # none given: the conv's own kernel
-    local = conv_mix(y, low, own.label_kernel(attn.v_local.conv), _pair(attn.v_local.conv.padding), (1, 1))
+    local, _ = apply_path((attn.v_local.conv,), y, low, own)
     mixed = (_abs_weights(a) @ y + local) / 2
     return mixed if attn.upsample is None else _upsample(mixed, low, attn.upsample.scale_factor)
 
@@ -259,7 +262,7 @@ def _downsample_labels(down: Any, a: Tensor, labels: Tensor, grid: tuple[int, in
     """The attention path of an attention ``Downsample``: ``(A Y + W Y) / 2`` on the query grid ``(b, n/4, l)``."""
     with fp32_labels(a.device):
         attended = reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels
-    local = normalise_rows(window_sums(labels, grid, *_windows(down.attn.v_local.conv))[0])
+    local, _ = apply_path(_window(down.attn.v_local.conv), labels, grid)
     return (attended + local) / 2
 
 
@@ -292,10 +295,9 @@ class AdaptedEfficientFormerV2(AdaptedBase):
 
     @staticmethod
     def _downsample(down: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int], int]:
-        kernel, stride, padding = _windows(down.conv.conv)
         labels = tracker.labels_for(layer) if down.attn is not None else None
         out = down.conv(x)
-        tracker.aggregate(lambda y: window_sums(y, grid, kernel, stride, padding)[0])
+        tracker.aggregate(lambda y: apply_path(_window(down.conv.conv), y, grid)[0], normalised=True)
         low = (int(out.shape[2]), int(out.shape[3]))
         if down.attn is None:
             return out, low, layer
@@ -317,8 +319,7 @@ class AdaptedEfficientFormerV2(AdaptedBase):
         out, keep = branch(blk.drop_path2, blk.ls2(blk.mlp(x)))
         mixed = None
         if labels is not None and not isinstance(blk.mlp.mid, nn.Identity):
-            conv = blk.mlp.mid.conv
-            mixed = conv_mix(labels, grid, kernels.label_kernel(conv), _pair(conv.padding), _pair(conv.dilation))
+            mixed, _ = apply_path((blk.mlp.mid.conv,), labels, grid, kernels)  # kernels expanded, tap weights together
         tracker.residual(layer, keep, mixed=mixed)
         return x + out
 

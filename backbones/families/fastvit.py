@@ -32,6 +32,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 from __future__ import annotations
 
 from functools import partial
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,9 +68,9 @@ from mixlabels.backbones._common import (
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
-from mixlabels.backbones._convnet import KernelConv, Kernels
+from mixlabels.backbones._convnet import KernelBatch, KernelConv, Kernels
 from mixlabels.backbones._family import Family
-from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
+from mixlabels.backbones._reparam import Scales, add_centre, joined, parted, scaled, scales_of
 
 __all__ = ["AdaptedFastViT", "FASTVIT_FAMILY", "fastvit_refusal", "tiny_fastvit", "fused_kernel", "identity_kernel"]
 
@@ -104,30 +105,51 @@ def fused_kernel(block: nn.Module, scales: Scales | None = None) -> Tensor:
     its ``reparam_conv`` when reparameterised, else the branches fused as timm's ``reparameterize`` fuses them
     (``_get_kernel_bias``, ``get_kernel_bias``: the same sums in the same order; the bias is not needed).
     ``scales``: the norms' fold scales where computed together with others' (``_reparam``)."""
-    b: Any = block
+    s = scales_of(fused_norms(block)) if scales is None else scales
+    return _fused_joined([block], s)
+
+
+def _fused_joined(blocks: Sequence[nn.Module], s: Scales) -> Tensor:
+    """``fused_kernel`` of blocks of one structure (``_structure``), joined along the output channels: the same
+    elementwise operations on their weights and scales joined, so the same bits as one by one."""
+    bs: list[Any] = list(blocks)
+    b = bs[0]
     with torch.no_grad():
         if b.reparam_conv is not None:
-            return b.reparam_conv.weight.detach()  # type: ignore[no-any-return]
-        s = scales_of(fused_norms(block)) if scales is None else scales
-        if type(block) is ReparamLargeKernelConv:
-            k = scaled(b.large_conv.conv.weight, s[b.large_conv.bn])
-            small = getattr(b, "small_conv", None)
-            if small is not None:
+            return joined([x.reparam_conv.weight for x in bs]).detach()
+
+        def fold(branches: Sequence[Any]) -> Tensor:
+            return scaled(joined([c.conv.weight for c in branches]), joined([s[c.bn] for c in branches]))
+
+        if type(blocks[0]) is ReparamLargeKernelConv:  # asked of the argument: ``b`` stays untyped
+            k = fold([x.large_conv for x in bs])
+            if getattr(b, "small_conv", None) is not None:
                 pad = (b.kernel_size - b.small_kernel) // 2
-                k = k + F.pad(scaled(small.conv.weight, s[small.bn]), [pad] * 4)
+                k = k + F.pad(fold([x.small_conv for x in bs]), [pad] * 4)
             return k
         k: Tensor | None = None  # type: ignore[no-redef]
-        for c in _conv_branches(b):
-            k = scaled(c.conv.weight, s[c.bn]) if k is None else k + scaled(c.conv.weight, s[c.bn])
+        for i in range(len(_conv_branches(b))):
+            term = fold([_conv_branches(x)[i] for x in bs])
+            k = term if k is None else k + term
         if b.conv_scale is not None:
             pad = b.kernel_size // 2
-            one = F.pad(scaled(b.conv_scale.conv.weight, s[b.conv_scale.bn]), [pad] * 4)
+            one = F.pad(fold([x.conv_scale for x in bs]), [pad] * 4)
             k = one if k is None else k + one
         if k is None:  # the identity alone (RepMixer's norm)
             w = b.identity.weight
-            k = w.new_zeros(b.out_chs, b.in_chs // b.groups, b.kernel_size, b.kernel_size)
+            k = w.new_zeros(sum(x.out_chs for x in bs), b.in_chs // b.groups, b.kernel_size, b.kernel_size)
         # k is a new tensor (a product, a sum, a padding or zeros): the identity adds at its centre taps in place
-        return k if b.identity is None else add_centre(k, s[b.identity])
+        return k if b.identity is None else add_centre(k, joined([s[x.identity] for x in bs]))
+
+
+def _structure(block: Any) -> tuple[Any, ...]:
+    """What ``_fused_joined`` needs alike of the blocks it fuses together: their kind, branches and kernel shape."""
+    if type(block) is MobileOneBlock and block.reparam_conv is None:  # perhaps the identity alone: no conv to ask
+        shape: tuple[int, ...] = (block.in_chs // block.groups, block.kernel_size, block.kernel_size)
+        branches: Any = (len(_conv_branches(block)), block.conv_scale is None, block.identity is None)
+    else:
+        shape, branches = tuple(_conv(block).weight.shape[1:]), getattr(block, "small_conv", None) is not None
+    return (type(block).__name__, block.reparam_conv is None, branches, shape)
 
 
 def identity_kernel(weight: Tensor) -> Tensor:
@@ -144,17 +166,36 @@ def repmixer_norms(mixer: Any) -> tuple[nn.Module, ...]:
 
 def _repmixer_kernel(mixer: Any, scales: Scales | None = None) -> Tensor:
     """``s (K_mixer - K_norm)``'s per-channel direction: the kernel of RepMixer's residual branch."""
+    return _repmixer_kernels([mixer], scales)[0]
+
+
+def _repmixer_kernels(mixers: Sequence[nn.Module], scales: Scales | None = None) -> list[Tensor]:
+    """``_repmixer_kernel`` of RepMixers alike (``_repmixer_key``) in one pass over their weights and scales joined
+    along the channels (the same elementwise operations: the same bits)."""
+    ms: list[Any] = list(mixers)
+    first = ms[0]
+    sizes = [int(m.dim) for m in ms]
     with torch.no_grad():
-        if mixer.reparam_conv is not None:  # x + s (M - N) folded into one conv: take the identity out
-            w = mixer.reparam_conv.weight.detach()
-            return w - identity_kernel(w)  # type: ignore[no-any-return]
-        s = scales_of(repmixer_norms(mixer)) if scales is None else scales
-        k = fused_kernel(mixer.mixer, s)
-        norm = mixer.norm
-        if mixer.mixer.reparam_conv is None and norm.reparam_conv is None and norm.conv_kxk is None and norm.conv_scale is None:
-            # K_norm is the identity alone: subtracted at k's centre taps, in place (k is a new tensor)
-            return add_centre(k, s[norm.identity], alpha=-1.0)
-        return k - fused_kernel(norm, s)
+        if first.reparam_conv is not None:  # x + s (M - N) folded into one conv: take the identity out
+            w = joined([m.reparam_conv.weight for m in ms]).detach()
+            return parted(w - identity_kernel(w), sizes)
+        s = scales_of(n for m in ms for n in repmixer_norms(m)) if scales is None else scales
+        k = _fused_joined([m.mixer for m in ms], s)
+        if _norm_is_identity(first):  # K_norm is the identity alone: subtracted at k's centre taps, in place (k is new)
+            return parted(add_centre(k, joined([s[m.norm.identity] for m in ms]), alpha=-1.0), sizes)
+        return parted(k - _fused_joined([m.norm for m in ms], s), sizes)
+
+
+def _norm_is_identity(mixer: Any) -> bool:
+    norm = mixer.norm
+    return bool(mixer.mixer.reparam_conv is None and norm.reparam_conv is None and norm.conv_kxk is None and norm.conv_scale is None)
+
+
+def _repmixer_key(mixer: Any) -> tuple[Any, ...]:
+    """What ``_repmixer_kernels`` needs alike of the RepMixers it builds together."""
+    w = (mixer.reparam_conv if mixer.reparam_conv is not None else _conv(mixer.mixer)).weight
+    inner = () if mixer.reparam_conv is not None else (_structure(mixer.mixer), _structure(mixer.norm), _norm_is_identity(mixer))
+    return ("repmixer", mixer.reparam_conv is None, inner, tuple(w.shape[1:]), w.dtype, w.device)
 
 
 def _cpe_kernel(cpe: Any) -> Tensor:
@@ -293,7 +334,8 @@ def _label_convs(m: Any, tracker: LabelTracker) -> dict[nn.Module, Any]:
                 if type(blk) is RepMixerBlock:
                     mixer = blk.token_mixer
                     conv = _conv(mixer.mixer) if mixer.reparam_conv is None else mixer.reparam_conv
-                    ops[mixer] = KernelConv(partial(_repmixer_kernel, mixer), _pair(conv.padding), _pair(conv.dilation), repmixer_norms(mixer))
+                    ops[mixer] = KernelConv(partial(_repmixer_kernel, mixer), _pair(conv.padding), _pair(conv.dilation), repmixer_norms(mixer),
+                                            KernelBatch(_repmixer_key(mixer), mixer, _repmixer_kernels))
                 ops[blk.mlp] = blk.mlp.conv.conv
             layer += 1
     fc, conv = m.final_conv, _conv(m.final_conv)

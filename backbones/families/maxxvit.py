@@ -76,7 +76,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space
 from mixlabels.backbones._convnet import Window, merge_matrix, path_grid, start_on_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
-from mixlabels.backbones._windows import axes_sums
+from mixlabels.backbones._windows import average_windows
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import through_hooks
 from timm.models.maxxvit import MaxxVitCfg
@@ -282,8 +282,7 @@ def _branch_labels(ops: list[_Op], labels: Tensor, grid: tuple[int, int]) -> tup
     """Labels ``(b, n, l)`` through ``ops``: windows summed and renormalised, depthwise convs mixed."""
     for kind, op in ops:
         if kind == "sum":
-            labels, grid = axes_sums(labels.float(), grid, op.axes(grid))
-            labels = labels / labels.sum(dim=-1, keepdim=True)
+            labels, grid = average_windows(labels, grid, (op.axes(grid),))
         else:
             labels = conv_mix(labels, grid, conv_label_kernel(op.weight), op.padding, op.dilation)
     return labels, grid
@@ -519,7 +518,7 @@ class AdaptedMaxxVit(AdaptedBase):
         new_grid = grid
         if window is not None:  # the downsampling shortcut: labels summed over its pooling windows
             new_grid, g, w = window.out_grid(grid), grid, window
-            tracker.aggregate(lambda y: axes_sums(y, g, w.axes(g))[0])
+            tracker.aggregate(lambda y: average_windows(y, g, (w.axes(g),))[0], normalised=True)
         mixed = None
         if pre is not None:  # the branch from the labels before that aggregate
             mixed, branch_grid = _branch_labels(_branch_ops(u), pre, grid)

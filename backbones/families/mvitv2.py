@@ -41,12 +41,12 @@ from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleV
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, start_on_convs, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, conv_label_kernel, conv_mix, explicit_mix, mean_pool_merge, mix_token_space, start_on_convs
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
-from mixlabels._rules import normalise_rows
 from mixlabels.backbones._family import Family, tiny
+from mixlabels.backbones._windows import average_windows, axis_windows
 from mixlabels.backbones._fsdp import through_hooks
 from timm.models.mvitv2 import MultiScaleVitCfg
 
@@ -119,8 +119,7 @@ def pooled_labels(op: Any, labels: Tensor, grid: tuple[int, int], prefix: int) -
     if type(op) is nn.Conv2d and op.stride == (1, 1):
         mixed, out = conv_mix(tokens, grid, conv_label_kernel(op.weight), _pair(op.padding), _pair(op.dilation)), grid
     else:
-        summed, out = pool_labels(tokens, grid, _pair(op.kernel_size), _pair(op.stride), _pair(op.padding))
-        mixed = normalise_rows(summed)
+        mixed, out = average_windows(tokens, grid, (axis_windows(_pair(op.kernel_size), _pair(op.stride), _pair(op.padding)),))
     return torch.cat([labels[:, :prefix].float(), mixed.float()], dim=1), out
 
 
@@ -227,8 +226,8 @@ class AdaptedMViTv2(AdaptedBase):
                 mixed = (mixed + pooled_labels(attn.pool_q, labels, grid, p)[0]) / 2
         if blk.shortcut_pool_attn is not None:
             op = blk.shortcut_pool_attn
-            merge, _ = sum_pool_merge(grid, _pair(op.kernel_size), _pair(op.stride), _pair(op.padding))
-            tracker.aggregate(lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1))
+            merge, _ = mean_pool_merge(grid, _pair(op.kernel_size), _pair(op.stride), _pair(op.padding))
+            tracker.aggregate(lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1), normalised=True)
         out, keep = branch(blk.drop_path1, out)
         tracker.residual(layer, keep, mixed=mixed)
         x = shortcut + out

@@ -29,14 +29,15 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` positions.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from timm.models.repghost import RepGhostBottleneck, RepGhostModule, RepGhostNet
 from torch import Tensor, nn
 
-from mixlabels.backbones._convnet import KernelConv, Path, path_of, path_refusal
-from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
+from mixlabels.backbones._convnet import KernelBatch, KernelConv, Path, path_of, path_refusal
+from mixlabels.backbones._reparam import Scales, add_centre, joined, parted, scaled, scales_of
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones.families.ghostnet import TINY_CFGS, AdaptedGhostNet, bottleneck_middle_refusal, ghost_units_refusal
 
@@ -66,12 +67,19 @@ def repghost_kernel(ghost: nn.Module, scales: Scales | None = None) -> Tensor:
     """The ``(c, 1, k, k)`` kernel timm's ``RepGhostModule.switch_to_deploy`` writes: the cheap depthwise conv scaled
     by its norm, plus the identity (centre taps) scaled by the fusion norm. ``scales``: the norms' fold scales
     where computed together with others' (``_reparam``)."""
-    g: Any = ghost
-    cheap, fusion = repghost_norms(ghost)
-    s = scales_of((cheap, fusion)) if scales is None else scales
+    return repghost_kernels([ghost], scales)[0]
+
+
+def repghost_kernels(ghosts: Sequence[nn.Module], scales: Scales | None = None) -> list[Tensor]:
+    """``repghost_kernel`` of several modules whose cheap convs share ``(1, k, k)``, in one pass over their weights
+    and scales concatenated along the channels (the same elementwise operations: the same bits)."""
+    gs: list[Any] = list(ghosts)
+    norms = [repghost_norms(g) for g in gs]
+    s = scales_of(n for pair in norms for n in pair) if scales is None else scales
     with torch.no_grad():
-        k = scaled(g.cheap_operation[0].weight, s[cheap])  # a new tensor: the identity adds in place
-        return add_centre(k, s[fusion]).detach()
+        k = scaled(joined([g.cheap_operation[0].weight for g in gs]), joined([s[cheap] for cheap, _ in norms]))  # new
+        k = add_centre(k, joined([s[fusion] for _, fusion in norms])).detach()  # the identity adds in place
+        return parted(k, [int(g.cheap_operation[0].weight.shape[0]) for g in gs])
 
 
 def _cheap_modules(ghost: Any) -> list[Any]:
@@ -84,7 +92,10 @@ def _cheap_path(ghost: Any) -> Path:
     if not _fused(ghost):  # reparameterised (one conv) or built without the identity branch
         return path_of(_cheap_modules(ghost))
     conv = ghost.cheap_operation[0]
-    return (KernelConv(functools.partial(repghost_kernel, ghost), (int(conv.padding[0]), int(conv.padding[1])), (1, 1), repghost_norms(ghost)),)
+    # every such module of one kernel shape, dtype and device builds its kernel together (``KernelBatch``)
+    batch = KernelBatch(("repghost", tuple(conv.weight.shape[1:]), conv.weight.dtype, conv.weight.device), ghost, repghost_kernels)
+    return (KernelConv(functools.partial(repghost_kernel, ghost), (int(conv.padding[0]), int(conv.padding[1])), (1, 1),
+                       repghost_norms(ghost), batch),)
 
 
 def _ghost_path(ghost: Any) -> Path:

@@ -31,6 +31,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` positions, ``k`` classe
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,11 +50,11 @@ from timm.models.repvit import (
 )
 from torch import Tensor, nn
 
-from mixlabels.backbones._convnet import AdaptedConvNet, KernelConv, Path, conv_norm_act_ops, path_of, path_refusal
+from mixlabels.backbones._convnet import AdaptedConvNet, KernelBatch, KernelConv, Path, conv_norm_act_ops, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
+from mixlabels.backbones._reparam import Scales, add_centre, joined, parted, scaled, scales_of
 
-__all__ = ["AdaptedRepViT", "REPVIT_FAMILY", "repvit_refusal", "repvgg_kernel"]
+__all__ = ["AdaptedRepViT", "REPVIT_FAMILY", "repvit_refusal", "repvgg_kernel", "repvgg_kernels"]
 
 REPVIT_FAMILY = (
     "timm RepViT (repvit_*, training-time branches or fuse()d): every position a token; the RepVggDw token mixer "
@@ -73,8 +74,11 @@ def _norm(module: nn.Module) -> nn.Module | None:
     return module if isinstance(module, nn.BatchNorm2d) else None
 
 
-def _fold(weight: Tensor, norm: nn.Module | None, scales: Scales) -> Tensor:
-    return weight if norm is None else scaled(weight, scales[norm])
+def _fold(weights: Sequence[Tensor], norms: Sequence[nn.Module | None], scales: Scales) -> Tensor:
+    """Weights (one tensor, or the parts of one joined along the channels) scaled per output channel by their
+    norms' fold scales (all of them norms, or all ``None``: unscaled)."""
+    weight = joined(weights)
+    return weight if norms[0] is None else scaled(weight, joined([scales[n] for n in norms if n is not None]))
 
 
 def _conv_of(module: Any) -> Any:
@@ -94,22 +98,40 @@ def repvgg_kernel(dw: nn.Module, scales: Scales | None = None) -> Tensor:
     norm, plus the identity as centre taps, then the shared norm's scale (``legacy``: each branch has its own).
     Computed here rather than by ``fuse()``, which builds convs whose init would draw from the global RNG.
     ``scales``: the norms' fold scales where computed together with others' (``_reparam``)."""
-    d: Any = dw
-    s = scales_of(repvgg_norms(dw)) if scales is None else scales
+    return repvgg_kernels([dw], scales)[0]
+
+
+def repvgg_kernels(dws: Sequence[nn.Module], scales: Scales | None = None) -> list[Tensor]:
+    """``repvgg_kernel`` of several ``RepVggDw`` alike (``_batch_key``: kernel shape, legacy or not, which norms),
+    in one pass over their weights and scales concatenated along the channels (the same elementwise operations:
+    the same bits)."""
+    ds: list[Any] = list(dws)
+    s = scales_of(n for d in ds for n in repvgg_norms(d)) if scales is None else scales
     with torch.no_grad():
-        k = _fold(d.conv.c.weight, _norm(d.conv.bn), s)
-        c1: Any = d.conv1  # a bare conv, or a ConvNorm (legacy)
-        one = c1.weight if type(c1) is nn.Conv2d else _fold(c1.c.weight, _norm(c1.bn), s)
+        k = _fold([d.conv.c.weight for d in ds], [_norm(d.conv.bn) for d in ds], s)
+        if type(ds[0].conv1) is nn.Conv2d:  # a bare conv
+            one = joined([d.conv1.weight for d in ds])
+        else:  # a ConvNorm (legacy)
+            one = _fold([d.conv1.c.weight for d in ds], [_norm(d.conv1.bn) for d in ds], s)
         ph, pw = k.shape[-2] // 2, k.shape[-1] // 2
         k = add_centre(k + F.pad(one, [pw, pw, ph, ph]), 1.0)  # the sum is a new tensor: the identity adds in place
-        return _fold(k, _norm(d.bn), s).detach()
+        k = _fold([k], [_norm(d.bn) for d in ds], s).detach()
+        return parted(k, [int(d.conv.c.weight.shape[0]) for d in ds])
+
+
+def _batch_key(dw: Any) -> tuple[Any, ...]:
+    """What ``repvgg_kernels`` needs alike of the modules it builds together."""
+    w = dw.conv.c.weight
+    legacy = type(dw.conv1) is not nn.Conv2d
+    norms = (_norm(dw.conv.bn) is None, legacy and _norm(dw.conv1.bn) is None, _norm(dw.bn) is None)
+    return ("repvgg", tuple(w.shape[1:]), legacy, norms, w.dtype, w.device)
 
 
 def _fused_conv(dw: Any) -> KernelConv:
     """A ``RepVggDw`` as the one stride-1 conv it fuses into (its kxk branch's geometry)."""
     conv = dw.conv.c
     return KernelConv(functools.partial(repvgg_kernel, dw), (int(conv.padding[0]), int(conv.padding[1])),
-                      (int(conv.dilation[0]), int(conv.dilation[1])), repvgg_norms(dw))
+                      (int(conv.dilation[0]), int(conv.dilation[1])), repvgg_norms(dw), KernelBatch(_batch_key(dw), dw, repvgg_kernels))
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._attention import attention_with_labels
-from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_token_space, sum_pool_merge, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mix_token_space, mean_pool_merge, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, drop_path_reference as _drop, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -148,8 +148,8 @@ class AdaptedSwin(AdaptedBase):
         layer = 0
         for stage in m.layers:
             if isinstance(stage.downsample, self.merging):  # concatenating 2x2 tokens: their labels add up
-                merge, grid = sum_pool_merge(grid, (2, 2), (2, 2))
-                tracker.aggregate(merge)
+                merge, grid = mean_pool_merge(grid, (2, 2), (2, 2))
+                tracker.aggregate(merge, normalised=True)
             x = stage.downsample(x)
             for blk in stage.blocks:
                 x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)

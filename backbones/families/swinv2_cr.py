@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, sum_pool_merge, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, mean_pool_merge, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, window_matrix
 from mixlabels.backbones.families.swin import check_window_grids, shifted_windows, window_ids
 from mixlabels.backbones.families.swinv2 import cosine_attention, cosine_scores
@@ -128,8 +128,8 @@ class AdaptedSwinV2Cr(AdaptedBase):
         for stage in m.stages:
             x = rearrange(x, "b c h w -> b h w c")
             if isinstance(stage.downsample, PatchMerging):  # concatenating 2x2 tokens: their labels add up
-                merge, grid = sum_pool_merge(grid, (2, 2), (2, 2))
-                tracker.aggregate(merge)
+                merge, grid = mean_pool_merge(grid, (2, 2), (2, 2))
+                tracker.aggregate(merge, normalised=True)
             x = stage.downsample(x)
             for blk in stage.blocks:
                 x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)

@@ -52,7 +52,7 @@ from torchvision.ops.misc import MLP, Permute
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import explicit_mix
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, stride_grid, sum_pool_merge
+from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, stride_grid, mean_pool_merge
 from mixlabels.backbones._dense import DenseRules, conv_matrix, window_matrix
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import through_hooks
@@ -284,8 +284,8 @@ class AdaptedTvSwin(AdaptedBase):
         layer = 0
         for unit in list(m.features)[1:]:
             if isinstance(unit, _MERGES):  # concatenating 2x2 tokens: their labels add up
-                merge, grid = sum_pool_merge(grid, (2, 2), (2, 2))
-                tracker.aggregate(merge)
+                merge, grid = mean_pool_merge(grid, (2, 2), (2, 2))
+                tracker.aggregate(merge, normalised=True)
                 x = unit(x)
                 continue
             for blk in unit:

@@ -295,9 +295,9 @@ class _Patches:
             mixed = torch.cat([self._kept.to(mixed.dtype), mixed], dim=1)
         self.tracker.residual(layer, keep, mixed=mixed)
 
-    def aggregate(self, merge: Callable[[Tensor], Tensor]) -> None:
+    def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
         p = self.prefix
-        self.tracker.aggregate(lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1) if p else merge(y))
+        self.tracker.aggregate(lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1) if p else merge(y), normalised=normalised)
 
     def fork(self) -> Fork:
         return self.tracker.fork()
@@ -401,7 +401,7 @@ class AdaptedViTHybrid(AdaptedViT):
             tracker, mid = start_on_windows(self.scheme, label_map, start, depth, windows, p, class_token)
             rest = cnn.stem_path[lead:]
             if rest:
-                _Patches(tracker, p).aggregate(lambda y: apply_path(rest, y, mid)[0])
+                _Patches(tracker, p).aggregate(lambda y: apply_path(rest, y, mid)[0], normalised=True)
         patches = _Patches(tracker, p)
         kernels = block_kernels(patches, cnn.paths)
         for layer, blk in enumerate(cnn.blocks):
@@ -409,7 +409,7 @@ class AdaptedViTHybrid(AdaptedViT):
             grid = block_labels(patches, layer, grid, *cnn.paths[layer], keep, kernels)
         if self._proj:
             g, proj = grid, self._proj
-            patches.aggregate(lambda y: apply_path(proj, y, g)[0])
+            patches.aggregate(lambda y: apply_path(proj, y, g)[0], normalised=True)
             grid = path_grid(proj, grid)
         x = self._tokens(x)
         map_token_targets_refusal(m, self.scheme)
