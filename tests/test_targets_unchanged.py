@@ -23,7 +23,7 @@ Rewritten when the label kernels of several shapes were averaged by a mean per s
 no logits; compared tensor by tensor against ``a7b3c71``.
 
 Rewritten for session 37's cuts (windows averaged by pooling, tap weights of many convs computed together,
-renormalisation left out after row-keeping merges, a CNN's label kernels read after its whole forward): 131
+renormalisation left out after row-keeping merges, a CNN's label kernels read after its whole forward): 132
 fast-path pairs of 52 families moved, by at most 1.2e-7 in any target or token target, no logits, no reference
 pair; compared tensor by tensor against ``ca630b8``.
 

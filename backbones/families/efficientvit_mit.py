@@ -55,7 +55,8 @@ from torch import Tensor, nn
 
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_stem
+from mixlabels.backbones._common import AdaptedBase, conv_aggregate, mix_token_space, start_on_stem
+from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
@@ -170,11 +171,13 @@ def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor
         ``(b, n, l)`` fp32.
     """
     with torch.no_grad(), fp32_labels(q.device):
-        q, k = q.detach().float(), k.detach().float()
-        num = q @ (k.transpose(-1, -2) @ values.float())  # b g n l
-        den = q @ rearrange(k.sum(dim=2), "b g d -> b g d 1")  # b g n 1: the row sums
-        rows = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), labels.float().unsqueeze(1))
-        return rows.mean(dim=1)
+        b, g, n, d = (int(s) for s in q.shape)
+        # heads folded into the batch: ``bmm`` dispatches one operator where a 4-d ``@`` dispatches about six
+        q3, k3 = q.detach().float().reshape(b * g, n, d), k.detach().float().reshape(b * g, n, d)
+        num = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), values.float().reshape(b * g, n, -1)))  # (b g) n l
+        den = torch.bmm(q3, k3.sum(dim=1).unsqueeze(-1))  # (b g) n 1: the row sums
+        rows = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), labels.float().repeat_interleave(g, dim=0))
+        return rows.view(b, g, n, -1).mean(dim=1)
 
 
 def _v_kernels(mla: Any, conv: nn.Conv2d, dtype: torch.dtype) -> Tensor:
@@ -218,10 +221,17 @@ def _mla_values(mla: Any, labels: Tensor, grid: tuple[int, int]) -> Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _local_mix(block: Any, labels: Tensor, grid: tuple[int, int]) -> Tensor:
-    for conv in _spatial_convs(block):
-        labels = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
-    return labels
+def _local_mix(block: Any, labels: Tensor, grid: tuple[int, int], kernels: Kernels) -> Tensor:
+    """A local block's stride-1 spatial convs on the labels in turn (``apply_path``: their kernels read from the
+    forward's ``kernels``, computed together)."""
+    return apply_path(tuple(_spatial_convs(block)), labels, grid, kernels)[0]
+
+
+def _local_blocks(m: Any) -> list[Any]:
+    """Every block whose spatial convs mix labels (a residual local block: an EfficientVitBlock's local module, an
+    MBConv or DSConv with a shortcut), in order."""
+    return [blk.local_module.main if type(blk) is EfficientVitBlock else blk.main for blk in _blocks(m)
+            if type(blk) is EfficientVitBlock or blk.shortcut is not None]
 
 
 def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int], tuple[int, int]]:
@@ -259,17 +269,18 @@ class AdaptedEfficientViTMIT(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         tracker = start_on_stem(self.scheme, label_map, start, grid, _depth(m), m.stem.in_conv.conv)
+        kernels = Kernels(conv for block in _local_blocks(m) for conv in _spatial_convs(block))  # computed together
         layer = 0
         for blk in _blocks(m):
             if type(blk) is EfficientVitBlock:
                 x = self._attention(blk.context_module.main, x, layer, tracker, grid)
-                x = self._local(blk.local_module.main, x, layer, tracker, grid)
+                x = self._local(blk.local_module.main, x, layer, tracker, grid, kernels)
             elif blk.shortcut is None:  # a stage's first block: strided, no shortcut
                 grid = conv_aggregate(tracker, grid, _spatial_convs(blk.main)[0])
                 x = blk.main(x)
                 continue
             else:
-                x = self._local(blk.main, x, layer, tracker, grid)
+                x = self._local(blk.main, x, layer, tracker, grid, kernels)
             layer += 1
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -278,9 +289,9 @@ class AdaptedEfficientViTMIT(AdaptedBase):
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     @staticmethod
-    def _local(block: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _local(block: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         labels = tracker.labels_for(layer)
-        tracker.residual(layer, None, mixed=None if labels is None else _local_mix(block, labels, grid))
+        tracker.residual(layer, None, mixed=None if labels is None else _local_mix(block, labels, grid, kernels))
         return block(x) + x  # type: ignore[no-any-return]
 
     @staticmethod

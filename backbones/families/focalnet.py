@@ -28,6 +28,7 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,10 +39,11 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_stem, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, mix_token_space, start_on_stem, stride_grid
+from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import through_hooks
+from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
 __all__ = ["AdaptedFocalNet", "FOCALNET_FAMILY", "gate_weights"]
 
@@ -100,19 +102,25 @@ def _modulation(mod: Any, x: Tensor) -> tuple[Tensor, Tensor]:
     return out, gates
 
 
-def focal_mix(mod: Any, labels: Tensor, grid: tuple[int, int], gates: Tensor) -> Tensor:
+def focal_mix(mod: Any, labels: Tensor, grid: tuple[int, int], gates: Tensor, kernels: Kernels | None = None) -> Tensor:
     """The modulation's label mix ``(b, n, l)`` fp32: levels by their conv chains, the global level by the
-    mean of the last, combined per token by ``gate_weights(gates)``."""
+    mean of the last, combined per token by ``gate_weights(gates)``. ``kernels``: the forward's label kernels
+    (``_focal_kernels``), else the modulation's own are computed together here."""
+    kernels = _focal_kernels([mod]) if kernels is None else kernels
     w = gate_weights(gates)  # b n k
     y = labels.float()
     mixed: Tensor | None = None  # the first level's term starts the sum (0 + x is x: no zeros, no add)
     for i, level in enumerate(mod.focal_layers):
-        conv = level[0]
-        y = conv_mix(y, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
+        y, _ = apply_path((level[0],), y, grid, kernels)
         term = w[:, :, i : i + 1] * y
         mixed = term if mixed is None else mixed + term
     last = w[:, :, -1:] * y.mean(dim=1, keepdim=True)  # the global level: the mean of the last
     return last if mixed is None else mixed + last
+
+
+def _focal_kernels(modulations: Sequence[Any]) -> Kernels:
+    """The label kernels of every focal level's depthwise conv of ``modulations``, computed together (``Kernels``)."""
+    return Kernels(level[0] for mod in modulations for level in mod.focal_layers)
 
 
 def _focal_matrix(mod: Any, grid: tuple[int, int], gates: Tensor) -> Tensor:
@@ -172,13 +180,17 @@ class AdaptedFocalNet(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         depth = sum(len(stage.blocks) for stage in m.layers)
         tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.stem.proj)
+        blocks = [blk for stage in m.layers for blk in stage.blocks]
+        # all label kernels at once; under FSDP2's per-block sharding each block's weights are whole only inside its
+        # own hooked call, so each block computes its own there
+        kernels = None if any(is_sharded(blk) for blk in blocks) else _focal_kernels([blk.modulation for blk in blocks])
         layer = 0
         for stage in m.layers:
             if not isinstance(stage.downsample, nn.Identity):
                 grid = conv_aggregate(tracker, grid, stage.downsample.proj)
                 x = stage.downsample(x)
             for blk in stage.blocks:
-                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid, kernels=kernels), x)
                 layer += 1
         x = m.norm(x)
         tracker.pool("mean", 0)
@@ -191,10 +203,10 @@ class AdaptedFocalNet(AdaptedBase):
         m: Any = self.model
         return tuple(blk for stage in m.layers for blk in stage.blocks)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None) -> Tensor:
         labels = tracker.labels_for(layer)
         out, gates = _modulation(blk.modulation, blk.norm1(x))
-        mixed = None if labels is None else focal_mix(blk.modulation, labels, grid, gates)
+        mixed = None if labels is None else focal_mix(blk.modulation, labels, grid, gates, kernels)
         out, keep = branch(blk.drop_path1, blk.ls1(blk.norm1_post(out)))
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out
