@@ -652,7 +652,7 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels) 
             if depthwise_route(grid) and not labels.on_grid:  # one layout view for all the branches' convs
                 labels = _Labels(labels.grid_view(grid), True)
             parts = _branch_labels(op.branches, labels, grid, kernels)
-            on_grid = any(p.on_grid for p in parts)  # the sum in the layout most branches end in, as a rule
+            on_grid = any(p.on_grid for p in parts)  # the sum on the grid where a branch ends there (the others: a view each)
             labels = _Labels(_weighted_sum([(s, p.grid_view(out) if on_grid else p.tokens()) for s, p in zip(op.shares(), parts)]), on_grid)
             grid = out
             i += 1
