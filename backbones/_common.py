@@ -39,7 +39,7 @@ from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 from mixlabels.backbones._windows import (
-    AxisWindow, apply_separable, as_grid, as_tokens, average_windows, axis_out, axis_windows, chain_matrices, mix_tokens, window_sums,
+    AxisWindow, apply_separable, as_grid, as_tokens, axis_out, axis_windows, chain_matrices, mix_tokens, window_means, window_sums,
 )
 
 __all__ = [
@@ -501,12 +501,12 @@ def mean_pool_merge(grid: tuple[int, int], kernel: Sequence[int], stride: Sequen
     """The ``aggregate`` merge of a strided window over ``grid``, and the grid it produces. The merge averages the
     labels over each window's in-grid positions (``average_windows``: pooled where it can be), which keeps every row's
     sum: pass ``normalised=True`` to ``aggregate``."""
-    axes = (axis_windows(kernel, stride, padding),)
+    h, w = axis_windows(kernel, stride, padding)
 
     def merge(labels: Tensor) -> Tensor:
-        return average_windows(labels, grid, axes)[0]
+        return window_means(labels, grid, kernel, stride, padding)[0]
 
-    return merge, (axis_out(grid[0], axes[0][0]), axis_out(grid[1], axes[0][1]))
+    return merge, (axis_out(grid[0], h), axis_out(grid[1], w))
 
 
 def conv_aggregate(tracker: LabelTracker, grid: tuple[int, int], conv: Any) -> tuple[int, int]:

@@ -79,8 +79,7 @@ from mixlabels.backbones._common import (
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import (
-    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, pool_ceil_mode, pool_on_grid,
-    same_axis_windows, window_route,
+    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, pool_on_grid, same_axis_windows, window_plan,
 )
 from mixlabels.backbones._reparam import Scales, scales_of
 
@@ -639,13 +638,12 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels) 
                 end += 1
             run, i = [w for w in path[i:end] if isinstance(w, Window)], end
             axes = window_axes(run, grid)
-            out = path_grid(tuple(run), grid)
-            ceil_modes = pool_ceil_mode(grid, axes)
-            route = window_route(int(labels.y.shape[0]), grid, out, labels.y.device, ceil_modes is not None)
+            plan = window_plan(int(labels.y.shape[0]), grid, axes, labels.y.device)
+            route, ceil_modes, out = plan
             if route == "pooled" and ceil_modes is not None:  # in the grid layout, as depthwise label convs
                 labels = _Labels(pool_on_grid(labels.grid_view(grid), axes, ceil_modes), True)
             else:
-                labels = _Labels(average_windows(labels.tokens(), grid, axes)[0], False)
+                labels = _Labels(average_windows(labels.tokens(), grid, axes, plan)[0], False)
             grid = out
         elif isinstance(op, Parallel):
             out = op.out_grid(grid)
@@ -664,11 +662,11 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels) 
             i = end
             if depthwise_route(grid):  # expanded kernels, tap weights computed together where they are
                 channels = int(labels.y.shape[1] if labels.on_grid else labels.y.shape[-1])
-                steps = [(_label_kernel(c, kernels, channels), _pair(c.padding), _pair(c.dilation)) for c in convs]
+                steps = [(_label_kernel(c, kernels, channels), *_geometry(c)) for c in convs]
                 masses = [kernels.mass(c, grid) for c in convs]
                 labels = _Labels(conv_steps_on_grid(labels.grid_view(grid), steps, masses), True)
             else:
-                steps = [(_label_kernel(c, kernels), _pair(c.padding), _pair(c.dilation)) for c in convs]
+                steps = [(_label_kernel(c, kernels), *_geometry(c)) for c in convs]
                 labels = _Labels(conv_chain(labels.tokens(), grid, steps), False)
     return labels, grid
 

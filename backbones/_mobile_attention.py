@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from mixlabels import LabelTracker
 from mixlabels.backbones._attention import attention_with_labels, explicit_mix
 from mixlabels.backbones._common import branch
-from mixlabels.backbones._windows import average_windows, axis_windows
+from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 
@@ -79,7 +79,7 @@ def _kv_labels(attn: Any, labels: Tensor, grid: tuple[int, int]) -> Tensor:
     if attn.kv_stride == 1:
         return labels
     conv = attn.value.down_conv
-    return average_windows(labels, grid, (axis_windows(_pair(conv.kernel_size), _pair(conv.stride), _pair(conv.padding)),))[0]
+    return window_means(labels, grid, _pair(conv.kernel_size), _pair(conv.stride), _pair(conv.padding))[0]
 
 
 def mobile_attention_labels(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:

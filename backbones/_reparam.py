@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Scales", "norm_scales", "scales_of", "scaled", "add_centre", "joined", "parted"]
+__all__ = ["Scales", "norm_scales", "scales_of", "scaled", "add_centre", "joined", "parted", "folded"]
 
 Scales = Mapping[nn.Module, Tensor]
 """Batch norm -> its ``(c,)`` fold scale ``gamma / sqrt(running_var + eps)``, for the norms of one forward."""
@@ -80,6 +80,13 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
 def parted(joint: Tensor, sizes: Sequence[int]) -> list[Tensor]:
     """``joined``'s inverse: the parts of ``sizes`` rows, as views."""
     return [joint] if len(sizes) == 1 else list(torch.split(joint, list(sizes)))
+
+
+def folded(weights: Sequence[Tensor], norms: Sequence[nn.Module], scales: Scales) -> Tensor:
+    """Weights ``(o, i, kh, kw)`` of several convs (or the one weight of a fused kernel, its parts' norms in order)
+    joined along ``o`` and each output channel scaled by its norm's fold scale: ``scaled`` of them all in one pass,
+    the same elementwise products, so the bits each weight gets alone."""
+    return scaled(joined(weights), joined([scales[n] for n in norms]))
 
 
 def scaled(weight: Tensor, scale: Tensor) -> Tensor:

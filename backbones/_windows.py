@@ -46,6 +46,9 @@ __all__ = [
     "window_route",
     "mix_tokens",
     "average_windows",
+    "window_plan",
+    "WindowPlan",
+    "window_means",
     "window_sums",
     "axes_sums",
 ]
@@ -236,21 +239,41 @@ def mix_tokens(matrix: Tensor, labels: Tensor) -> Tensor:
     return torch.bmm(matrix.expand(labels.shape[0], -1, -1), labels)
 
 
-def average_windows(labels: Tensor, grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]]) -> tuple[Tensor, tuple[int, int]]:
-    """``Norm(W_k) ... Norm(W_1) Y``: labels ``(b, h*w, l)`` averaged over the in-grid positions of every window of a
-    chain applied in turn, ``(b, i*j, l)`` fp32 (rows summing to 1 where the input's do), and the grid it ends on;
-    pooled, one dense matrix or separable, as ``window_route`` chooses."""
+WindowPlan = tuple[str, tuple[bool, ...] | None, tuple[int, int]]
+"""How a run of windows is applied (``window_plan``): the route, ``pool_ceil_mode``'s modes, the grid it ends on."""
+
+
+def window_plan(batch: int, grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]], device: torch.device) -> WindowPlan:
+    """The route ``window_route`` takes for a run of windows on ``grid``, the ``ceil_mode``\ s that pool it (``None``:
+    it does not pool), and the grid it ends on."""
     out = grid
     for window in axes:
         out = (axis_out(out[0], window[0]), axis_out(out[1], window[1]))
     ceil_modes = pool_ceil_mode(grid, axes)
-    route = window_route(int(labels.shape[0]), grid, out, labels.device, ceil_modes is not None)
+    return window_route(batch, grid, out, device, ceil_modes is not None), ceil_modes, out
+
+
+def average_windows(
+    labels: Tensor, grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]], plan: WindowPlan | None = None,
+) -> tuple[Tensor, tuple[int, int]]:
+    """``Norm(W_k) ... Norm(W_1) Y``: labels ``(b, h*w, l)`` averaged over the in-grid positions of every window of a
+    chain applied in turn, ``(b, i*j, l)`` fp32 (rows summing to 1 where the input's do), and the grid it ends on;
+    pooled, one dense matrix or separable, as ``window_plan`` chooses (``plan``: already asked)."""
+    route, ceil_modes, out = window_plan(int(labels.shape[0]), grid, axes, labels.device) if plan is None else plan
     with fp32_labels(labels.device):
         if route == "pooled" and ceil_modes is not None:
             return apply_pooled(labels.float(), grid, axes, ceil_modes), out
         if route == "dense":
             return mix_tokens(_window_kron(grid, tuple(axes), labels.device), labels.float()), out
         return apply_separable(labels.float(), grid, *chain_matrices(grid, tuple(axes), True, labels.device)), out
+
+
+def window_means(
+    labels: Tensor, grid: tuple[int, int], kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int], ceil_mode: bool = False
+) -> tuple[Tensor, tuple[int, int]]:
+    """The mean of the labels over every window's in-grid positions (``average_windows`` of one window), and the
+    output grid: ``window_sums`` renormalised, where the input's rows sum to 1."""
+    return average_windows(labels, grid, (axis_windows(kernel, stride, padding, ceil_mode),))
 
 
 def window_sums(

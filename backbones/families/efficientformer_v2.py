@@ -60,7 +60,8 @@ from mixlabels.backbones._common import (
     mix_token_space,
     start_on_convs,
 )
-from mixlabels.backbones._convnet import Kernels, Path, Window, apply_path
+from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._family import Family
 
@@ -117,12 +118,6 @@ def _depth(m: Any) -> int:
 
 def _windows(conv: Any) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
     return _pair(conv.kernel_size), _pair(conv.stride), _pair(conv.padding)
-
-
-def _window(conv: Any) -> Path:
-    """A strided conv's windows as a path (``apply_path`` averages the labels over each window's in-grid positions:
-    ``Norm(W) Y``, pooled where it can be)."""
-    return (Window(*_windows(conv)),)
 
 
 def efficientformer_v2_refusal(model: nn.Module) -> str | None:
@@ -251,7 +246,7 @@ def _attention2d_labels(attn: Any, a: Tensor, labels: Tensor, grid: tuple[int, i
     the strided conv's windows and upsampled back where it attends at half resolution."""
     y, low = labels, grid
     if attn.stride_conv is not None:
-        y, low = apply_path(_window(attn.stride_conv.conv), labels, grid)
+        y, low = window_means(labels, grid, *_windows(attn.stride_conv.conv))
     own = Kernels(()) if kernels is None else kernels  # none given: the conv's own kernel
     local, _ = apply_path((attn.v_local.conv,), y, low, own)
     mixed = (_abs_weights(a) @ y + local) / 2
@@ -262,7 +257,7 @@ def _downsample_labels(down: Any, a: Tensor, labels: Tensor, grid: tuple[int, in
     """The attention path of an attention ``Downsample``: ``(A Y + W Y) / 2`` on the query grid ``(b, n/4, l)``."""
     with fp32_labels(a.device):
         attended = reduce(a.detach().float(), "b h n m -> b n m", "mean") @ labels
-    local, _ = apply_path(_window(down.attn.v_local.conv), labels, grid)
+    local, _ = window_means(labels, grid, *_windows(down.attn.v_local.conv))
     return (attended + local) / 2
 
 
@@ -297,7 +292,7 @@ class AdaptedEfficientFormerV2(AdaptedBase):
     def _downsample(down: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, int], int]:
         labels = tracker.labels_for(layer) if down.attn is not None else None
         out = down.conv(x)
-        tracker.aggregate(lambda y: apply_path(_window(down.conv.conv), y, grid)[0], normalised=True)
+        tracker.aggregate(lambda y: window_means(y, grid, *_windows(down.conv.conv))[0], normalised=True)
         low = (int(out.shape[2]), int(out.shape[3]))
         if down.attn is None:
             return out, low, layer

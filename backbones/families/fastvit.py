@@ -70,7 +70,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels.backbones._convnet import KernelBatch, KernelConv, Kernels
 from mixlabels.backbones._family import Family
-from mixlabels.backbones._reparam import Scales, add_centre, joined, parted, scaled, scales_of
+from mixlabels.backbones._reparam import Scales, add_centre, folded, joined, parted, scales_of
 
 __all__ = ["AdaptedFastViT", "FASTVIT_FAMILY", "fastvit_refusal", "tiny_fastvit", "fused_kernel", "identity_kernel"]
 
@@ -119,7 +119,7 @@ def _fused_joined(blocks: Sequence[nn.Module], s: Scales) -> Tensor:
             return joined([x.reparam_conv.weight for x in bs]).detach()
 
         def fold(branches: Sequence[Any]) -> Tensor:
-            return scaled(joined([c.conv.weight for c in branches]), joined([s[c.bn] for c in branches]))
+            return folded([c.conv.weight for c in branches], [c.bn for c in branches], s)
 
         if type(blocks[0]) is ReparamLargeKernelConv:  # asked of the argument: ``b`` stays untyped
             k = fold([x.large_conv for x in bs])

@@ -46,7 +46,7 @@ from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._windows import average_windows, axis_windows
+from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._fsdp import through_hooks
 from timm.models.mvitv2 import MultiScaleVitCfg
 
@@ -119,7 +119,7 @@ def pooled_labels(op: Any, labels: Tensor, grid: tuple[int, int], prefix: int) -
     if type(op) is nn.Conv2d and op.stride == (1, 1):
         mixed, out = conv_mix(tokens, grid, conv_label_kernel(op.weight), _pair(op.padding), _pair(op.dilation)), grid
     else:
-        mixed, out = average_windows(tokens, grid, (axis_windows(_pair(op.kernel_size), _pair(op.stride), _pair(op.padding)),))
+        mixed, out = window_means(tokens, grid, _pair(op.kernel_size), _pair(op.stride), _pair(op.padding))
     return torch.cat([labels[:, :prefix].float(), mixed.float()], dim=1), out
 
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, conv_aggregate, mix_token_space, start_on_stem
-from mixlabels.backbones._windows import average_windows, axis_windows
+from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
@@ -78,7 +78,7 @@ def reduced_key_labels(attn: Any, labels: Tensor, grid: tuple[int, int]) -> Tens
         return rearrange(F.adaptive_avg_pool2d(y, attn.pool.output_size), "b l h w -> b (h w) l")
     if attn.sr is None:
         return labels
-    return average_windows(labels, grid, (axis_windows(attn.sr.kernel_size, attn.sr.stride, attn.sr.padding),))[0]
+    return window_means(labels, grid, attn.sr.kernel_size, attn.sr.stride, attn.sr.padding)[0]
 
 
 def _keys_values(attn: Any, x: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:

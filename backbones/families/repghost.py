@@ -37,7 +37,7 @@ from timm.models.repghost import RepGhostBottleneck, RepGhostModule, RepGhostNet
 from torch import Tensor, nn
 
 from mixlabels.backbones._convnet import KernelBatch, KernelConv, Path, path_of, path_refusal
-from mixlabels.backbones._reparam import Scales, add_centre, joined, parted, scaled, scales_of
+from mixlabels.backbones._reparam import Scales, add_centre, folded, joined, parted, scales_of
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones.families.ghostnet import TINY_CFGS, AdaptedGhostNet, bottleneck_middle_refusal, ghost_units_refusal
 
@@ -77,7 +77,7 @@ def repghost_kernels(ghosts: Sequence[nn.Module], scales: Scales | None = None) 
     norms = [repghost_norms(g) for g in gs]
     s = scales_of(n for pair in norms for n in pair) if scales is None else scales
     with torch.no_grad():
-        k = scaled(joined([g.cheap_operation[0].weight for g in gs]), joined([s[cheap] for cheap, _ in norms]))  # new
+        k = folded([g.cheap_operation[0].weight for g in gs], [cheap for cheap, _ in norms], s)  # a new tensor
         k = add_centre(k, joined([s[fusion] for _, fusion in norms])).detach()  # the identity adds in place
         return parted(k, [int(g.cheap_operation[0].weight.shape[0]) for g in gs])
 

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._convnet import AdaptedConvNet, KernelBatch, KernelConv, Path, conv_norm_act_ops, path_of, path_refusal
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._reparam import Scales, add_centre, joined, parted, scaled, scales_of
+from mixlabels.backbones._reparam import Scales, add_centre, folded, joined, parted, scales_of
 
 __all__ = ["AdaptedRepViT", "REPVIT_FAMILY", "repvit_refusal", "repvgg_kernel", "repvgg_kernels"]
 
@@ -77,8 +77,8 @@ def _norm(module: nn.Module) -> nn.Module | None:
 def _fold(weights: Sequence[Tensor], norms: Sequence[nn.Module | None], scales: Scales) -> Tensor:
     """Weights (one tensor, or the parts of one joined along the channels) scaled per output channel by their
     norms' fold scales (all of them norms, or all ``None``: unscaled)."""
-    weight = joined(weights)
-    return weight if norms[0] is None else scaled(weight, joined([scales[n] for n in norms if n is not None]))
+    present = [n for n in norms if n is not None]
+    return joined(weights) if not present else folded(weights, present, scales)
 
 
 def _conv_of(module: Any) -> Any:
