@@ -419,12 +419,12 @@ def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: to
     return out
 
 
-def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep], masses: Sequence[Tensor | None] | None = None) -> Tensor:
+def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:
     """``conv_mix`` of consecutive stride-1 convs on one grid.
 
     Small grids build each ``T(kernel)`` from cached tap matrices. Larger ones run the labels, viewed
     ``(b, l, h, w)`` in place (channels-last memory, no copy), through ``conv_steps_on_grid``, the two layout
-    views once for the whole chain rather than per conv. ``masses``: ``conv_steps_on_grid``'s.
+    views once for the whole chain rather than per conv.
 
     Returns:
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
@@ -435,7 +435,7 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep],
             for t in _chain_matrices(grid, steps, labels.device):
                 y = mix_tokens(t, y)
             return y
-        return as_tokens(conv_steps_on_grid(as_grid(labels.float(), grid), steps, masses))
+        return as_tokens(conv_steps_on_grid(as_grid(labels.float(), grid), steps))
 
 
 def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Tensor | None] | None = None) -> Tensor:
