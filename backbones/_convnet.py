@@ -97,6 +97,7 @@ __all__ = [
     "path_grid",
     "CHANNEL_GATES",
     "apply_path",
+    "walk_path",
     "kernel_labels",
     "Kernels",
     "path_kernels",
@@ -604,11 +605,22 @@ def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kerne
     label kernel is read from ``kernels`` where it holds one, else the path's own are computed together here
     (``path_kernels``: a stem's convs, a block's under FSDP2's per-block sharding).
     """
+    y, on_grid, grid = walk_path(path, labels, grid, kernels)
+    return (as_tokens(y) if on_grid else y), grid
+
+
+def walk_path(
+    path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kernels | None = None, *, on_grid: bool = False,
+) -> tuple[Tensor, bool, tuple[int, int]]:
+    """``apply_path`` leaving the labels in whichever layout its last op did: ``(labels, on_grid, grid)``, the labels
+    ``(b, l, h, w)`` (``as_grid``'s view) where ``on_grid``, else ``(b, n, l)``. ``on_grid``: ``labels`` are given in
+    the grid layout. A caller that goes on with several paths on one grid (FocalNet's levels) changes the layout
+    once, not twice a path."""
     if kernels is None:
         kernels = path_kernels([path])
     with fp32_labels(labels.device):
-        y, grid = _walk(path, _Labels(labels.float(), False), grid, kernels)
-        return y.tokens(), grid
+        y, grid = _walk(path, _Labels(labels.float(), on_grid), grid, kernels, {})
+        return y.y, y.on_grid, grid
 
 
 @dataclass(frozen=True)
@@ -627,7 +639,12 @@ class _Labels:
         return as_tokens(self.y) if self.on_grid else self.y
 
 
-def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels) -> tuple[_Labels, tuple[int, int]]:
+_Walked = dict[tuple[int, int], tuple[Path, "_Labels", "_Labels", tuple[int, int]]]
+"""The branches one path's walk has walked: ``(id(branch), id(labels))`` -> the branch, its labels in, its labels and grid
+out (holding the keys' objects, so that no id is reused while the walk lasts)."""
+
+
+def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, walked: _Walked) -> tuple[_Labels, tuple[int, int]]:
     """``apply_path``'s walk, in whichever layout its ops leave the labels."""
     i = 0
     while i < len(path):
@@ -649,7 +666,7 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels) 
             out = op.out_grid(grid)
             if depthwise_route(grid) and not labels.on_grid:  # one layout view for all the branches' convs
                 labels = _Labels(labels.grid_view(grid), True)
-            parts = _branch_labels(op.branches, labels, grid, kernels)
+            parts = _branch_labels(op.branches, labels, grid, kernels, walked)
             on_grid = any(p.on_grid for p in parts)  # the sum on the grid where a branch ends there (the others: a view each)
             labels = _Labels(_weighted_sum([(s, p.grid_view(out) if on_grid else p.tokens()) for s, p in zip(op.shares(), parts)]), on_grid)
             grid = out
@@ -671,15 +688,21 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels) 
     return labels, grid
 
 
-def _branch_labels(branches: Sequence[Path], labels: _Labels, grid: tuple[int, int], kernels: Kernels) -> list[_Labels]:
+def _branch_labels(branches: Sequence[Path], labels: _Labels, grid: tuple[int, int], kernels: Kernels, walked: _Walked) -> list[_Labels]:
     """Each branch's labels (``_walk``). A branch that extends an earlier one (its ops first, the same modules)
     continues from that branch's labels: where a block joins every intermediate output of one chain (SelecSLS,
-    VoVNet's OSA, HGNet's aggregation) the chain's convs run once, not once per output."""
+    VoVNet's OSA, HGNet's aggregation) the chain's convs run once, not once per output. A branch this walk has
+    already walked from the same labels (``walked``) is not walked again: Res2Net's group ``i`` reads group
+    ``i - 1``'s output, which the block's concatenation also joins, so each group's convs ran ``scale - i`` times."""
     done: list[tuple[Path, _Labels, tuple[int, int]]] = []
     for branch in branches:
-        shared = [d for d in done if len(d[0]) <= len(branch) and all(a is b for a, b in zip(d[0], branch))]
-        base = max(shared, key=lambda d: len(d[0]), default=((), labels, grid))
-        y, out = _walk(branch[len(base[0]) :], base[1], base[2], kernels)
+        if (key := (id(branch), id(labels))) in walked:
+            _, _, y, out = walked[key]
+        else:
+            shared = [d for d in done if len(d[0]) <= len(branch) and all(a is b for a, b in zip(d[0], branch))]
+            base = max(shared, key=lambda d: len(d[0]), default=((), labels, grid))
+            y, out = _walk(branch[len(base[0]) :], base[1], base[2], kernels, walked)
+            walked[key] = (branch, labels, y, out)
         done.append((branch, y, out))
     return [y for _, y, _ in done]
 

@@ -27,6 +27,11 @@ renormalisation left out after row-keeping merges, a CNN's label kernels read af
 fast-path pairs of 52 families moved, by at most 1.2e-7 in any target or token target, no logits, no reference
 pair; compared tensor by tensor against ``ca630b8``.
 
+Rewritten for session 38's FocalNet cut (its levels weighed by the gates in the grid layout, by ``addcmul``):
+2 fast-path pairs of FocalNet moved, by at most 6e-8, no logits, no reference pair; compared tensor by tensor
+against ``c16d41d`` (Res2Net's walk no longer repeating its groups, and EfficientViT's leaner linear attention
+labels, left every bit as it was).
+
 A digest is exact: another torch or timm version, or another CPU's kernels, may change the last
 bit of a float, and then this test fails although nothing is wrong. It says so, and the fix is
 to rewrite the digest from the commit before the change under test on that machine

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, conv_aggregate, mix_token_space, start_on_stem
+from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, start_on_stem
 from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
@@ -172,18 +172,21 @@ def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor
     """
     with torch.no_grad(), fp32_labels(q.device):
         b, g, n, d = (int(s) for s in q.shape)
-        # heads folded into the batch: ``bmm`` dispatches one operator where a 4-d ``@`` dispatches about six
-        q3, k3 = q.detach().float().reshape(b * g, n, d), k.detach().float().reshape(b * g, n, d)
+        # heads folded into the batch: ``bmm`` dispatches one operator where a 4-d ``@`` dispatches about six; no
+        # detach (no graph is recorded here)
+        q3, k3 = q.float().reshape(b * g, n, d), k.float().reshape(b * g, n, d)
         num = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), values.float().reshape(b * g, n, -1)))  # (b g) n l
         den = torch.bmm(q3, k3.sum(dim=1).unsqueeze(-1))  # (b g) n 1: the row sums
-        rows = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), labels.float().repeat_interleave(g, dim=0))
-        return rows.view(b, g, n, -1).mean(dim=1)
+        # a zero row's 0 / 0 is not taken; the token's own labels broadcast over the heads
+        rows = torch.where(den.view(b, g, n, 1) > 0, num.view(b, g, n, -1) / den.view(b, g, n, 1), labels.float().unsqueeze(1))
+        return rows.mean(dim=1)
 
 
 def _v_kernels(mla: Any, conv: nn.Conv2d, dtype: torch.dtype) -> Tensor:
     """Each head's value-channel kernels of a multi-scale depthwise conv as one distribution ``(g, kh, kw)``."""
-    w = rearrange(conv.weight.detach().to(dtype).abs(), "(g three d) 1 kh kw -> g three d kh kw", three=3, d=mla.dim)[:, 2]
-    return (w / w.sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(dtype).tiny)).mean(dim=1)
+    with torch.no_grad():  # no graph, and no detach dispatched
+        w = rearrange(conv.weight.to(dtype).abs(), "(g three d) 1 kh kw -> g three d kh kw", three=3, d=mla.dim)[:, 2]
+        return (w / w.sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(dtype).tiny)).mean(dim=1)
 
 
 def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
@@ -191,7 +194,7 @@ def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, paddin
     with fp32_labels(labels.device):
         y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
         k = rearrange(kernels.float(), "g kh kw -> g 1 kh kw")
-        mass = F.conv2d(torch.ones_like(y[:1]), k, padding=padding, dilation=dilation)  # 1 g h w
+        mass = F.conv2d(_ones((1, 1, grid[0], grid[1]), y.device), k, padding=padding, dilation=dilation)  # 1 g h w
         mixed = F.conv2d(y, k, padding=padding, dilation=dilation) / mass
         return rearrange(mixed, "(b l) g h w -> b g (h w) l", l=labels.shape[-1])
 

@@ -38,9 +38,11 @@ from timm.models.focalnet import FocalModulation, FocalNet, FocalNetBlock
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
+from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, mix_token_space, start_on_stem, stride_grid
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, walk_path
+from mixlabels.backbones._windows import as_tokens
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import is_sharded, through_hooks
@@ -105,17 +107,28 @@ def _modulation(mod: Any, x: Tensor) -> tuple[Tensor, Tensor]:
 def focal_mix(mod: Any, labels: Tensor, grid: tuple[int, int], gates: Tensor, kernels: Kernels | None = None) -> Tensor:
     """The modulation's label mix ``(b, n, l)`` fp32: levels by their conv chains, the global level by the
     mean of the last, combined per token by ``gate_weights(gates)``. ``kernels``: the forward's label kernels
-    (``_focal_kernels``), else the modulation's own are computed together here."""
+    (``_focal_kernels``), else the modulation's own are computed together here.
+
+    The levels run in whichever layout the route leaves them (``walk_path``: the grid, as the gates come, on a
+    large grid), the gates are weighed in that layout, and the labels change layout once, not twice a level."""
     kernels = _focal_kernels([mod]) if kernels is None else kernels
-    w = gate_weights(gates)  # b n k
-    y = labels.float()
-    mixed: Tensor | None = None  # the first level's term starts the sum (0 + x is x: no zeros, no add)
-    for i, level in enumerate(mod.focal_layers):
-        y, _ = apply_path((level[0],), y, grid, kernels)
-        term = w[:, :, i : i + 1] * y
-        mixed = term if mixed is None else mixed + term
-    last = w[:, :, -1:] * y.mean(dim=1, keepdim=True)  # the global level: the mean of the last
-    return last if mixed is None else mixed + last
+    y, on_grid = labels, False
+    levels: list[Tensor] = []
+    for level in mod.focal_layers:
+        y, on_grid, _ = walk_path((level[0],), y, grid, kernels, on_grid=on_grid)
+        levels.append(y)
+    with torch.no_grad(), fp32_labels(labels.device):  # the gates carry the graph; no detach dispatched
+        g = gates.float().abs()  # b k h w
+        total = g.sum(dim=1, keepdim=True)
+        w = torch.nan_to_num(g / total, nan=1.0 / int(g.shape[1]))  # uniform where all are 0 (0 / 0 is NaN)
+        if on_grid:  # labels b l h w: a level's weights b 1 h w, the global level's labels b l 1 1
+            parts, last = w.unsqueeze(1).unbind(2), y.mean(dim=(2, 3), keepdim=True)
+        else:  # labels b n l: a level's weights b n 1, the global level's labels b 1 l
+            parts, last = rearrange(w, "b k h w -> b (h w) 1 k").unbind(-1), y.mean(dim=1, keepdim=True)
+        mixed = levels[0] * parts[0] if levels else parts[-1] * last  # the global level alone: no level
+        for term, weight in zip([*levels[1:], last] if levels else [], parts[1:]):
+            mixed = torch.addcmul(mixed, term, weight)
+        return as_tokens(mixed) if on_grid else mixed
 
 
 def _focal_kernels(modulations: Sequence[Any]) -> Kernels:
