@@ -623,6 +623,12 @@ def walk_path(
         return y.y, y.on_grid, grid
 
 
+def _reads_statistics(paths: dict[nn.Module, tuple[Path, Path | None]]) -> bool:
+    """Whether a label kernel of ``paths`` reads batch norms' running statistics (a ``KernelConv`` folding norms),
+    which a training forward moves: then the kernels are read after the whole forward."""
+    return any(isinstance(op, KernelConv) and op.norms for pair in paths.values() for p in pair if p for op in path_convs(p))
+
+
 @dataclass(frozen=True)
 class _Labels:
     """Labels inside ``apply_path``: ``(b, n, l)``, or viewed ``(b, l, h, w)`` where ``on_grid`` (pooling and depthwise
@@ -1039,15 +1045,29 @@ class AdaptedConvNet(AdaptedBase):
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
         tracker = start_on_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
+        paths = None if self._fresh_paths else self._all_paths(blocks)  # fresh: asked for per unit, the forward done
+        if paths is not None and not _reads_statistics(paths):
+            # each unit's label events right after its forward: their temporaries (labels on a pixel grid are
+            # megabytes) come and go before the forward's saved activations peak, not on top of them. The label
+            # kernels read weights alone, so all of them are still computed together, at the first event
+            kernels = Kernels(op for pair in paths.values() for p in pair if p for op in path_convs(p))
+            pending, layer = _Pending(tracker, kernels), 0
+            for blk in blocks:
+                x, ran = self._run([blk], x)
+                grid, layer = self._events(ran, grid, layer, tracker, kernels, pending, paths)
+            return self._finish(x, tracker, pending)
         # every unit's forward first, then the label events: a KernelConv that folds batch norms reads their running
         # statistics, which a training forward moves in the norms' own block only, so after the whole forward they
         # are what the reference reads right after that block; all the label kernels are then computed together
         x, ran = self._run(blocks, x)
-        paths = None if self._fresh_paths else self._all_paths(blocks)  # fresh: asked for per unit, the forward done
         kernels = Kernels(op for pair in (paths or self._all_paths(blocks)).values() for p in pair if p for op in path_convs(p)
                           if not (self._fresh_paths and isinstance(op, KernelConv)))  # a fresh path's KernelConv is new
         pending = _Pending(tracker, kernels)
         self._events(ran, grid, 0, tracker, kernels, pending, paths)
+        return self._finish(x, tracker, pending)
+
+    def _finish(self, x: Tensor, tracker: LabelTracker, pending: _Pending) -> AlignedOutput:
+        """The last events (a pending aggregate, the readout), the head, and the targets."""
         pending.flush()
         tracker.pool("mean", 0)
         output, token_logits = self._head(x)
