@@ -623,10 +623,15 @@ def walk_path(
         return y.y, y.on_grid, grid
 
 
+def _unit_convs(paths: dict[nn.Module, tuple[Path, Path | None]]) -> Iterator[nn.Conv2d | KernelConv]:
+    """``path_convs`` of every unit's branch and shortcut in ``paths`` (``_all_paths``)."""
+    return (op for pair in paths.values() for p in pair if p for op in path_convs(p))
+
+
 def _reads_statistics(paths: dict[nn.Module, tuple[Path, Path | None]]) -> bool:
     """Whether a label kernel of ``paths`` reads batch norms' running statistics (a ``KernelConv`` folding norms),
     which a training forward moves: then the kernels are read after the whole forward."""
-    return any(isinstance(op, KernelConv) and op.norms for pair in paths.values() for p in pair if p for op in path_convs(p))
+    return any(isinstance(op, KernelConv) and op.norms for op in _unit_convs(paths))
 
 
 @dataclass(frozen=True)
@@ -1050,7 +1055,7 @@ class AdaptedConvNet(AdaptedBase):
             # each unit's label events right after its forward: their temporaries (labels on a pixel grid are
             # megabytes) come and go before the forward's saved activations peak, not on top of them. The label
             # kernels read weights alone, so all of them are still computed together, at the first event
-            kernels = Kernels(op for pair in paths.values() for p in pair if p for op in path_convs(p))
+            kernels = Kernels(_unit_convs(paths))
             pending, layer = _Pending(tracker, kernels), 0
             for blk in blocks:
                 x, ran = self._run([blk], x)
@@ -1060,7 +1065,7 @@ class AdaptedConvNet(AdaptedBase):
         # statistics, which a training forward moves in the norms' own block only, so after the whole forward they
         # are what the reference reads right after that block; all the label kernels are then computed together
         x, ran = self._run(blocks, x)
-        kernels = Kernels(op for pair in (paths or self._all_paths(blocks)).values() for p in pair if p for op in path_convs(p)
+        kernels = Kernels(op for op in _unit_convs(paths or self._all_paths(blocks))
                           if not (self._fresh_paths and isinstance(op, KernelConv)))  # a fresh path's KernelConv is new
         pending = _Pending(tracker, kernels)
         self._events(ran, grid, 0, tracker, kernels, pending, paths)

@@ -15,15 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from test_backbones_common import B, IMG, C, cutmix_batch
+from test_backbones_common import B, IMG, C, WrappedScheme, cutmix_batch
 from test_backbones_cuda import ALIGNING, _model
 from torch import Tensor
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabeling, backbones
-from mixlabels._align import Fork, LabelTracker, Scheme, TokenLayout
-from mixlabels._label_map import TokenLabelMap
-from mixlabels._rules import Rules
+from mixlabels._align import Fork, LabelTracker
 
 
 def _fp32(what: str, t: Tensor | None, seen: list[str]) -> None:
@@ -71,20 +69,6 @@ class _Checked:
         return getattr(self._t, name)
 
 
-class _CheckedScheme:
-    """``scheme`` with its trackers wrapped in ``_Checked`` (schemes are a protocol: rules, start, token logits)."""
-
-    def __init__(self, scheme: Scheme, seen: list[str]) -> None:
-        self._scheme, self._seen = scheme, seen
-        self.needs_token_logits = scheme.needs_token_logits
-
-    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
-        return self._scheme.rules(label_map, layout)
-
-    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
-        return _Checked(self._scheme.start(label_map, layout), self._seen)  # type: ignore[return-value]
-
-
 def check_bf16_step(family: backbones.Family, device: str) -> None:
     """TL-Align in train mode on ``device`` under its bf16 autocast: labels fp32 at every event, targets fp32 rows
     summing to 1 and close to the fp32 step's (bf16 attention weights: about 3 digits), and the loss trains."""
@@ -92,7 +76,7 @@ def check_bf16_step(family: backbones.Family, device: str) -> None:
     images, lm = cutmix_batch()
     images, lm = images.to(device), lm.to(device)
     seen: list[str] = []
-    adapted = backbones.adapt(model, _CheckedScheme(TLAlign(), seen))  # type: ignore[arg-type]
+    adapted = backbones.adapt(model, WrappedScheme(TLAlign(), lambda t: _Checked(t, seen)))
     torch.manual_seed(5)
     full = adapted(images, lm).target
     torch.manual_seed(5)
@@ -121,7 +105,7 @@ def test_bf16_autocast_token_targets_stay_fp32(family: backbones.Family) -> None
     lm = lm.with_token_targets(torch.rand(B, IMG, IMG, C, generator=torch.Generator().manual_seed(3)).softmax(-1))
     seen: list[str] = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = backbones.adapt(model, _CheckedScheme(TokenLabeling(beta=0.5, aligned=True), seen))(images, lm)  # type: ignore[arg-type]
+        out = backbones.adapt(model, WrappedScheme(TokenLabeling(beta=0.5, aligned=True), lambda t: _Checked(t, seen)))(images, lm)
     assert seen, f"{family.name}: the tracker saw no label tensor"
     assert out.target.dtype == torch.float32
     assert out.token_target is None or out.token_target.dtype == torch.float32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from torch.testing import assert_close
 from mixlabels import backbones
 from mixlabels.backbones._count import meta_torchvision_model
 from mixlabels import NoAlign, TLAlign, TokenLabeling, TokenLabelMap, TransMix
+from mixlabels._align import LabelTracker, Scheme, TokenLayout
+from mixlabels._rules import Rules
 
 B, IMG, C = 4, 32, 10
 SCHEMES: dict[str, Any] = {
@@ -32,6 +35,21 @@ SCHEMES: dict[str, Any] = {
     "tokens_aligned": TokenLabeling(beta=0.5, aligned=True),
 }
 POOLED = [s for s in SCHEMES if s != "transmix"]  # no class token: TransMix refuses
+
+
+class WrappedScheme:
+    """``scheme`` with every tracker it starts passed through ``wrap`` (a test's logging or checking tracker); its
+    rules and token-logit need delegated (schemes are a protocol: rules, start, token logits)."""
+
+    def __init__(self, scheme: Scheme, wrap: Callable[[LabelTracker], Any]) -> None:
+        self._scheme, self._wrap = scheme, wrap
+        self.needs_token_logits = scheme.needs_token_logits
+
+    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
+        return self._scheme.rules(label_map, layout)
+
+    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
+        return self._wrap(self._scheme.start(label_map, layout))  # type: ignore[no-any-return]
 
 
 def cutmix_batch(seed: int = 1, token_space: bool = False) -> tuple[torch.Tensor, TokenLabelMap]:

@@ -16,13 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_backbones_common import cutmix_batch
+from test_backbones_common import WrappedScheme, cutmix_batch
 from torch import Tensor, nn
 
 from mixlabels import TLAlign, backbones
-from mixlabels._align import Fork, LabelTracker, Scheme, TokenLayout
-from mixlabels._label_map import TokenLabelMap
-from mixlabels._rules import Rules
+from mixlabels._align import Fork, LabelTracker
 from mixlabels.backbones._convnet import AdaptedConvNet, CrossPart, _reads_statistics
 
 FAMILIES = {f.name: f for f in backbones.FAMILIES}
@@ -54,18 +52,6 @@ class _Logged:
         return getattr(self._t, name)
 
 
-class _LoggedScheme:
-    def __init__(self, scheme: Scheme, order: list[str]) -> None:
-        self._scheme, self._order = scheme, order
-        self.needs_token_logits = scheme.needs_token_logits
-
-    def rules(self, label_map: TokenLabelMap, layout: TokenLayout) -> Rules:
-        return self._scheme.rules(label_map, layout)
-
-    def start(self, label_map: TokenLabelMap, layout: TokenLayout) -> LabelTracker:
-        return _Logged(self._scheme.start(label_map, layout), self._order)
-
-
 def _modules(units: Any) -> Iterator[nn.Module]:
     for unit in units:
         if isinstance(unit, CrossPart):
@@ -78,7 +64,7 @@ def _order(name: str) -> tuple[list[str], AdaptedConvNet]:
     """What one TL-Align training forward of the family's example did, in order, from its first block conv to its last:
     ``conv`` (a conv inside a unit ran) and ``label`` (the tracker received an event)."""
     order: list[str] = []
-    adapted = backbones.adapt(FAMILIES[name].example().train(), _LoggedScheme(TLAlign(), order))
+    adapted = backbones.adapt(FAMILIES[name].example().train(), WrappedScheme(TLAlign(), lambda t: _Logged(t, order)))
     assert isinstance(adapted, AdaptedConvNet)
     convs = {m for unit in _modules(adapted._blocks()) for m in unit.modules() if isinstance(m, nn.Conv2d)}
     hooks = [c.register_forward_hook(lambda *_: order.append("conv")) for c in convs]

@@ -83,9 +83,15 @@ def _focalnet_refusal(model: nn.Module) -> str | None:
 
 def gate_weights(gates: Tensor) -> Tensor:
     """Every token's normalised absolute gates ``(b, k, h, w) -> (b, h*w, k)`` fp32 (uniform where all are 0)."""
-    g = rearrange(gates.detach().float().abs(), "b k h w -> b (h w) k")
-    total = g.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, g / total.clamp_min(torch.finfo(torch.float32).tiny), torch.full_like(g, 1.0 / g.shape[-1]))
+    with torch.no_grad():
+        return rearrange(_grid_gate_weights(gates), "b k h w -> b (h w) k")
+
+
+def _grid_gate_weights(gates: Tensor) -> Tensor:
+    """``gate_weights`` in the gates' own layout ``(b, k, h, w)``; no graph where called under ``no_grad`` (no detach
+    dispatched). A token whose gates are all 0 (0 / 0 is NaN) gets uniform weights, as one with a NaN gate does."""
+    g = gates.float().abs()
+    return torch.nan_to_num(g / g.sum(dim=1, keepdim=True), nan=1.0 / int(g.shape[1]))
 
 
 def _modulation(mod: Any, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -118,9 +124,7 @@ def focal_mix(mod: Any, labels: Tensor, grid: tuple[int, int], gates: Tensor, ke
         y, on_grid, _ = walk_path((level[0],), y, grid, kernels, on_grid=on_grid)
         levels.append(y)
     with torch.no_grad(), fp32_labels(labels.device):  # the gates carry the graph; no detach dispatched
-        g = gates.float().abs()  # b k h w
-        total = g.sum(dim=1, keepdim=True)
-        w = torch.nan_to_num(g / total, nan=1.0 / int(g.shape[1]))  # uniform where all are 0 (0 / 0 is NaN)
+        w = _grid_gate_weights(gates)  # b k h w
         if on_grid:  # labels b l h w: a level's weights b 1 h w, the global level's labels b l 1 1
             parts, last = w.unsqueeze(1).unbind(2), y.mean(dim=(2, 3), keepdim=True)
         else:  # labels b n l: a level's weights b n 1, the global level's labels b 1 l
