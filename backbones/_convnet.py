@@ -567,7 +567,7 @@ tap weights together (a few operators per shape, against one per conv)."""
 
 def conv_weights(convs: Sequence[nn.Conv2d | KernelConv]) -> list[Tensor]:
     """The weights ``convs`` convolve with (``effective_weight``; a ``KernelConv``'s kernel), the fold scales of
-    every ``KernelConv``'s norms computed together, and ``KernelConv``\ s of one ``KernelBatch`` key built together."""
+    every ``KernelConv``'s norms computed together, and ``KernelConv`` objects of one ``KernelBatch`` key built together."""
     scales = scales_of(n for c in convs if isinstance(c, KernelConv) for n in c.norms)
     batches: dict[tuple[Any, ...], list[int]] = {}
     for i, c in enumerate(convs):
@@ -888,8 +888,11 @@ def run_module_stem(stem: nn.Module, images: Tensor, label_map: TokenLabelMap) -
 class _Pending:
     """Consecutive units without shortcut, held back and applied as one ``aggregate`` of their joined paths."""
 
-    def __init__(self, tracker: LabelTracker, kernels: Kernels) -> None:
+    def __init__(self, tracker: LabelTracker, kernels: Kernels, *, by_unit: bool = False) -> None:
         self._tracker, self._kernels = tracker, kernels
+        self.by_unit = by_unit
+        """Whether the events run unit by unit, each after its forward (``aligned_forward``): then a run also ends at a
+        unit that shrinks the grid (``_events``)."""
         self._path: list[Any] = []
         self._grid: tuple[int, int] | None = None
 
@@ -1014,7 +1017,9 @@ class AdaptedConvNet(AdaptedBase):
 
         A run of units without shortcut (each aggregates) is one ``aggregate`` of their paths (``_Pending``): their
         maps are row-stochastic, so the renormalisation between them changes nothing but rounding, and a run of
-        convs or windows costs one layout change."""
+        convs or windows costs one layout change. Run unit by unit (``_Pending.by_unit``), a run also ends at a unit
+        that shrinks the grid: a network of such units (SelecSLS) would otherwise walk its pixel-grid labels after
+        its whole forward, their temporaries on top of the forward's saved activations."""
         for item in ran:
             if isinstance(item[0], CrossPart):
                 _, inner, share = item
@@ -1028,7 +1033,10 @@ class AdaptedConvNet(AdaptedBase):
             branch, shortcut = self._paths(blk) if paths is None else paths[blk]
             if shortcut is None:
                 pending.add(branch, grid)
-                grid = path_grid(branch, grid)
+                shrunk = path_grid(branch, grid)
+                if shrunk != grid and pending.by_unit:  # the run ends: its large-grid label work runs before the
+                    pending.flush()  # forward goes on to its peak (SelecSLS has no shortcut: otherwise one run)
+                grid = shrunk
             else:
                 pending.flush()
                 grid = block_labels(tracker, layer, grid, branch, shortcut, keep, kernels, plain=self._plain(blk))
@@ -1056,7 +1064,7 @@ class AdaptedConvNet(AdaptedBase):
             # megabytes) come and go before the forward's saved activations peak, not on top of them. The label
             # kernels read weights alone, so all of them are still computed together, at the first event
             kernels = Kernels(_unit_convs(paths))
-            pending, layer = _Pending(tracker, kernels), 0
+            pending, layer = _Pending(tracker, kernels, by_unit=True), 0
             for blk in blocks:
                 x, ran = self._run([blk], x)
                 grid, layer = self._events(ran, grid, layer, tracker, kernels, pending, paths)

@@ -244,7 +244,7 @@ WindowPlan = tuple[str, tuple[bool, ...] | None, tuple[int, int]]
 
 
 def window_plan(batch: int, grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]], device: torch.device) -> WindowPlan:
-    """The route ``window_route`` takes for a run of windows on ``grid``, the ``ceil_mode``\ s that pool it (``None``:
+    """The route ``window_route`` takes for a run of windows on ``grid``, the ``ceil_mode`` values that pool it (``None``:
     it does not pool), and the grid it ends on."""
     out = grid
     for window in axes:
