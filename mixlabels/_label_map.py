@@ -39,8 +39,10 @@ __all__ = ["TokenLabelMap", "class_distributions", "check_labels", "check_token_
 def fp32_labels(device: torch.device) -> AbstractContextManager[object]:
     """A region where label arithmetic stays fp32 under a caller's autocast: matmul and einsum would otherwise run in
     bf16 there, and fp32 label tensors would meet bf16 ones (``lerp`` refuses the pair; a sum would quietly round).
-    The meta device has no autocast (and refuses the context), so nothing is needed there."""
-    if device.type == "meta":
+    The meta device has no autocast (and refuses the context), so nothing is needed there; nor where autocast is off
+    (entering and leaving an autocast context costs a few microseconds of host time, and the label path enters it dozens
+    of times a step), except while tracing, where the context is kept for the graph to record."""
+    if device.type == "meta" or not (torch.compiler.is_compiling() or torch.is_autocast_enabled(device.type)):
         return nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
@@ -606,8 +608,10 @@ class TokenLabelMap:
                 f"weights must have shape (batch={self.batch_size}, ..., k={self.num_sources}), "
                 f"got {tuple(weights.shape)}"
             )
-        with fp32_labels(self.device):
-            return torch.einsum("b...k,bkc->b...c", weights.float(), self.source_targets())
+        b, k = int(weights.shape[0]), self.num_sources
+        with fp32_labels(self.device):  # einsum's own route (b, n, k) @ (b, k, c), without its host-side planning
+            flat = torch.bmm(weights.float().reshape(b, -1, k), self.source_targets())
+            return flat.reshape(*weights.shape[:-1], self.num_classes)
 
     def image_targets(self) -> Tensor:
         """The image-level soft targets ``(b, c)``: the CutMix/MixUp target."""

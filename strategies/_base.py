@@ -83,7 +83,7 @@ class MixParams:
             object.__setattr__(self, "drawn_from", self._draws())
 
     def _draws(self) -> tuple[object, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in (*self.DERIVED, "drawn_from"))
+        return tuple(getattr(self, n) for n in _draw_names(self))
 
     def current(self: D) -> D:
         """These params, or, where a draw was replaced since the derived values were computed
@@ -137,10 +137,43 @@ class MixParams:
 
     def to(self: D, device: torch.device | str) -> D:
         """The same params with every tensor on ``device`` (from the host to CUDA: in one asynchronous copy)."""
-        params = self.current()
-        names = [f.name for f in dataclasses.fields(params) if isinstance(getattr(params, f.name), Tensor)]
+        params, dev = self.current(), torch.device(device)
+        names = [n for n in _field_names(params) if isinstance(getattr(params, n), Tensor)]
+        if all(getattr(params, n).device == dev for n in names):
+            return params  # nothing moves: a mixer's call on the CPU builds no second params object
         moved: dict[str, Any] = dict(zip(names, to_device([getattr(params, n) for n in names], device)))
         return dataclasses.replace(params, **moved, drawn_from=None)  # the moved draws and their derived values
+
+
+def _field_names(params: MixParams) -> tuple[str, ...]:
+    """The dataclass fields of ``params``, read once per class (``dataclasses.fields`` walks them per call); dynamo
+    traces ``fields`` of an instance only."""
+    if torch.compiler.is_compiling():
+        return tuple(f.name for f in dataclasses.fields(params))
+    return _class_fields(type(params))
+
+
+def _draw_names(params: MixParams) -> tuple[str, ...]:
+    """The fields of ``params`` that are draws: not derived from them (``DERIVED``), not their record."""
+    if torch.compiler.is_compiling():
+        return tuple(n for n in _field_names(params) if n not in (*params.DERIVED, "drawn_from"))
+    return _class_draws(type(params))
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_DRAWS: dict[type, tuple[str, ...]] = {}
+
+
+def _class_fields(kind: type[MixParams]) -> tuple[str, ...]:
+    if kind not in _FIELDS:
+        _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return _FIELDS[kind]
+
+
+def _class_draws(kind: type[MixParams]) -> tuple[str, ...]:
+    if kind not in _DRAWS:
+        _DRAWS[kind] = tuple(n for n in _class_fields(kind) if n not in (*kind.DERIVED, "drawn_from"))
+    return _DRAWS[kind]
 
 
 def host_params(params: MixParams) -> bool:
