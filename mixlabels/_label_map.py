@@ -22,6 +22,7 @@ token grid, ``n = h * w`` tokens, ``c`` classes.
 
 from __future__ import annotations
 
+import math
 import numbers
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -608,9 +609,9 @@ class TokenLabelMap:
                 f"weights must have shape (batch={self.batch_size}, ..., k={self.num_sources}), "
                 f"got {tuple(weights.shape)}"
             )
-        b, k = int(weights.shape[0]), self.num_sources
+        b, n, k = int(weights.shape[0]), math.prod(weights.shape[1:-1]), self.num_sources  # n, not -1: b may be 0
         with fp32_labels(self.device):  # einsum's own route (b, n, k) @ (b, k, c), without its host-side planning
-            flat = torch.bmm(weights.float().reshape(b, -1, k), self.source_targets())
+            flat = torch.bmm(weights.float().reshape(b, n, k), self.source_targets())
             return flat.reshape(*weights.shape[:-1], self.num_classes)
 
     def image_targets(self) -> Tensor:
