@@ -609,7 +609,8 @@ class TokenLabelMap:
                 f"weights must have shape (batch={self.batch_size}, ..., k={self.num_sources}), "
                 f"got {tuple(weights.shape)}"
             )
-        b, n, k = int(weights.shape[0]), math.prod(weights.shape[1:-1]), self.num_sources  # n, not -1: b may be 0
+        # sizes as the shape holds them (no int(): a dynamic batch stays symbolic under torch.compile); n, not -1: b may be 0
+        b, n, k = weights.shape[0], math.prod(weights.shape[1:-1]), self.num_sources
         with fp32_labels(self.device):  # einsum's own route (b, n, k) @ (b, k, c), without its host-side planning
             flat = torch.bmm(weights.float().reshape(b, n, k), self.source_targets())
             return flat.reshape(*weights.shape[:-1], self.num_classes)

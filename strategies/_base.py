@@ -150,30 +150,18 @@ def _field_names(params: MixParams) -> tuple[str, ...]:
     traces ``fields`` of an instance only."""
     if torch.compiler.is_compiling():
         return tuple(f.name for f in dataclasses.fields(params))
-    return _class_fields(type(params))
-
-
-def _draw_names(params: MixParams) -> tuple[str, ...]:
-    """The fields of ``params`` that are draws: not derived from them (``DERIVED``), not their record."""
-    if torch.compiler.is_compiling():
-        return tuple(n for n in _field_names(params) if n not in (*params.DERIVED, "drawn_from"))
-    return _class_draws(type(params))
-
-
-_FIELDS: dict[type, tuple[str, ...]] = {}
-_DRAWS: dict[type, tuple[str, ...]] = {}
-
-
-def _class_fields(kind: type[MixParams]) -> tuple[str, ...]:
+    kind = type(params)
     if kind not in _FIELDS:
         _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
     return _FIELDS[kind]
 
 
-def _class_draws(kind: type[MixParams]) -> tuple[str, ...]:
-    if kind not in _DRAWS:
-        _DRAWS[kind] = tuple(n for n in _class_fields(kind) if n not in (*kind.DERIVED, "drawn_from"))
-    return _DRAWS[kind]
+def _draw_names(params: MixParams) -> tuple[str, ...]:
+    """The fields of ``params`` that are draws: not derived from them (``DERIVED``), not their record."""
+    return tuple(n for n in _field_names(params) if n not in (*params.DERIVED, "drawn_from"))
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def host_params(params: MixParams) -> bool:
