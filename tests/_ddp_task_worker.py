@@ -9,11 +9,12 @@ the task after ``prepare_distributed`` with a step of gradient accumulation unde
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from _dist_teardown import finish
 
 import mixlabels
 from mixlabels.backbones import FAMILIES, AlignedClassificationTask, adapt
@@ -97,9 +98,7 @@ def main() -> None:
         losses.append(float(loss.detach()))
     report["synced_spread"] = spread(list(task.get_eval_model().parameters()))
     report["losses_differ"] = bool(torch.tensor(losses).std() > 0)
-    if rank == 0:
-        print("REPORT " + json.dumps(report))
-    dist.destroy_process_group()
+    finish(report)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ orders and combinations that cannot work, each caught with its message.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -20,6 +19,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from _dist_teardown import finish
 
 import mixlabels
 from mixlabels import TokenLabelMap
@@ -233,9 +234,7 @@ def main() -> None:
         "families_blocks": per_block_families(rank, fp32),
         "refusals": refusals(rank),
     }
-    if rank == 0:
-        print("REPORT " + json.dumps(report))
-    dist.destroy_process_group()
+    finish(report)
 
 
 if __name__ == "__main__":

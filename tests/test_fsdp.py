@@ -35,7 +35,9 @@ def torchrun(script: Path) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = "a REPORT line" if "\nREPORT " in "\n" + proc.stdout else "no REPORT line"
+    err = proc.stderr if len(proc.stderr) < 4000 else proc.stderr[:1500] + "\n[...]\n" + proc.stderr[-2500:]
+    assert proc.returncode == 0, f"exit {proc.returncode}, stdout had {printed}; stderr:\n{err}"
     return proc.stdout
 
 

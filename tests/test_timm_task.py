@@ -4,9 +4,6 @@ gradient accumulation, AMP, and the refusals of what cannot work."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,8 @@ from timm.optim import create_optimizer_v2
 from timm.utils import ModelEmaV3
 from torch import nn
 from torch.testing import assert_close
+
+from test_fsdp import torchrun
 
 import mixlabels
 from mixlabels.backbones import FAMILIES, AlignedClassificationTask, adapt
@@ -50,12 +49,8 @@ def train_steps(task: AlignedClassificationTask, steps: int = 2, ema: bool = Fal
 
 # ---------------------------------------------------------------------------- distributed
 def test_ddp_two_ranks_stay_identical_and_skipping_ddp_is_caught() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO_ROOT / "tests" / "_ddp_task_worker.py")]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))
+    stdout = torchrun(REPO_ROOT / "tests" / "_ddp_task_worker.py")
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))
     report = json.loads(line[len("REPORT ") :])
     assert "task.prepare_distributed" in report["unprepared"]  # the task refuses to train un-reduced
     assert "DistributedDataParallel(adapted" in report["beside_ddp"]  # so does the adapter beside a DDP of the model
