@@ -1,9 +1,9 @@
-"""The end of a ``torchrun`` test worker: rank 0 prints its report, then a teardown that cannot abort the run.
+"""The end of a ``torchrun`` test worker: rank 0 prints its report, then an explicit, synchronised teardown.
 
 Under load, about one run in forty of ``_fsdp_worker.py`` (2 gloo ranks on the CPU) aborted after rank 0 had
 printed its whole report: "terminate called without an active exception" (SIGABRT) in one rank, while it
 destroyed the process group or tore the interpreter down (CI on a2c2425; here once in 45 runs beside other
-load, never alone). The findings are complete by then, so the end is made deterministic instead of left to
+load). The findings are complete by then, so the end is made deterministic instead of left to
 the interpreter: the modules nothing refers to any more (the refusals' sharded models, whose states may hold
 all-gathers a refused forward never waited for) are collected while the group lives; both ranks meet at a
 barrier, so neither closes its connections under the other's traffic; the group is destroyed; and the
