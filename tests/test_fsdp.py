@@ -41,12 +41,17 @@ def torchrun(script: Path) -> str:
     return proc.stdout
 
 
+def report_of(script: Path) -> dict[str, Any]:
+    """The JSON object rank 0 of ``script`` printed on its ``REPORT`` line (``_dist_teardown.finish``), under ``torchrun``."""
+    lines = [ln for ln in torchrun(script).splitlines() if ln.startswith("REPORT ")]
+    assert len(lines) == 1, f"{script.name} printed {len(lines)} REPORT lines, expected rank 0's one"
+    result: dict[str, Any] = json.loads(lines[0][len("REPORT ") :])
+    return result
+
+
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    stdout = torchrun(REPO_ROOT / "tests" / "_fsdp_worker.py")
-    line = next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))
-    result: dict[str, Any] = json.loads(line[len("REPORT ") :])
-    return result
+    return report_of(REPO_ROOT / "tests" / "_fsdp_worker.py")
 
 
 def test_per_block_sharding_equals_one_process_on_the_whole_batch(report: dict[str, Any]) -> None:

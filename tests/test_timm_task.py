@@ -3,7 +3,6 @@ gradient accumulation, AMP, and the refusals of what cannot work."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 from torch.testing import assert_close
 
-from test_fsdp import torchrun
+from test_fsdp import report_of
 
 import mixlabels
 from mixlabels.backbones import FAMILIES, AlignedClassificationTask, adapt
@@ -49,9 +48,7 @@ def train_steps(task: AlignedClassificationTask, steps: int = 2, ema: bool = Fal
 
 # ---------------------------------------------------------------------------- distributed
 def test_ddp_two_ranks_stay_identical_and_skipping_ddp_is_caught() -> None:
-    stdout = torchrun(REPO_ROOT / "tests" / "_ddp_task_worker.py")
-    line = next(ln for ln in stdout.splitlines() if ln.startswith("REPORT "))
-    report = json.loads(line[len("REPORT ") :])
+    report = report_of(REPO_ROOT / "tests" / "_ddp_task_worker.py")
     assert "task.prepare_distributed" in report["unprepared"]  # the task refuses to train un-reduced
     assert "DistributedDataParallel(adapted" in report["beside_ddp"]  # so does the adapter beside a DDP of the model
     assert report["start_spread"] == 0.0  # same initial weights on both ranks...
