@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._provenance import provenance, provenance_line
+from benchmarks._rows import ROW_IDS
 
 __all__ = ["reading", "render_ablation", "summarize_ablation"]
 
@@ -88,6 +89,7 @@ def summarize_ablation(out: Path, *, command: str | None = None, same_machine: b
                                     "'python benchmarks/ablation.py ...' (as it was run) to take its finished run files")
         cfg, _ = ablation.resolve_config(shlex.split(command)[2:])
         records, prov, teacher, base = [], None, None, None
+    name = _section_name(cfg)  # before reading any run: a job RESULTS does not keep is refused first
     num_classes = 10 if cfg.data.source in ("cifar10", "imagenette") else None
     if num_classes is None:
         raise ValueError(f"--add-ablation knows the class count of cifar10 and imagenette only, not {cfg.data.source}")
@@ -125,8 +127,26 @@ def summarize_ablation(out: Path, *, command: str | None = None, same_machine: b
         "annotator": _trim_teacher(teacher),
         "base": {"run": base["run"], "result": base["result"]} if base else None,
     }
-    # a fine-tuning job is its own table: it never replaces the from-scratch one
-    return _ABLATION_TABLE_NAME[cfg.table] + ("-finetune" if cfg.profile == "finetune" else ""), summary
+    return name, summary
+
+
+def _section_name(cfg: Any) -> str:
+    """The RESULTS section an ablation job's summary goes to.
+
+    A fine-tuning job is its own table, and so is a from-scratch Table 7 job that leaves out some of the paper's rows
+    (``--rows``, often with more seeds): neither replaces the full from-scratch table, which the README shows too.
+    RESULTS keeps Table 8 and the token-labeling table whole only.
+    """
+    name = _ABLATION_TABLE_NAME[cfg.table]
+    if cfg.profile == "finetune":
+        return name + "-finetune"
+    missing = [row for row in ROW_IDS[cfg.table] if cfg.rows is not None and row not in cfg.rows]
+    if not missing:
+        return name
+    if cfg.table == 7:
+        return name + "-rows"
+    raise ValueError(f"RESULTS keeps the whole of table {cfg.table}; this job left out its rows {', '.join(missing)}. "
+                     f"Run it without --rows (the rows it has already finished in its --out are not trained again)")
 
 
 def _trim_teacher(teacher: dict[str, Any] | None) -> dict[str, Any] | None:

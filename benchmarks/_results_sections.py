@@ -50,6 +50,11 @@ SECTIONS: tuple[Section, ...] = (
             "top-1; the +TL-Align column is the same run with `TLAlign()` in place of `NoAlign()`. Differences "
             "smaller than about two standard deviations of the per-seed differences are noise.",
             render_ablation),
+    Section("table7-rows", "Table 7: some rows with more seeds (CPU default)",
+            "python benchmarks/ablation.py --rows cutmix --seeds 0-9",
+            "A Table 7 job that runs only some of the table's rows (`--rows`), as a rule with more seeds than the full "
+            "table's two, so that its intervals can exclude 0; paired per seed as above. It never replaces the full "
+            "table (a later such job replaces this one).", render_ablation),
     Section("table8", "Table 8: which TL-Align operations matter", "python benchmarks/ablation.py --table 8",
             "All rows with CutMix: no alignment, TL-Align at the last layer only, at the paper's layers scaled to "
             "the depth, without normalization, and full TL-Align.", render_ablation),

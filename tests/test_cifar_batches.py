@@ -147,5 +147,5 @@ def test_ablation_falls_back_to_torchvision_files(tmp_path: Path) -> None:
     # the job's output is what benchmarks/RESULTS.md is generated from
     name, summary = report.summarize_ablation(out)
     text = report.render_ablation(summary)
-    assert name == "table7" and "2 of 2 runs finished" in text and "Command: `python " in text
+    assert name == "table7-rows" and "2 of 2 runs finished" in text and "Command: `python " in text  # --rows cutmix
     assert f"| × | ✓ | × | × | {results['runs'][0]['result']['top1']:.2f} |" in text

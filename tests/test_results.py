@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from benchmarks._ablation_config import AblationConfig
 from benchmarks._provenance import current_command
 
 TINY = ["--rows", "cutmix", "--seeds", "0,1", "--embed-dim", "16", "--depth", "2", "--heads", "2", "--max-steps", "2"]
+WHOLE = TINY[2:]  # the same runs for every row of the table
 PROVENANCE = {"date": "2030-01-02 03:04 UTC", "command": "python benchmarks/ablation.py --rows cutmix", "cores": 7,
               "cpu": "Test CPU 9000", "gpu": None, "device": "cpu", "torch": "9.9.9", "python": "3.11.0",
               "load_average": [0.5, 0.4, 0.3]}
@@ -55,9 +57,10 @@ def test_a_renamed_script_is_shown_by_its_present_name_and_its_recorded_one() ->
     assert "run as" not in report.provenance_line(PROVENANCE)
 
 
-def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float]) -> AblationConfig:
-    """An ablation output directory as a finished job leaves it (results.json), with the given top-1 per run."""
-    cfg, _ = ablation.resolve_config([*TINY, "--out", str(out)])
+def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float], args: Sequence[str] = TINY) -> AblationConfig:
+    """An ablation output directory as a finished job leaves it (results.json), with the given top-1 per run (by
+    aligned and seed, whatever the row)."""
+    cfg, _ = ablation.resolve_config([*args, "--out", str(out)])
     records = []
     for p in ablation.plan(cfg, 10, "cpu"):
         result = {"top1": top1[(p.cell.aligned, p.seed)], "correct": 1, "evaluated": 64, "train_loss": 2.0, "steps": 2,
@@ -73,7 +76,7 @@ def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float]) -> AblationCo
 
 def test_add_ablation_renders_the_runs_with_their_provenance(tmp_path: Path) -> None:
     top1 = {(False, 0): 20.0, (False, 1): 23.0, (True, 0): 21.0, (True, 1): 25.0}
-    _fake_ablation(tmp_path / "out", top1)
+    _fake_ablation(tmp_path / "out", top1, WHOLE)  # every row of Table 7 (the README's table)
     results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
     readme.write_text(report.README.read_text())
     paths = ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
@@ -89,8 +92,8 @@ def test_add_ablation_renders_the_runs_with_their_provenance(tmp_path: Path) -> 
     assert f"| × | ✓ | × | × | {base} | {aligned} | {delta} |" in text
     assert f"Command: `{PROVENANCE['command']}`" in text
     assert "Date: 2030-01-02 03:04 UTC; machine: 7 CPU cores (Test CPU 9000), no GPU; torch 9.9.9" in text
-    assert "4 of 4 runs finished" in text
-    assert "Reading: of 1 delta, 0 have a 95% interval above 0, 0 below 0 and 1 span 0." in text
+    assert "18 of 18 runs finished" in text
+    assert "Reading: of 4 deltas, 0 have a 95% interval above 0, 0 below 0 and 4 span 0." in text
     # the other sections say that they are not measured and how to measure them
     assert "Not measured for this version. Run `python benchmarks/ablation.py --table 8`" in text
     assert f"| × | ✓ | × | × | {base} | {aligned} | {delta} |" in readme.read_text()  # the README's one table
@@ -102,6 +105,28 @@ def test_add_ablation_renders_the_runs_with_their_provenance(tmp_path: Path) -> 
     assert report.main(["--check", *paths]) == 1
 
 
+def test_a_job_of_some_rows_is_its_own_section_and_leaves_the_full_table(tmp_path: Path) -> None:
+    full = {(False, 0): 20.0, (False, 1): 23.0, (True, 0): 21.0, (True, 1): 25.0}
+    _fake_ablation(tmp_path / "full", full, WHOLE)
+    _fake_ablation(tmp_path / "some", {key: top1 + 1.0 for key, top1 in full.items()})  # TINY: the CutMix row alone
+    results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
+    readme.write_text(report.README.read_text())
+    paths = ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
+    assert report.main(["--add-ablation", str(tmp_path / "full"), *paths]) == 0
+    assert report.main(["--add-ablation", str(tmp_path / "some"), *paths]) == 0
+    assert sorted(p.name for p in results.iterdir()) == ["table7-rows.json", "table7.json"]
+    text, shown = md.read_text(), readme.read_text()
+    full_row, some_row = "| × | ✓ | × | × | 21.50 ± 2.12 | 23.00 ± 2.83 |", "| × | ✓ | × | × | 22.50 ± 2.12 | 24.00 ± 2.83 |"
+    section = text.split("## Table 7: some rows with more seeds (CPU default)", 1)[1].split("\n## ", 1)[0]
+    assert some_row in section and "4 of 4 runs finished" in section
+    assert full_row in text.split("## Table 7: some rows", 1)[0]  # the full table stays, before it
+    assert full_row in shown and some_row not in shown  # and the README shows the full table alone
+    cfg, _ = ablation.resolve_config(["--table", "8", "--rows", "none,tl-align", "--out", str(tmp_path / "t8")])
+    with pytest.raises(ValueError, match="whole of table 8.*layer-last.*without --rows"):
+        report.summarize_ablation(tmp_path / "t8", command="python benchmarks/ablation.py --table 8 --rows none,tl-align",
+                                  same_machine=True)
+
+
 def test_output_without_provenance_needs_the_command_and_the_machine(tmp_path: Path) -> None:
     _fake_ablation(tmp_path / "out", {(a, s): 10.0 for a in (False, True) for s in (0, 1)})
     blob = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -111,7 +136,7 @@ def test_output_without_provenance_needs_the_command_and_the_machine(tmp_path: P
         report.summarize_ablation(tmp_path / "out")
     command = "python benchmarks/ablation.py " + " ".join(TINY)
     name, summary = report.summarize_ablation(tmp_path / "out", command=command, same_machine=True)
-    assert name == "table7" and summary["provenance"]["command"] == command
+    assert name == "table7-rows" and summary["provenance"]["command"] == command  # TINY runs one row
     assert summary["provenance"]["date"] == "2030-03-17 17:46 UTC"  # the last run's time stamp, not now
     assert "recorded" in summary["provenance"]
 
