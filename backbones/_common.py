@@ -367,8 +367,12 @@ def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple
 
 @functools.lru_cache(maxsize=64)
 def _ones(shape: tuple[int, int, int, int], device: torch.device) -> Tensor:
-    """``(1, l, h, w)`` fp32 ones: the map whose convolution is every position's in-grid tap weight (cached, as
-    ``_tap_matrices``: a constant of the grid)."""
+    """``(1, 1, h, w)`` fp32 ones: the map whose convolution is every position's in-grid tap weight (cached, as
+    ``_tap_matrices``: a constant of the grid).
+
+    One channel, convolved with every kernel ``(g, 1, kh, kw)`` at once (a plain conv to ``g`` channels), not ``g``
+    channels in ``g`` groups: the same sums to the bit, and on the CPU (mkldnn) 2 to 3 times faster on small grids
+    (batch 1, 2 threads: 5 kernels on 112x112, 59 against 153 us; 12 kernels on 14x14, 10 against 83 us)."""
     return torch.ones(shape, device=device)
 
 
@@ -448,13 +452,13 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
     """
     with fp32_labels(y.device):
         _, l, h, w = (int(s) for s in y.shape)
-        ones = _ones((1, l, h, w), y.device)
+        ones = _ones((1, 1, h, w), y.device)  # one channel: see ``_ones``
         for i, (kernel, padding, dilation) in enumerate(steps):
             # a (kh, kw) kernel, or one already expanded to (l, 1, kh, kw) (``Kernels.wide``, expanded per shape)
             k = kernel.to(y) if kernel.dim() == 4 else kernel.to(y).expand(l, 1, int(kernel.shape[0]), int(kernel.shape[1]))
             mass = masses[i] if masses is not None else None
             if mass is None:
-                mass = F.conv2d(ones, k, padding=padding, dilation=dilation, groups=l)  # 1 l h w: in-grid tap weight
+                mass = F.conv2d(ones, k, padding=padding, dilation=dilation)  # 1 l h w: in-grid tap weight
             y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l) / mass
         return y
 

@@ -537,7 +537,7 @@ class Kernels:
     def mass(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
         """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
         fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
-        one grouped convolution of ones (the stack ``wide`` uses, and a conv and an unbind per grid: where a shape
+        one convolution of ones (the stack ``wide`` uses, and a conv and an unbind per grid: where a shape
         has at least ``_WIDE_GROUP`` convs, fewer operators than a conv of ones per step); ``None``: not held here,
         or too few alike (``conv_steps_on_grid`` then computes it per step)."""
         kernel = self.get(conv)
@@ -548,8 +548,8 @@ class Kernels:
             if stacked is None:
                 return None
             padding, dilation = _geometry(conv)
-            ones = _ones((1, len(same), grid[0], grid[1]), stacked.device)
-            masses = F.conv2d(ones, stacked, padding=padding, dilation=dilation, groups=len(same))  # 1 g h w
+            ones = _ones((1, 1, grid[0], grid[1]), stacked.device)  # one channel to every kernel: see ``_ones``
+            masses = F.conv2d(ones, stacked, padding=padding, dilation=dilation)  # 1 g h w
             self._mass.update(((c, grid), m) for c, m in zip(same, masses.unbind(1)))
         return self._mass[(conv, grid)]
 
