@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from timm.models.xcit import Xcit
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, backbones
+from mixlabels.backbones._convnet import Kernels
 from mixlabels.backbones.families.xcit import _lpi_matrix, _lpi_mix
 
 # 32 px, patch 8: a 4x4 grid. "avg": mean readout, tokens_norm, no layer scale in class attention.
@@ -56,9 +58,16 @@ def test_lpi_rule_is_two_border_renormalised_convs() -> None:
     matrix = _lpi_matrix(lpi, (4, 4))
     assert_close(matrix.sum(-1), torch.ones(16, dtype=torch.float64))
     assert (matrix[0].view(4, 4)[3:, :] == 0).all() and (matrix[0].view(4, 4)[:, 3:] == 0).all()  # a 5x5 reach
-    y = torch.rand(2, 16, 3)
-    y = y / y.sum(-1, keepdim=True)
-    assert_close(_lpi_mix(lpi, y, (4, 4)), matrix.float() @ y)
+    # on a small grid (tap matrices) and on a larger one (depthwise convs on the grid layout); the kernels computed
+    # for this block alone (None: FSDP2's per-block sharding) or with others of their shape, their in-grid tap
+    # weights in one conv (five alike, Kernels' threshold: three copies of conv1 join the two)
+    others = [copy.deepcopy(lpi.conv1) for _ in range(3)]
+    for grid in ((4, 4), (12, 12)):
+        matrix = _lpi_matrix(lpi, grid).float()
+        y = torch.rand(2, grid[0] * grid[1], 3)
+        y = y / y.sum(-1, keepdim=True)
+        for kernels in (None, Kernels([lpi.conv1, lpi.conv2, *others])):
+            assert_close(_lpi_mix(lpi, y, grid, kernels), matrix @ y)
 
 
 def test_timm_names_adapt_and_refusals() -> None:

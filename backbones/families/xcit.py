@@ -9,7 +9,7 @@ image weights, as CaiT's), so the layout has one prefix token throughout. Events
   every token: a channel op, ``residual(layer, keep, mixed=None)``;
 - LPI: ``dwconv3x3 -> GELU -> BatchNorm -> dwconv3x3``: two spatial mixes in turn, each
   ``Norm(T(K)) Y`` with its channel-averaged normalised absolute kernel, border-renormalised
-  (``backbones._common.conv_mix``): ``residual(layer, keep, mixed=Norm(T(K2)) Norm(T(K1)) Y)``
+  (``backbones._convnet.apply_path``): ``residual(layer, keep, mixed=Norm(T(K2)) Norm(T(K1)) Y)``
   on the patch rows (the class token is not in the stream yet);
 - MLP: ``residual(layer, keep, mixed=None)``;
 - class attention: only the class token moves: its head-mean attention row over
@@ -42,12 +42,13 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels, class_attention
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, stride_grid
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, stride_grid
+from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import through_hooks
+from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
 __all__ = ["AdaptedXCiT", "XCIT_FAMILY"]
 
@@ -97,11 +98,21 @@ def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tu
     return m.pos_drop(x), grid
 
 
-def _lpi_mix(lpi: Any, labels: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Patch labels through LPI's two depthwise convs, one after the other ``(b, n, l)``."""
-    for conv in (lpi.conv1, lpi.conv2):
-        labels = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
-    return labels
+def _lpi_mix(lpi: Any, labels: Tensor, grid: tuple[int, int], kernels: Kernels | None) -> Tensor:
+    """Patch labels through LPI's two depthwise convs, one after the other ``(b, n, l)``: both on one layout view
+    (``apply_path``), their label kernels and in-grid tap weights read from ``kernels`` (every block's, computed
+    together; ``None``: this block's two, under FSDP2's per-block sharding)."""
+    return apply_path((lpi.conv1, lpi.conv2), labels, grid, kernels)[0]
+
+
+def _lpi_kernels(blocks: list[Any], tracker: LabelTracker) -> Kernels | None:
+    """The label kernels of every LPI whose labels are read, computed together on the first read (a few operators
+    for all of them, not five per conv), and their in-grid tap weights in one conv; ``None`` under FSDP2's per-block
+    sharding, where a block's parameters are whole only inside its own hooked call."""
+    if any(is_sharded(blk) for blk in blocks):
+        return None
+    read = [blk.local_mp for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None]
+    return Kernels(conv for lpi in read for conv in (lpi.conv1, lpi.conv2))
 
 
 def _lpi_matrix(lpi: Any, grid: tuple[int, int]) -> Tensor:
@@ -160,8 +171,10 @@ class AdaptedXCiT(AdaptedBase):
         depth = len(m.blocks) + len(m.cls_attn_blocks)
         reads_token = m.global_pool == "token"
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=1, depth=depth, class_token=reads_token))
+        kernels = _lpi_kernels(list(m.blocks), tracker)
         for layer, blk in enumerate(m.blocks):
-            x = through_hooks(blk, functools.partial(self._xca_block, blk, layer=layer, tracker=tracker, grid=grid), x)
+            step = functools.partial(self._xca_block, blk, layer=layer, tracker=tracker, grid=grid, kernels=kernels)
+            x = through_hooks(blk, step, x)
         x = torch.cat((m.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         for i, blk in enumerate(m.cls_attn_blocks):
             step = functools.partial(self._class_attention_block, blk, layer=len(m.blocks) + i, tracker=tracker)
@@ -176,14 +189,16 @@ class AdaptedXCiT(AdaptedBase):
         m: Any = self.model
         return (*m.blocks, *m.cls_attn_blocks)
 
-    def _xca_block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _xca_block(
+        self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None
+    ) -> Tensor:
         out, keep = branch(blk.drop_path1, _gamma(blk.gamma1, blk.attn(blk.norm1(x))))
         tracker.residual(layer, keep, mixed=None)  # XCA mixes channels within each token
         x = x + out
         out, keep = branch(blk.drop_path3, _gamma(blk.gamma3, blk.local_mp(blk.norm3(x), grid[0], grid[1])))
         y, mixed = tracker.labels_for(layer), None
         if y is not None:  # the class token is not in the stream yet: its row stays
-            mixed = torch.cat((y[:, :1], _lpi_mix(blk.local_mp, y[:, 1:], grid)), dim=1)
+            mixed = torch.cat((y[:, :1], _lpi_mix(blk.local_mp, y[:, 1:], grid, kernels)), dim=1)
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out
         out, keep = branch(blk.drop_path2, _gamma(blk.gamma2, blk.mlp(blk.norm2(x))))
