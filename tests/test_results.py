@@ -74,12 +74,18 @@ def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float], args: Sequenc
     return cfg
 
 
+def _report_files(tmp_path: Path) -> tuple[Path, Path, Path, list[str]]:
+    """Where ``report.main`` writes in a test: the summaries' directory, RESULTS.md, a copy of the README, and the
+    flags that point it there."""
+    results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
+    readme.write_text(report.README.read_text())
+    return results, md, readme, ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
+
+
 def test_add_ablation_renders_the_runs_with_their_provenance(tmp_path: Path) -> None:
     top1 = {(False, 0): 20.0, (False, 1): 23.0, (True, 0): 21.0, (True, 1): 25.0}
     _fake_ablation(tmp_path / "out", top1, WHOLE)  # every row of Table 7 (the README's table)
-    results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
-    readme.write_text(report.README.read_text())
-    paths = ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
+    results, md, readme, paths = _report_files(tmp_path)
     assert report.main(["--add-ablation", str(tmp_path / "out"), *paths]) == 0
     summary = json.loads((results / "table7.json").read_text())
     assert "run" not in summary["runs"][0]  # trimmed: the full run configs stay in the job's own output
@@ -109,9 +115,7 @@ def test_a_job_of_some_rows_is_its_own_section_and_leaves_the_full_table(tmp_pat
     full = {(False, 0): 20.0, (False, 1): 23.0, (True, 0): 21.0, (True, 1): 25.0}
     _fake_ablation(tmp_path / "full", full, WHOLE)
     _fake_ablation(tmp_path / "some", {key: top1 + 1.0 for key, top1 in full.items()})  # TINY: the CutMix row alone
-    results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
-    readme.write_text(report.README.read_text())
-    paths = ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
+    results, md, readme, paths = _report_files(tmp_path)
     assert report.main(["--add-ablation", str(tmp_path / "full"), *paths]) == 0
     assert report.main(["--add-ablation", str(tmp_path / "some"), *paths]) == 0
     assert sorted(p.name for p in results.iterdir()) == ["table7-rows.json", "table7.json"]
@@ -205,9 +209,7 @@ def test_add_rmse_compares_trained_checkpoints_row_by_row(tmp_path: Path) -> Non
     random_init = _fake_analysis(tmp_path / "c.json", None, 0.01, "analysis.py")
     with pytest.raises(ValueError, match="--sharpen"):  # a random-init, unsharpened run shows nothing
         report.summarize_rmse([("random", random_init)])
-    results, md, readme = tmp_path / "results", tmp_path / "RESULTS.md", tmp_path / "README.md"
-    readme.write_text(report.README.read_text())
-    paths = ["--results-dir", str(results), "--output", str(md), "--readme", str(readme)]
+    results, md, readme, paths = _report_files(tmp_path)
     assert report.main(["--add-rmse", f"scratch={scratch}", *paths]) == 0
     assert (results / "analysis-finetune.json").is_file() and "| scratch | 64 | 0.0125 |" in md.read_text()
     assert report.main(["--add-rmse", str(scratch), *paths]) == 2  # no LABEL=
