@@ -140,7 +140,7 @@ def _section_name(cfg: Any) -> str:
     name = _ABLATION_TABLE_NAME[cfg.table]
     if cfg.profile == "finetune":
         return name + "-finetune"
-    missing = [row for row in ROW_IDS[cfg.table] if cfg.rows is not None and row not in cfg.rows]
+    missing = [] if cfg.rows is None else [row for row in ROW_IDS[cfg.table] if row not in cfg.rows]
     if not missing:
         return name
     if cfg.table == 7:
