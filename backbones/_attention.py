@@ -230,8 +230,9 @@ def _widen(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, multiple: int) -> tu
     h, d, ll = q.shape[1], q.shape[-1], labels.shape[-1]
     extra = _widened_dim(d, ll, multiple) - d - ll
     y = repeat(labels.to(v.dtype), "b n l -> b h n l", h=h)
-    vw = torch.cat([v, y], dim=-1)
-    return F.pad(q, (0, ll + extra)), F.pad(k, (0, ll + extra)), F.pad(vw, (0, extra))
+    if extra:  # the padding on the narrow labels, so that v is copied once (by the cat); F.pad copies even where
+        y = F.pad(y, (0, extra))  # it pads nothing, so none where nothing is padded (the CPU kernel's multiple is 1)
+    return F.pad(q, (0, ll + extra)), F.pad(k, (0, ll + extra)), torch.cat([v, y], dim=-1)
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
