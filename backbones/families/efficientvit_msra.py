@@ -6,8 +6,8 @@ depth draw, replayed here for ``keep``). Events, ``layer`` counting each ``Effic
 and each subsample stage's ``res1`` and ``res2``:
 
 - ``ConvNorm`` depthwise 3x3 (``dw0``, ``dw1``, ``res1.0``, ``res2.0``): ``Norm(T(K)) Y``, the
-  normalised absolute kernel averaged over channels (``conv_mix``); ``ConvMlp`` (1x1 convs)
-  and batch norms: channel ops, ``mixed=None``.
+  normalised absolute kernel averaged over channels (``apply_path``; every layer's kernels computed
+  together); ``ConvMlp`` (1x1 convs) and batch norms: channel ops, ``mixed=None``.
 - ``LocalWindowAttention``: timm's ``CascadedGroupAttention`` on non-overlapping windows.
   Head ``i`` attends within each window, ``softmax(q^T k * scale + bias_i)`` with the learned
   attention biases by offset (``A_i``); its q first passes a depthwise conv (it only sets the
@@ -50,7 +50,8 @@ from torch import Tensor, nn
 
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, mix_token_space, start_on_convs
+from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, mix_token_space, start_on_convs
+from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -133,6 +134,15 @@ def _layers(m: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def _dw_kernels(plan: list[tuple[str, Any]], tracker: LabelTracker) -> Kernels:
+    """The label kernels of every depthwise ``ConvNorm`` whose layer's labels are read, computed together on the first
+    read (a few operators for all of them, not five per conv; ``apply_path`` reads them). The model has no FSDP2
+    units below the root (``fsdp_units``), so its weights are whole here."""
+    layers = [part for kind, part in plan if kind == "layer"]
+    return Kernels(rd.m.conv for layer, part in enumerate(layers) if tracker.labels_for(layer) is not None
+                   for rd in part if type(rd.m) is ConvNorm)
+
+
 def _residual_drop(rd: Any, x: Tensor, out: Tensor) -> tuple[Tensor, Tensor | None]:
     """timm's ``ResidualDrop`` with its own draw (``rand >= drop``), and who kept the branch."""
     if rd.training and rd.drop > 0:
@@ -181,10 +191,12 @@ def _window_attention(lwa: Any, x: Tensor, labels: Tensor | None, grid: tuple[in
         return out, None
     with torch.no_grad(), fp32_labels(x.device):
         y = rearrange(labels.float(), "b (nh wh nw ww) l -> (b nh nw) (wh ww) l", nh=nh, wh=ws, nw=nw)
-        z: Tensor | None = None
-        total = torch.zeros_like(y)
-        for a in weights:
-            z = a.detach().float() @ (y if z is None else (y + z) / 2)  # the cascade: chunk i plus head i-1
+        # ``bmm`` on the 3-d weights (``@`` dispatches an expand and a view of each side around it), no detach (no
+        # graph is recorded here), and the sum started from head 0's labels (not from zeros)
+        z = torch.bmm(weights[0].float(), y)
+        total = z
+        for a in weights[1:]:
+            z = torch.bmm(a.float(), (y + z) / 2)  # the cascade: chunk i plus head i-1
             total = total + z
         mixed = rearrange(total / len(weights), "(b nh nw) (wh ww) l -> b (nh wh nw ww) l", nh=nh, nw=nw, wh=ws)
     return out, mixed
@@ -225,6 +237,7 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
         plan = _layers(m)
         depth = sum(1 for kind, _ in plan if kind == "layer")
         tracker = start_on_convs(self.scheme, label_map, start, grid, depth, _stem_convs(m))  # the four strided convs
+        kernels = _dw_kernels(plan, tracker)
         layer = 0
         for kind, part in plan:
             if kind == "merge":
@@ -232,7 +245,7 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
                 x = part(x)
                 continue
             for rd in part:
-                x = self._residual(rd, x, layer, tracker, grid)
+                x = self._residual(rd, x, layer, tracker, grid, kernels)
             layer += 1
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -241,15 +254,14 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     @staticmethod
-    def _residual(rd: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _residual(rd: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         mod, labels, mixed = rd.m, tracker.labels_for(layer), None
         if type(mod) is LocalWindowAttention:
             out, mixed = _window_attention(mod, x, labels, grid)
         else:
             out = mod(x)
             if type(mod) is ConvNorm and labels is not None:  # a depthwise conv; ConvMlp mixes channels only
-                conv: Any = mod.conv
-                mixed = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
+                mixed = apply_path((mod.conv,), labels, grid, kernels)[0]
         x, keep = _residual_drop(rd, x, out)
         tracker.residual(layer, keep, mixed=mixed)
         return x
