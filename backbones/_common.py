@@ -232,11 +232,23 @@ def kernel_labels(weight: Tensor) -> Tensor:
 
     Five operators whatever the weight's size (abs, tap sums, their clamp, the division in
     place, the mean): on a GPU each is one launch, where a chunked pass costs several per chunk.
+    A weight of ``_LARGE_WEIGHT`` elements or more is averaged in two sums (seven operators).
     """
     with torch.no_grad():
         k = weight.abs().to(torch.float32)  # o i kh kw; fp32 whatever the weight's dtype (abs is exact)
         sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # o i 1 1
-        return k.div_(sums).mean(dim=(0, 1))
+        k = k.div_(sums)
+        if k.numel() < _LARGE_WEIGHT or not k.is_contiguous():
+            return k.mean(dim=(0, 1))
+        # over the output channels first (whole contiguous (i kh kw) rows added together), then the input channels:
+        # VGG-11's 7x7 head conv (4096 x 512 taps, 411 MB) in 22 ms instead of the mean's 69 on the CPU, and nearer
+        # float64 (1.2e-7 of the largest tap against 2.6e-7)
+        return k.sum(dim=0).sum(dim=0).div_(k.shape[0] * k.shape[1])
+
+
+_LARGE_WEIGHT = 1 << 22
+"""Weights from this many elements up (16 MB in fp32: a classifier head written as a conv) that ``kernel_labels``
+averages over output channels, then input channels: a mean over both leading dims at once reads them 3x slower."""
 
 
 def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:

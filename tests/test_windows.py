@@ -434,3 +434,25 @@ def test_window_routes_benchmark_times_both_routes_and_names_the_one_taken() -> 
     assert all(r.dense_ms > 0 and r.separable_ms > 0 and r.pooled_ms > 0 and r.route == window_route(r.batch, r.grid, r.out)
                for r in rows)
     assert {r.route for r in rows} == {"pooled", "separable"}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_kernel_labels_of_a_large_weight_equal_float64(layout: str) -> None:
+    """A weight of ``_LARGE_WEIGHT`` elements or more (a classifier head written as a 7x7 conv) is averaged in two sums,
+    over output channels and then input channels (a channels-last one by the one mean), a weight one output channel
+    smaller by the one mean: each equals its float64 ``mean_{o,i}(|K_oi| / sum|K_oi|)`` to fp32 rounding (the two
+    sums: 1e-7 of the largest tap)."""
+    from mixlabels.backbones._common import _LARGE_WEIGHT, kernel_labels
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(_LARGE_WEIGHT // (64 * 49) + 1, 64, 7, 7, generator=g)
+    assert w.numel() >= _LARGE_WEIGHT and w[1:].numel() < _LARGE_WEIGHT
+    if layout == "channels_last":
+        w = w.contiguous(memory_format=torch.channels_last)
+    for weight in (w, w[1:]):
+        k = weight.double().abs()
+        want = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+        got = kernel_labels(weight)
+        assert got.dtype == torch.float32 and got.shape == (7, 7)
+        # a channels-last weight's one mean (reduced in its own order) lands 1.2e-6 of the largest tap from float64
+        assert_close(got.double(), want, rtol=0.0, atol=(5e-7 if layout == "contiguous" else 3e-6) * float(want.max()))
