@@ -5,7 +5,7 @@ spatial and channel blocks alike). Events per block:
 
 - ``cpe1``, ``cpe2`` (``x + act(dwconv(x))``, no stochastic depth): ``residual(layer, None,
   mixed=Norm(T(K)) Y)``, the depthwise kernel's channel-averaged normalised ``|K|`` on the grid
-  with its zero padding, rows renormalised over in-grid taps (``_common.conv_mix``; the GELU
+  with its zero padding, rows renormalised over in-grid taps (``_convnet.apply_path``; the GELU
   is elementwise);
 - spatial block: window attention (no shift, no bias) ``residual(layer, keep, mixed=mean_h(A_h) Y)``
   inside every window;
@@ -51,7 +51,6 @@ from mixlabels.backbones._common import (
     branch,
     check_static_conv,
     conv_aggregate,
-    conv_mix,
     explicit_mix,
     mix_token_space,
     start_on_stem,
@@ -59,7 +58,7 @@ from mixlabels.backbones._common import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones.families.swin import shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._convnet import Kernels
+from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
 __all__ = ["AdaptedDaViT", "DAVIT_FAMILY"]
@@ -222,8 +221,9 @@ class AdaptedDaViT(AdaptedBase):
     def _cpe(self, cpe: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         labels = tracker.labels_for(layer)
         if labels is not None:  # input-independent kernel: a cheap l-channel conv
-            conv = cpe.proj
-            tracker.residual(layer, None, mixed=conv_mix(labels, grid, kernels.label_kernel(conv), conv.padding, conv.dilation))
+            # ``apply_path``: the kernel read from ``kernels``, expanded with the others of its shape, and its in-grid
+            # tap weights computed with theirs (one conv of ones per grid), not a mass conv and an expand per conv
+            tracker.residual(layer, None, mixed=apply_path((cpe.proj,), labels, grid, kernels)[0])
         return cpe(x)  # type: ignore[no-any-return]
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
