@@ -11,7 +11,8 @@ aggregate; channel operations leave labels alone. Events per block ``layer``:
   branch exactly zero: its labels are the input's (as for a channel branch).
 - ``SepConv`` (ConvFormer, CAFormer's first stages): ``pwconv1 -> act -> dwconv -> act ->
   pwconv2``: the depthwise conv is the spatial mix, ``Norm(T(K)) Y`` with ``K`` the channels'
-  normalised absolute kernels averaged (``backbones._common.conv_mix``, as ConvNeXt's).
+  normalised absolute kernels averaged (``backbones._convnet.apply_path``, as ConvNeXt's; every
+  block's kernels computed together).
 - ``Attention`` (CAFormer's last stages): ``mean_h(A_h) Y`` fused into the attention call.
 - every block: ``residual(layer, keep, mixed=...)`` (token mixer, on ``labels_for(layer)``),
   ``residual(layer, keep, mixed=None)`` (MLP). Layer
@@ -44,7 +45,8 @@ from torch import Tensor, nn
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
+from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
@@ -178,6 +180,11 @@ class AdaptedMetaFormer(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         depth = sum(len(stage.blocks) for stage in m.stages)
         tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.stem.conv)
+        # every read SepConv's depthwise label kernel, computed together on the first read (the model has no FSDP2
+        # units below the root, so its weights are whole here)
+        blocks = [blk for stage in m.stages for blk in stage.blocks]
+        kernels = Kernels(blk.token_mixer.dwconv for layer, blk in enumerate(blocks)
+                          if type(blk.token_mixer) is SepConv and tracker.labels_for(layer) is not None)
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):
@@ -185,7 +192,7 @@ class AdaptedMetaFormer(AdaptedBase):
                 x = stage.downsample(x)
             x = _to_tokens(stage, x)
             for blk in stage.blocks:
-                x = self._block(blk, x, layer, tracker, grid)
+                x = self._block(blk, x, layer, tracker, grid, kernels)
                 layer += 1
             x = _to_grid(stage, x, grid)
         tracker.pool("mean", 0)
@@ -194,7 +201,7 @@ class AdaptedMetaFormer(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         mixer, labels, mixed = blk.token_mixer, tracker.labels_for(layer), None
         h = blk.norm1(x)
         if type(mixer) is Attention:
@@ -215,8 +222,7 @@ class AdaptedMetaFormer(AdaptedBase):
             if labels is not None and type(mixer) is Pooling:
                 mixed = pooling_mix(labels, grid, _pool_kernel(mixer))
             elif labels is not None:  # SepConv: its depthwise conv, input-independent: a cheap l-channel conv
-                conv = mixer.dwconv
-                mixed = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
+                mixed = apply_path((mixer.dwconv,), labels, grid, kernels)[0]
         out, keep = branch(blk.drop_path1, out)
         tracker.residual(layer, keep, mixed=mixed)
         x = blk.res_scale1(x) + blk.layer_scale1(out)
