@@ -10,7 +10,7 @@ counted over all stages), ``Y = labels_for(layer)`` on the block's input grid:
   or average pool) aggregates, ``Norm(sum_i Y_i)`` over each window (a max picks one tap
   per channel, different taps for different channels: the window as a whole is what it
   reads); a stride-1 depthwise conv mixes by its normalised absolute kernel averaged over
-  channels (``conv_mix``, as ConvNeXt's). The attention ``A`` (softmax of ``q k^T * scale``
+  channels (``apply_path``, as ConvNeXt's). The attention ``A`` (softmax of ``q k^T * scale``
   plus the decomposed relative position bias, timm's own ``cal_rel_pos_type``) mixes those:
   ``mean_h(A_h) Y_kv``, one row per pooled query. With ``residual_pooling`` the branch adds
   the pooled query ``q``, whose labels ``Y_q`` are ``Y`` pooled by ``pool_q`` the same way; the
@@ -41,13 +41,14 @@ from timm.models.mvitv2 import MultiScaleAttention, MultiScaleBlock, MultiScaleV
 from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, conv_label_kernel, conv_mix, explicit_mix, mean_pool_merge, mix_token_space, start_on_convs
+from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mean_pool_merge, mix_token_space, start_on_convs
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._windows import window_means
-from mixlabels.backbones._fsdp import through_hooks
+from mixlabels.backbones._fsdp import is_sharded, through_hooks
+from mixlabels.backbones._convnet import Kernels, apply_path
 from timm.models.mvitv2 import MultiScaleVitCfg
 
 __all__ = ["AdaptedMViTv2", "MVITV2_FAMILY", "pooled_labels"]
@@ -107,20 +108,40 @@ def _mvitv2_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def pooled_labels(op: Any, labels: Tensor, grid: tuple[int, int], prefix: int) -> tuple[Tensor, tuple[int, int]]:
+def pooled_labels(
+    op: Any, labels: Tensor, grid: tuple[int, int], prefix: int, kernels: Kernels | None = None
+) -> tuple[Tensor, tuple[int, int]]:
     """Labels ``(b, p + h*w, l)`` of the tokens ``op`` pools from ``grid`` (prefix tokens pass), rows normalised.
 
-    A stride-1 conv mixes by its normalised absolute kernel; any other pool or conv sums each
-    window (padding adds nothing) and renormalises. ``op=None``: the labels unchanged.
+    A stride-1 conv mixes by its normalised absolute kernel (``apply_path``: read from ``kernels`` where they hold
+    it, else computed here); any other pool or conv sums each window (padding adds nothing) and renormalises.
+    ``op=None``: the labels unchanged.
     """
     if op is None:
         return labels, grid
     tokens = labels[:, prefix:]
     if type(op) is nn.Conv2d and op.stride == (1, 1):
-        mixed, out = conv_mix(tokens, grid, conv_label_kernel(op.weight), _pair(op.padding), _pair(op.dilation)), grid
+        mixed, out = apply_path((op,), tokens, grid, kernels)[0], grid
     else:
         mixed, out = window_means(tokens, grid, _pair(op.kernel_size), _pair(op.stride), _pair(op.padding))
     return torch.cat([labels[:, :prefix].float(), mixed.float()], dim=1), out
+
+
+def _label_pools(attn: Any) -> list[nn.Conv2d]:
+    """The stride-1 conv pools whose kernels mix an attention's labels (``pooled_labels``): v's, and q's where the
+    pooled q is added back (``residual_pooling``)."""
+    ops = (attn.pool_v, attn.pool_q if attn.residual_pooling else None)
+    return [op for op in ops if type(op) is nn.Conv2d and op.stride == (1, 1)]
+
+
+def _pool_kernels(blocks: list[Any], tracker: LabelTracker) -> Kernels | None:
+    """The label kernels of every read block's conv pools, computed together on the first read (a few operators for
+    all of them, not five per conv); ``None`` under FSDP2's per-block sharding, where a block's parameters are whole
+    only inside its own hooked call (each pool's kernel is then computed there)."""
+    if any(is_sharded(blk) for blk in blocks):
+        return None
+    return Kernels(op for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None
+                   for op in _label_pools(blk.attn))
 
 
 def _pool(attn: Any, t: Tensor, op: Any, norm: Any, feat: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
@@ -193,10 +214,12 @@ class AdaptedMViTv2(AdaptedBase):
         # pixel labels summed over every patch-embedding window; the class token passes
         tracker = start_on_convs(self.scheme, label_map, start, grid, depth, [m.patch_embed.proj], p, m.global_pool == "token")
         _refuse_class_attention(any(tracker.wants_class_attention(i) for i in range(depth)))
+        kernels = _pool_kernels([blk for stage in m.stages for blk in stage.blocks], tracker)
         layer = 0
         for stage in m.stages:
             for blk in stage.blocks:
-                x, grid = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid, p=p), x)
+                step = functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid, p=p, kernels=kernels)
+                x, grid = through_hooks(blk, step, x)
                 layer += 1
         x = m.norm(x)
         how, first = _readout(m)
@@ -211,7 +234,9 @@ class AdaptedMViTv2(AdaptedBase):
         return tuple(blk for stage in m.stages for blk in stage.blocks)
 
     @staticmethod
-    def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], p: int) -> tuple[Tensor, tuple[int, int]]:
+    def _block(
+        blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], p: int, kernels: Kernels | None
+    ) -> tuple[Tensor, tuple[int, int]]:
         attn, labels, mixed = blk.attn, tracker.labels_for(layer), None
         x_norm = blk.norm1(x)
         shortcut = blk._shortcut_pool(x if blk.shortcut_proj_attn is None else blk.shortcut_proj_attn(x_norm), list(grid))
@@ -221,9 +246,9 @@ class AdaptedMViTv2(AdaptedBase):
             out = out + q
         out = attn.proj(rearrange(out, "b h n d -> b n (h d)"))
         if labels is not None:
-            mixed = explicit_mix(a, pooled_labels(attn.pool_v, labels, grid, p)[0])
+            mixed = explicit_mix(a, pooled_labels(attn.pool_v, labels, grid, p, kernels)[0])
             if attn.residual_pooling:
-                mixed = (mixed + pooled_labels(attn.pool_q, labels, grid, p)[0]) / 2
+                mixed = (mixed + pooled_labels(attn.pool_q, labels, grid, p, kernels)[0]) / 2
         if blk.shortcut_pool_attn is not None:
             op = blk.shortcut_pool_attn
             merge, _ = mean_pool_merge(grid, _pair(op.kernel_size), _pair(op.stride), _pair(op.padding))
