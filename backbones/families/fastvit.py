@@ -62,13 +62,12 @@ from mixlabels.backbones._common import (
     branch,
     check_static_conv,
     conv_aggregate,
-    conv_mix,
     mix_token_space,
     start_on_convs,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
-from mixlabels.backbones._convnet import KernelBatch, KernelConv, Kernels
+from mixlabels.backbones._convnet import KernelBatch, KernelConv, Kernels, apply_path
 from mixlabels.backbones._family import Family
 from mixlabels.backbones._reparam import Scales, add_centre, folded, joined, parted, scales_of
 
@@ -311,9 +310,10 @@ def _attend(attn: Any, x: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor
 
 
 def _mix(labels: Tensor, grid: tuple[int, int], kernels: Kernels, op: Any) -> Tensor:
-    kernel = kernels.get(op)
-    assert kernel is not None, "a conv the labels mix by is missing from the forward's kernels"
-    return conv_mix(labels, grid, kernel, _pair(op.padding), _pair(op.dilation))
+    """Labels through one of the forward's label convs (``apply_path``: its kernel expanded with the others of its
+    shape, and its in-grid tap weights computed with theirs, one conv of ones per grid)."""
+    assert kernels.get(op) is not None, "a conv the labels mix by is missing from the forward's kernels"
+    return apply_path((op,), labels, grid, kernels)[0]
 
 
 def _label_convs(m: Any, tracker: LabelTracker) -> dict[nn.Module, Any]:
