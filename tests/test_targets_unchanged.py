@@ -36,6 +36,10 @@ Rewritten for session 42's EfficientViT (MSRA) cut (its depthwise convs' label k
 applied by ``apply_path``): 2 fast-path pairs of that family moved, by at most 6e-8, no logits, no reference pair;
 compared tensor by tensor against ``63de25d`` (its cascade's leaner label products left every bit as it was).
 
+Rewritten for session 42's PVT v2 cut (its MLP depthwise convs' label kernels computed together and applied by
+``apply_path``): 2 fast-path pairs of that family moved, by at most 6e-8, no logits, no reference pair; compared
+tensor by tensor against ``6074d10`` (the same cut for DaViT, MViTv2, MetaFormer and FastViT left every bit as it was).
+
 A digest is exact: another torch or timm version, or another CPU's kernels, may change the last
 bit of a float, and then this test fails although nothing is wrong. It says so, and the fix is
 to rewrite the digest from the commit before the change under test on that machine

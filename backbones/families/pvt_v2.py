@@ -8,7 +8,8 @@ Events per block ``layer`` (blocks counted over all stages):
   ``residual(layer, keep, mixed=mean_h(A_h) Y_kv)`` with ``Y = labels_for(layer)`` (the
   mix fused into timm's attention when that is on);
 - MLP: ``fc1 -> dwconv -> act -> fc2``: the depthwise 3x3 conv is a spatial mix,
-  ``Norm(T(K)) Y`` with the normalised absolute kernel (``backbones._common.conv_mix``);
+  ``Norm(T(K)) Y`` with the normalised absolute kernel (``backbones._convnet.apply_path``; every
+  block's kernels computed together);
   ``residual(layer, keep, mixed=...)`` on ``labels_for(layer)`` asked again (the labels
   after the attention residual). One layer index serves both mixes.
 - patch embeddings are overlapping strided convs (7x7 stride 4, then 3x3 stride 2 per
@@ -34,13 +35,14 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, conv_aggregate, mix_token_space, start_on_stem
+from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, start_on_stem
+from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import through_hooks
+from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
 __all__ = ["AdaptedPVTv2", "PVT_FAMILY", "reduced_key_labels"]
 
@@ -111,6 +113,15 @@ def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tu
     return x, grid, (label_map.image_size[0], label_map.image_size[1])
 
 
+def _mlp_kernels(blocks: list[Any], tracker: LabelTracker) -> Kernels | None:
+    """The label kernels of every read block's MLP depthwise conv, computed together on the first read (a few
+    operators for all of them, not five per conv); ``None`` under FSDP2's per-block sharding, where a block's
+    parameters are whole only inside its own hooked call (each kernel is then computed there)."""
+    if any(is_sharded(blk) for blk in blocks):
+        return None
+    return Kernels(blk.mlp.dwconv for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None)
+
+
 class AdaptedPVTv2(AdaptedBase):
     """A timm PVT v2 whose forward also returns the scheme's aligned targets (pooled readout)."""
 
@@ -122,6 +133,7 @@ class AdaptedPVTv2(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         depth = sum(len(stage.blocks) for stage in m.stages)
         tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.patch_embed.proj)
+        kernels = _mlp_kernels([blk for stage in m.stages for blk in stage.blocks], tracker)
         layer = 0
         for stage in m.stages:
             if stage.downsample is not None:
@@ -129,7 +141,7 @@ class AdaptedPVTv2(AdaptedBase):
                 x = stage.downsample(x)  # b c h w -> b h w c
             x = rearrange(x, "b h w c -> b (h w) c")
             for blk in stage.blocks:
-                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid), x)
+                x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker, grid=grid, kernels=kernels), x)
                 layer += 1
             x = rearrange(stage.norm(x), "b (h w) c -> b c h w", h=grid[0])
         tracker.pool("mean", 0)
@@ -142,7 +154,7 @@ class AdaptedPVTv2(AdaptedBase):
         m: Any = self.model
         return tuple(blk for stage in m.stages for blk in stage.blocks)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None) -> Tensor:
         attn, labels, mixed = blk.attn, tracker.labels_for(layer), None
         q, k, v = _keys_values(attn, blk.norm1(x), grid)
         y = reduced_key_labels(attn, labels, grid) if labels is not None else None  # b m l
@@ -165,8 +177,7 @@ class AdaptedPVTv2(AdaptedBase):
         t = mlp.dwconv(_mlp_in(mlp, blk.norm2(x), grid))
         labels, mixed = tracker.labels_for(layer), None  # the labels after the attention residual
         if labels is not None:
-            conv = mlp.dwconv
-            mixed = conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation)
+            mixed = apply_path((mlp.dwconv,), labels, grid, kernels)[0]
         out, keep = branch(blk.drop_path2, _mlp_out(mlp, t))
         tracker.residual(layer, keep, mixed=mixed)
         return x + out
