@@ -73,6 +73,7 @@ from torch import Tensor, nn
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
+from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._common import (
     AdaptedBase, _ones, conv_chain, conv_steps_on_grid, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
     start_on_windows,
@@ -594,6 +595,18 @@ def block_kernels(tracker: LabelTracker, blocks: Sequence[tuple[Path, Path | Non
     labels are read (``labels_for``) or the block has no shortcut, and ``more`` (a stem's)."""
     used = [b for layer, (b, s) in enumerate(blocks) if s is None or tracker.labels_for(layer) is not None]
     return path_kernels([*more, *used, *(s for _, s in blocks if s)])
+
+
+def read_kernels(
+    blocks: Sequence[nn.Module], tracker: LabelTracker, convs_of: Callable[[Any], Iterable[nn.Conv2d | KernelConv]]
+) -> Kernels | None:
+    """The ``Kernels`` of ``convs_of(block)`` for every block whose layer's labels are read (block ``i`` is layer
+    ``i``), computed together on the first read (a few operators for all of them, not five per conv); ``None`` under
+    FSDP2's per-block sharding, where a block's parameters are whole only inside its own hooked call (``apply_path``
+    then computes each conv's kernel there)."""
+    if any(is_sharded(blk) for blk in blocks):
+        return None
+    return Kernels(c for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None for c in convs_of(blk))
 
 
 def apply_path(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kernels | None = None) -> tuple[Tensor, tuple[int, int]]:

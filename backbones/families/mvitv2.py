@@ -47,8 +47,8 @@ from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._windows import window_means
-from mixlabels.backbones._fsdp import is_sharded, through_hooks
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._fsdp import through_hooks
+from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
 from timm.models.mvitv2 import MultiScaleVitCfg
 
 __all__ = ["AdaptedMViTv2", "MVITV2_FAMILY", "pooled_labels"]
@@ -134,16 +134,6 @@ def _label_pools(attn: Any) -> list[nn.Conv2d]:
     return [op for op in ops if type(op) is nn.Conv2d and op.stride == (1, 1)]
 
 
-def _pool_kernels(blocks: list[Any], tracker: LabelTracker) -> Kernels | None:
-    """The label kernels of every read block's conv pools, computed together on the first read (a few operators for
-    all of them, not five per conv); ``None`` under FSDP2's per-block sharding, where a block's parameters are whole
-    only inside its own hooked call (each pool's kernel is then computed there)."""
-    if any(is_sharded(blk) for blk in blocks):
-        return None
-    return Kernels(op for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None
-                   for op in _label_pools(blk.attn))
-
-
 def _pool(attn: Any, t: Tensor, op: Any, norm: Any, feat: tuple[int, int]) -> tuple[Tensor, tuple[int, int]]:
     """timm's pooling of q, k or v ``(b, h, n, d)``: reshape, pool, reshape, norm."""
     size = feat
@@ -214,7 +204,7 @@ class AdaptedMViTv2(AdaptedBase):
         # pixel labels summed over every patch-embedding window; the class token passes
         tracker = start_on_convs(self.scheme, label_map, start, grid, depth, [m.patch_embed.proj], p, m.global_pool == "token")
         _refuse_class_attention(any(tracker.wants_class_attention(i) for i in range(depth)))
-        kernels = _pool_kernels([blk for stage in m.stages for blk in stage.blocks], tracker)
+        kernels = read_kernels([blk for stage in m.stages for blk in stage.blocks], tracker, lambda blk: _label_pools(blk.attn))
         layer = 0
         for stage in m.stages:
             for blk in stage.blocks:

@@ -36,13 +36,13 @@ from torch import Tensor, nn
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, start_on_stem
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
 from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import is_sharded, through_hooks
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedPVTv2", "PVT_FAMILY", "reduced_key_labels"]
 
@@ -113,14 +113,6 @@ def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tu
     return x, grid, (label_map.image_size[0], label_map.image_size[1])
 
 
-def _mlp_kernels(blocks: list[Any], tracker: LabelTracker) -> Kernels | None:
-    """The label kernels of every read block's MLP depthwise conv, computed together on the first read (a few
-    operators for all of them, not five per conv); ``None`` under FSDP2's per-block sharding, where a block's
-    parameters are whole only inside its own hooked call (each kernel is then computed there)."""
-    if any(is_sharded(blk) for blk in blocks):
-        return None
-    return Kernels(blk.mlp.dwconv for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None)
-
 
 class AdaptedPVTv2(AdaptedBase):
     """A timm PVT v2 whose forward also returns the scheme's aligned targets (pooled readout)."""
@@ -133,7 +125,7 @@ class AdaptedPVTv2(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         depth = sum(len(stage.blocks) for stage in m.stages)
         tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.patch_embed.proj)
-        kernels = _mlp_kernels([blk for stage in m.stages for blk in stage.blocks], tracker)
+        kernels = read_kernels([blk for stage in m.stages for blk in stage.blocks], tracker, lambda blk: (blk.mlp.dwconv,))
         layer = 0
         for stage in m.stages:
             if stage.downsample is not None:

@@ -43,12 +43,12 @@ from torch import Tensor, nn
 from mixlabels.backbones._attention import attention_with_labels, class_attention
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, stride_grid
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._fsdp import is_sharded, through_hooks
+from mixlabels.backbones._fsdp import through_hooks
 
 __all__ = ["AdaptedXCiT", "XCIT_FAMILY"]
 
@@ -103,16 +103,6 @@ def _lpi_mix(lpi: Any, labels: Tensor, grid: tuple[int, int], kernels: Kernels |
     (``apply_path``), their label kernels and in-grid tap weights read from ``kernels`` (every block's, computed
     together; ``None``: this block's two, under FSDP2's per-block sharding)."""
     return apply_path((lpi.conv1, lpi.conv2), labels, grid, kernels)[0]
-
-
-def _lpi_kernels(blocks: list[Any], tracker: LabelTracker) -> Kernels | None:
-    """The label kernels of every LPI whose labels are read, computed together on the first read (a few operators
-    for all of them, not five per conv), and their in-grid tap weights in one conv; ``None`` under FSDP2's per-block
-    sharding, where a block's parameters are whole only inside its own hooked call."""
-    if any(is_sharded(blk) for blk in blocks):
-        return None
-    read = [blk.local_mp for layer, blk in enumerate(blocks) if tracker.labels_for(layer) is not None]
-    return Kernels(conv for lpi in read for conv in (lpi.conv1, lpi.conv2))
 
 
 def _lpi_matrix(lpi: Any, grid: tuple[int, int]) -> Tensor:
@@ -171,7 +161,7 @@ class AdaptedXCiT(AdaptedBase):
         depth = len(m.blocks) + len(m.cls_attn_blocks)
         reads_token = m.global_pool == "token"
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=1, depth=depth, class_token=reads_token))
-        kernels = _lpi_kernels(list(m.blocks), tracker)
+        kernels = read_kernels(list(m.blocks), tracker, lambda blk: (blk.local_mp.conv1, blk.local_mp.conv2))
         for layer, blk in enumerate(m.blocks):
             step = functools.partial(self._xca_block, blk, layer=layer, tracker=tracker, grid=grid, kernels=kernels)
             x = through_hooks(blk, step, x)
