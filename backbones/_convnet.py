@@ -75,12 +75,13 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._common import (
-    AdaptedBase, _ones, conv_chain, conv_steps_on_grid, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
+    AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
     start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._windows import (
-    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, pool_on_grid, same_axis_windows, window_plan,
+    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, mix_tokens, pool_on_grid, same_axis_windows,
+    window_plan,
 )
 from mixlabels.backbones._reparam import Scales, scales_of
 
@@ -483,6 +484,7 @@ class Kernels:
         self._kernels: dict[nn.Module | KernelConv, Tensor] | None = None
         self._wide: dict[tuple[nn.Module | KernelConv, int], Tensor] = {}
         self._mass: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
+        self._matrix: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
         self._stacks: dict[tuple[Any, ...], tuple[list[nn.Module | KernelConv], Tensor | None]] = {}
 
     def get(self, conv: nn.Module | KernelConv) -> Tensor | None:
@@ -553,6 +555,27 @@ class Kernels:
             masses = F.conv2d(ones, stacked, padding=padding, dilation=dilation)  # 1 g h w
             self._mass.update(((c, grid), m) for c, m in zip(same, masses.unbind(1)))
         return self._mass[(conv, grid)]
+
+    def matrix(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
+        """``conv``'s label mix ``Norm(T(kernel))`` ``(n, n)`` on a small ``grid`` (the dense route, where
+        ``depthwise_route`` is false), built for every conv of its kernel shape, padding and dilation on that grid
+        together: one product of their stacked kernels with the grid's tap matrices, one sum and one division per
+        grid and shape, where ``conv_chain`` spends three operators per block. ``None``: not held here, or too few
+        alike (``_WIDE_GROUP``; ``conv_chain`` then builds it)."""
+        kernel = self.get(conv)
+        if kernel is None:
+            return None
+        if (conv, grid) not in self._matrix:
+            same, stacked = self._stack(*self._alike(kernel, conv, geometry=True))
+            if stacked is None:
+                return None
+            padding, dilation = _geometry(conv)
+            n = grid[0] * grid[1]
+            taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), padding, dilation, stacked.device)
+            t = (stacked.view(len(same), -1) @ taps).view(len(same), n, n)
+            t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
+            self._matrix.update(((c, grid), m) for c, m in zip(same, t.unbind(0)))
+        return self._matrix[(conv, grid)]
 
 
 def _geometry(conv: nn.Module | KernelConv) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -706,9 +729,16 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
                 steps = [(_label_kernel(c, kernels, channels), *_geometry(c)) for c in convs]
                 masses = [kernels.mass(c, grid) for c in convs]
                 labels = _Labels(conv_steps_on_grid(labels.grid_view(grid), steps, masses), True)
-            else:
-                steps = [(_label_kernel(c, kernels), *_geometry(c)) for c in convs]
-                labels = _Labels(conv_chain(labels.tokens(), grid, steps), False)
+            else:  # small grids: the explicit matrices, built for the whole forward where ``kernels`` can
+                matrices = [m for m in (kernels.matrix(c, grid) for c in convs) if m is not None]
+                if len(matrices) == len(convs):
+                    y = labels.tokens()
+                    for t in matrices:
+                        y = mix_tokens(t, y)
+                    labels = _Labels(y, False)
+                else:
+                    steps = [(_label_kernel(c, kernels), *_geometry(c)) for c in convs]
+                    labels = _Labels(conv_chain(labels.tokens(), grid, steps), False)
     return labels, grid
 
 
@@ -827,7 +857,7 @@ def block_labels(
         tracker.aggregate(lambda y: apply_path(shortcut, y, grid, kernels)[0], normalised=True)
     tracker.residual(layer, keep, mixed=mixed)
     if fork is not None:  # the plain channels: the branch alone, aggregating as a block without shortcut does
-        tracker.join(fork, plain, merge=lambda y: apply_path(branch, y, grid, kernels)[0], keep=keep)
+        tracker.join(fork, plain, merge=lambda y: apply_path(branch, y, grid, kernels)[0], keep=keep, normalised=True)
     return path_grid(shortcut, grid)
 
 
@@ -1040,7 +1070,7 @@ class AdaptedConvNet(AdaptedBase):
                 fork = tracker.fork()
                 grid, layer = self._events(inner, grid, layer, tracker, kernels, pending, paths)
                 pending.flush()
-                tracker.join(fork, share)
+                tracker.join(fork, share, normalised=True)  # the fork's own rows: no merge
                 continue
             blk, keep = item
             branch, shortcut = self._paths(blk) if paths is None else paths[blk]

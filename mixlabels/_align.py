@@ -228,14 +228,17 @@ class LabelTracker(Protocol):
         ...
 
     def join(
-        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None,
+        normalised: bool = False,
     ) -> None:
         """The parts concatenated along channels: ``Norm((1 - share) Y + share Norm(merge(Y_fork)))``.
 
         ``share``: the forked part's fraction of the concatenated channels; ``merge``: the forked part's spatial
         map ``(b, n, l) -> (b, n, l)`` (a conv path's label mix; ``None``: its labels as they were); ``keep``
         ``(b,)`` bool: samples that kept the forked part under stochastic depth (a dropped one keeps ``Y``
-        under the drop rule). Raises where the parts lie on different grids.
+        under the drop rule). ``normalised``: ``merge`` keeps every row's sum (as ``aggregate``'s), so where the
+        labels are rows that sum to 1 (source weights) both renormalisations, six operators, are left out.
+        Raises where the parts lie on different grids.
         """
         ...
 

@@ -106,14 +106,19 @@ class Rules:
             new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
         return new
 
-    def join(self, y: Tensor, forked: Tensor, share: float, keep: Tensor | None) -> Tensor:
+    def join(self, y: Tensor, forked: Tensor, share: float, keep: Tensor | None, *, normalised: bool = False) -> Tensor:
         """Labels of a concatenation along channels: ``share`` of the channels carry ``forked`` (the labels a
         ``fork`` kept, through the forked part's spatial map), the rest ``y``; each channel counted once, as
         ``Parallel.concat`` weighs its branches, and renormalised. ``keep`` ``(b,)`` bool: samples that kept the
-        forked part under stochastic depth; a dropped one (zeros in its channels) keeps ``y`` under ``follow_drop``."""
+        forked part under stochastic depth; a dropped one (zeros in its channels) keeps ``y`` under ``follow_drop``.
+        ``normalised``: the rows of ``y`` and ``forked`` each sum to 1 already, and so does their mix: no
+        renormalisation (it would change rounding only)."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"a join's share is the forked part's channel fraction, in [0, 1]; got {share}")
-        new = normalise_rows(torch.lerp(y, normalise_rows(forked), share))  # (1 - share) y + share forked, one operator
+        if normalised:
+            new = torch.lerp(y, forked, share)
+        else:
+            new = normalise_rows(torch.lerp(y, normalise_rows(forked), share))  # (1 - share) y + share forked, one operator
         if keep is not None and self.follow_drop:
             new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
         return new

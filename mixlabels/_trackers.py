@@ -110,11 +110,16 @@ class CompactTracker:
         return Fork(self._y, self._static)  # the tensors are never modified in place: each event makes new ones
 
     def join(
-        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None,
+        normalised: bool = False,
     ) -> None:
+        # source weights sum to 1 in every row; annotator maps (dense labels) may sum to less, so they keep the
+        # renormalisations, which then weigh the parts' rows alike
+        normalised = normalised and not self._dense
+
         def joined(y: Tensor, forked: Tensor) -> Tensor:
             forked = forked if merge is None else merge(forked)
-            return self._rules.join(y, _forked(y, forked.float()), share, keep)
+            return self._rules.join(y, _forked(y, forked.float()), share, keep, normalised=normalised)
 
         with _fp32(self._lm.device):
             if self._y is not None and fork.labels is not None:

@@ -62,8 +62,11 @@ class _Checked:
         _fp32("a fork's labels", fork.labels, self._seen)
         return fork
 
-    def join(self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None) -> None:
-        self._t.join(fork, share, merge=None if merge is None else self._checked("join", merge), keep=keep)
+    def join(
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None,
+        normalised: bool = False,
+    ) -> None:
+        self._t.join(fork, share, merge=None if merge is None else self._checked("join", merge), keep=keep, normalised=normalised)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)

@@ -48,9 +48,12 @@ class _Logged:
         self._order.append("label")
         return self._t.fork()
 
-    def join(self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None) -> None:
+    def join(
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None,
+        normalised: bool = False,
+    ) -> None:
         self._order.append("label")
-        self._t.join(fork, share, merge=merge, keep=keep)
+        self._t.join(fork, share, merge=merge, keep=keep, normalised=normalised)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TokenLayout
-from mixlabels._rules import Rules
+from mixlabels._rules import Rules, normalise_rows
 from mixlabels._trackers import DenseTracker
 
 LAYOUT = TokenLayout(grid=(1, 2), num_prefix=0, depth=1, class_token=False)
@@ -49,15 +49,38 @@ def test_join_weighs_the_parts_by_channels() -> None:
     assert_close(Rules(follow_drop=False).join(two, fork2, 0.5, keep), t([[[0.875, 0.125]], [[0.875, 0.125]]]))
     with pytest.raises(ValueError, match=r"channel fraction, in \[0, 1\]; got 1.5"):
         Rules().join(y, forked, 1.5, keep=None)
+    # rows that sum to 1 already: the same numbers without the renormalisations, the drop rule kept
+    assert_close(Rules().join(y, forked, 0.25, keep=None, normalised=True), t([[[0.8125, 0.1875]]]))
+    assert_close(Rules().join(two, fork2, 0.5, keep, normalised=True), t([[[0.875, 0.125]], [[0.75, 0.25]]]))
 
 
-def compact(scheme: Scheme, merge: Callable[[Tensor], Tensor] | None, first: int) -> tuple[Tensor, Tensor | None]:
+def test_a_normalised_join_skips_renormalising_only_rows_that_sum_to_one() -> None:
+    swap = lambda y: torch.einsum("nm,bml->bnl", SWAP, y)  # noqa: E731
+    for first in (0, 1):  # source weights: the same targets either way
+        assert_close(compact(TLAlign(), swap, first, normalised=True)[0], compact(TLAlign(), swap, first)[0])
+    # annotator maps whose cells sum to less than 1 (and unequally): the parts' rows must be renormalised before
+    # they are mixed, so the tracker keeps the renormalisations where it is told the merge keeps row sums
+    maps = t([[[[0.5, 0.0], [0.2, 0.8]]], [[[0.0, 0.25], [0.6, 0.4]]]])  # b h w c
+    lm = label_map().with_token_targets(maps)
+    kept = compact(TokenLabeling(aligned=True), swap, 0, normalised=True, lm=lm)[1]
+    renormalised = compact(TokenLabeling(aligned=True), swap, 0, lm=lm)[1]
+    assert kept is not None and renormalised is not None
+    assert torch.equal(kept, renormalised)
+    # which matters: rows of unequal sums mixed without them weigh the parts otherwise, even once renormalised
+    y, forked = t([[[0.3, 0.2]]]), t([[[0.1, 0.4]]])
+    assert_close(Rules().join(y, forked, 0.25, None), t([[[0.44, 0.56]]]))
+    assert_close(normalise_rows(Rules().join(y, forked, 0.25, None, normalised=True)), t([[[0.5, 0.5]]]))
+
+
+def compact(
+    scheme: Scheme, merge: Callable[[Tensor], Tensor] | None, first: int, *, normalised: bool = False, lm: TokenLabelMap | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """fork, a residual whose branch mixes uniformly, join by 1/4; the target read at token ``first``."""
-    tracker = scheme.start(label_map(), LAYOUT)
+    tracker = scheme.start(label_map() if lm is None else lm, LAYOUT)
     fork = tracker.fork()
     labels = tracker.labels_for(0)
     tracker.residual(0, None, mixed=None if labels is None else torch.einsum("nm,bml->bnl", UNIFORM, labels))
-    tracker.join(fork, 0.25, merge=merge)
+    tracker.join(fork, 0.25, merge=merge, normalised=normalised)
     tracker.pool("token", first)
     out = tracker.finish()
     return out.target, out.token_target

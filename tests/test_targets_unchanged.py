@@ -40,6 +40,11 @@ Rewritten for session 42's PVT v2 cut (its MLP depthwise convs' label kernels co
 ``apply_path``): 2 fast-path pairs of that family moved, by at most 6e-8, no logits, no reference pair; compared
 tensor by tensor against ``6074d10`` (the same cut for DaViT, MViTv2, MetaFormer and FastViT left every bit as it was).
 
+Rewritten for session 43's joins without renormalisation (``LabelTracker.join(normalised=True)``: a partial
+shortcut's and a cross-stage part's rows already sum to 1): 5 fast-path pairs of ReXNet and CSPNet moved, by at most
+1.2e-7, no logits, no reference pair; compared tensor by tensor against ``eb50881`` (small grids' conv matrices built
+once per forward, ``Kernels.matrix``, left every bit as it was).
+
 A digest is exact: another torch or timm version, or another CPU's kernels, may change the last
 bit of a float, and then this test fails although nothing is wrong. It says so, and the fix is
 to rewrite the digest from the commit before the change under test on that machine

@@ -303,11 +303,12 @@ class _Patches:
         return self.tracker.fork()
 
     def join(
-        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None
+        self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None,
+        normalised: bool = False,
     ) -> None:
         p = self.prefix  # the prefix rows are the same in both parts: the join keeps them
         through = None if merge is None else (lambda y: torch.cat([y[:, :p], merge(y[:, p:])], dim=1) if p else merge(y))
-        self.tracker.join(fork, share, merge=through, keep=keep)
+        self.tracker.join(fork, share, merge=through, keep=keep, normalised=normalised)
 
     def pool(self, how: Readout, first: int) -> None:
         self.tracker.pool(how, first)
