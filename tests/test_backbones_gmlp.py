@@ -11,7 +11,7 @@ from timm.models.mlp_mixer import MlpMixer, SpatialGatingBlock
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TransMix, backbones
-from mixlabels.backbones.families.gmlp import gating_mixing_matrix
+from mixlabels.backbones.families.gmlp import gating_mixing_matrices
 
 
 def make(drop_path_rate: float = 0.0, trained: bool = True) -> MlpMixer:
@@ -55,7 +55,7 @@ def test_gating_unit_is_the_combination_the_rule_weighs() -> None:
     expected = torch.einsum("ij,bijc->bic", w, u[:, :, None] * v[:, None]) + b[None, :, None] * u  # b n c
     assert_close(sgu(z), expected)
     n = w.shape[0]
-    matrix = gating_mixing_matrix(sgu.proj)
+    matrix = gating_mixing_matrices([sgu.proj])[0]
     assert_close(matrix.sum(-1), torch.ones(n))
     assert_close(torch.diagonal(matrix), (w.diagonal().abs() + b.abs()) / (w.abs().sum(-1) + b.abs()))
 
@@ -64,7 +64,7 @@ def test_timm_init_is_channel_only() -> None:
     """At timm's init (W ~ 1e-6, b = 1) the unit is u_i itself: labels stay (Norm(|W|) alone would spread them)."""
     model = make(trained=False)
     proj = model.blocks[0].mlp_channels.gate.proj
-    assert_close(gating_mixing_matrix(proj), torch.eye(proj.weight.shape[0]), atol=1e-4, rtol=0)
+    assert_close(gating_mixing_matrices([proj])[0], torch.eye(proj.weight.shape[0]), atol=1e-4, rtol=0)
     images, lm = cutmix_batch()
     out = backbones.adapt(model, TLAlign())(images, lm)
     assert_close(out.target, lm.image_targets(), atol=1e-4, rtol=0)

@@ -10,7 +10,7 @@ from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
-from mixlabels.backbones.families.resmlp import linear_mixing_matrix
+from mixlabels.backbones.families.resmlp import linear_mixing_matrices
 
 
 def make(drop_path_rate: float = 0.0) -> MlpMixer:
@@ -47,11 +47,11 @@ def test_linear_mixing_rule() -> None:
     model = make()
     linear = model.blocks[0].linear_tokens
     n = linear.weight.shape[0]
-    assert_close(linear_mixing_matrix(linear).sum(-1), torch.ones(n))
+    assert_close(linear_mixing_matrices([linear])[0].sum(-1), torch.ones(n))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         linear.weight.copy_(-2.0 * torch.eye(n)[perm])  # token i reads token perm[i]; the sign does not matter
-    assert_close(linear_mixing_matrix(linear), torch.eye(n)[perm])
+    assert_close(linear_mixing_matrices([linear])[0], torch.eye(n)[perm])
     images, lm = cutmix_batch()
     scheme = TLAlign(layers=(0,), normalize=False)  # Y <- Norm(|W|) Y at block 0 only
     out = backbones.adapt(model, scheme)(images, lm)

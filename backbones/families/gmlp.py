@@ -28,6 +28,7 @@ Shapes: ``b`` batch, ``n`` tokens, ``c`` channels, ``l`` label channels.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_ref
 from mixlabels.backbones._family import Family, tiny
 from timm.models.mlp_mixer import MlpMixer
 
-__all__ = ["AdaptedGMLP", "GMLP_FAMILY", "gating_mixing_matrix"]
+__all__ = ["AdaptedGMLP", "GMLP_FAMILY", "gating_mixing_matrices"]
 
 GMLP_FAMILY = (
     "timm MlpMixer with SpatialGatingBlock (gMLP: the spatial gating unit u * (W v + b) as the spatial mix "
@@ -67,14 +68,19 @@ def _gmlp_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def gating_mixing_matrix(proj: nn.Linear) -> Tensor:
-    """``Norm(|W| + diag|b|)`` ``(n, n)`` fp32 of a spatial gating unit's token projection."""
+def gating_mixing_matrices(projs: Sequence[nn.Linear]) -> Tensor:
+    """``Norm(|W| + diag|b|)`` ``(g, n, n)`` fp32 of spatial gating units' token projections of one shape, computed
+    together (eight operators for all of a model's blocks, not six a block)."""
     with torch.no_grad():  # no detaches: a label matrix carries no gradient
-        w = proj.weight.float().abs()  # n_out n_in, a fresh tensor
-        if proj.bias is not None:
-            w.diagonal().add_(proj.bias.float().abs())  # + diag|b| without building the diagonal matrix
-        matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return matrix
+        w = torch.stack([p.weight for p in projs]).float().abs_()  # g n_out n_in: a fresh stack, so in place
+        biases: list[Tensor] = [p.bias for p in projs if p.bias is not None]
+        if biases:
+            if len(biases) < len(projs):
+                raise ValueError("gating_mixing_matrices: some projections have a bias and some not; pass one kind at a time")
+            # + diag|b| without building the diagonal matrices
+            w.diagonal(dim1=-2, dim2=-1).add_(torch.stack(biases).float().abs_())
+        matrices: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return matrices
 
 
 class AdaptedGMLP(AdaptedMixer):
@@ -83,11 +89,18 @@ class AdaptedGMLP(AdaptedMixer):
     family = GMLP_FAMILY
     refusal = staticmethod(_gmlp_refusal)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+    def _mixing(self, blocks: Sequence[Any]) -> Tensor:
+        return gating_mixing_matrices([blk.mlp_channels.gate.proj for blk in blocks])
+
+    def _mixing_shape(self, blk: Any) -> tuple[int, ...]:
+        proj = blk.mlp_channels.gate.proj
+        return (*proj.weight.shape, proj.bias is not None)
+
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, matrices: dict[int, Tensor] | None = None) -> Tensor:
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
             with fp32_labels(y.device):
-                mixed = mix_tokens(gating_mixing_matrix(blk.mlp_channels.gate.proj), y)
+                mixed = mix_tokens(self._matrix(blk, layer, matrices), y)
         out, keep = branch(blk.drop_path, blk.mlp_channels(blk.norm(x)))
         tracker.residual(layer, keep, mixed=mixed)
         return x + out

@@ -20,6 +20,7 @@ Shapes: ``b`` batch, ``n m`` tokens, ``c`` channels, ``l`` label channels.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 
-__all__ = ["AdaptedMixer", "MIXER_FAMILY", "mixer_model_refusal", "token_mixing_matrix"]
+__all__ = ["AdaptedMixer", "MIXER_FAMILY", "mixer_model_refusal", "token_mixing_matrices"]
 
 MIXER_FAMILY = (
     "timm MlpMixer with MixerBlock (token-mixing MLP as the spatial mix Norm(|W2| |W1|); "
@@ -72,12 +73,15 @@ def _mixer_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def token_mixing_matrix(mlp: Any) -> Tensor:
-    """``Norm(|W_2| |W_1|)`` ``(n, n)`` fp32 of a token MLP: row ``i`` is where token ``i`` draws from."""
+def token_mixing_matrices(mlps: Sequence[Any]) -> Tensor:
+    """``Norm(|W_2| |W_1|)`` ``(g, n, n)`` fp32 of token MLPs of one shape, computed together (eight operators for all
+    of a model's blocks, not six a block): row ``i`` is where token ``i`` draws from."""
     with torch.no_grad():  # no detaches: a label matrix carries no gradient
-        w = mlp.fc2.weight.float().abs() @ mlp.fc1.weight.float().abs()  # n_out n_in
-        matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return matrix
+        w1 = torch.stack([m.fc1.weight for m in mlps]).float().abs_()  # g hidden n_in: a fresh stack, so in place
+        w2 = torch.stack([m.fc2.weight for m in mlps]).float().abs_()  # g n_out hidden
+        w = torch.bmm(w2, w1)
+        matrices: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return matrices
 
 
 def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int]]:
@@ -106,8 +110,9 @@ class AdaptedMixer(AdaptedBase):
         m: Any = self.model
         x, grid = _embed(m, images, label_map)
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=len(m.blocks), class_token=False))
+        matrices = self._read_matrices(list(m.blocks), tracker)
         for layer, blk in enumerate(m.blocks):
-            x = self._block(blk, x, layer, tracker)
+            x = self._block(blk, x, layer, tracker, matrices)
         x = m.norm(x)
         tracker.pool("mean", 0)
         output = m.forward_head(x)
@@ -115,12 +120,38 @@ class AdaptedMixer(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
-        """One ``MixerBlock`` with its events (subclasses: other ``MlpMixer`` block types)."""
+    def _mixing(self, blocks: Sequence[Any]) -> Tensor:
+        """The label mixes ``(g, n, n)`` of ``blocks``' token-mixing layers, computed together (subclasses: other
+        ``MlpMixer`` block types)."""
+        return token_mixing_matrices([blk.mlp_tokens for blk in blocks])
+
+    def _mixing_shape(self, blk: Any) -> tuple[int, ...]:
+        """The shape that decides whether blocks' mixes stack: their token-mixing weights'."""
+        return tuple(blk.mlp_tokens.fc1.weight.shape) + tuple(blk.mlp_tokens.fc2.weight.shape)
+
+    def _read_matrices(self, blocks: list[Any], tracker: LabelTracker) -> dict[int, Tensor] | None:
+        """Every read layer's label mix (block ``i`` is layer ``i``), computed together before the blocks run (the
+        weights do not change within a forward: FSDP2 shards these models whole, ``fsdp_units`` being empty);
+        ``None`` where the blocks' shapes differ (``_block`` then computes each block's own)."""
+        labels = [tracker.labels_for(layer) for layer in range(len(blocks))]
+        read = [layer for layer, y in enumerate(labels) if y is not None]
+        if not read or len({self._mixing_shape(blocks[i]) for i in read}) > 1:
+            return None
+        first = labels[read[0]]
+        assert first is not None
+        with fp32_labels(first.device):  # under the caller's autocast too: label mixes stay fp32
+            return dict(zip(read, self._mixing([blocks[i] for i in read]).unbind(0)))
+
+    def _matrix(self, blk: Any, layer: int, matrices: dict[int, Tensor] | None) -> Tensor:
+        return self._mixing([blk])[0] if matrices is None else matrices[layer]
+
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, matrices: dict[int, Tensor] | None = None) -> Tensor:
+        """One ``MixerBlock`` with its events (subclasses: other ``MlpMixer`` block types); ``matrices``: the read
+        layers' label mixes (``_read_matrices``), else computed here."""
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
             with fp32_labels(y.device):
-                mixed = mix_tokens(token_mixing_matrix(blk.mlp_tokens), y)
+                mixed = mix_tokens(self._matrix(blk, layer, matrices), y)
         out, keep = branch(blk.drop_path, _token_mlp(blk, x))
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out

@@ -15,6 +15,7 @@ Shapes: ``b`` batch, ``n`` tokens, ``c`` channels, ``l`` label channels.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_ref
 from mixlabels.backbones._family import Family, tiny
 from timm.models.mlp_mixer import MlpMixer
 
-__all__ = ["AdaptedResMLP", "RESMLP_FAMILY", "linear_mixing_matrix"]
+__all__ = ["AdaptedResMLP", "RESMLP_FAMILY", "linear_mixing_matrices"]
 
 RESMLP_FAMILY = (
     "timm MlpMixer with ResBlock (ResMLP: the token-mixing linear layer as the spatial mix Norm(|W|); Affine "
@@ -55,12 +56,13 @@ def _resmlp_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def linear_mixing_matrix(linear: nn.Linear) -> Tensor:
-    """``Norm(|W|)`` ``(n, n)`` fp32 of a linear layer over tokens: row ``i`` is where token ``i`` draws from."""
+def linear_mixing_matrices(linears: Sequence[nn.Linear]) -> Tensor:
+    """``Norm(|W|)`` ``(g, n, n)`` fp32 of linear layers over tokens of one shape, computed together (five operators
+    for all of a model's blocks, not four a block): row ``i`` is where token ``i`` draws from."""
     with torch.no_grad():  # no detach: a label matrix carries no gradient
-        w = linear.weight.float().abs()  # n_out n_in
-        matrix: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return matrix
+        w = torch.stack([linear.weight for linear in linears]).float().abs_()  # g n_out n_in: a fresh stack
+        matrices: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return matrices
 
 
 def _linear_tokens(blk: Any, x: Tensor) -> Tensor:
@@ -74,11 +76,17 @@ class AdaptedResMLP(AdaptedMixer):
     family = RESMLP_FAMILY
     refusal = staticmethod(_resmlp_refusal)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker) -> Tensor:
+    def _mixing(self, blocks: Sequence[Any]) -> Tensor:
+        return linear_mixing_matrices([blk.linear_tokens for blk in blocks])
+
+    def _mixing_shape(self, blk: Any) -> tuple[int, ...]:
+        return tuple(blk.linear_tokens.weight.shape)
+
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, matrices: dict[int, Tensor] | None = None) -> Tensor:
         y, mixed = tracker.labels_for(layer), None
         if y is not None:
             with fp32_labels(y.device):
-                mixed = mix_tokens(linear_mixing_matrix(blk.linear_tokens), y)
+                mixed = mix_tokens(self._matrix(blk, layer, matrices), y)
         out, keep = branch(blk.drop_path, _linear_tokens(blk, x))
         tracker.residual(layer, keep, mixed=mixed)
         x = x + out
