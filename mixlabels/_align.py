@@ -236,8 +236,8 @@ class LabelTracker(Protocol):
         ``share``: the forked part's fraction of the concatenated channels; ``merge``: the forked part's spatial
         map ``(b, n, l) -> (b, n, l)`` (a conv path's label mix; ``None``: its labels as they were); ``keep``
         ``(b,)`` bool: samples that kept the forked part under stochastic depth (a dropped one keeps ``Y``
-        under the drop rule). ``normalised``: ``merge`` keeps every row's sum (as ``aggregate``'s), so where the
-        labels are rows that sum to 1 (source weights) both renormalisations, six operators, are left out.
+        under the drop rule). ``normalised``: ``merge`` keeps every row's sum (as ``aggregate``'s), so both
+        renormalisations, six operators, are left out (the parts' rows sum to 1 already).
         Raises where the parts lie on different grids.
         """
         ...

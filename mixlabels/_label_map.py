@@ -639,19 +639,26 @@ class TokenLabelMap:
             out = out + term(s)
         return out
 
-    def mixed_token_targets(self, grid: tuple[int, int]) -> Tensor:
+    def mixed_token_targets(self, grid: tuple[int, int], *, distributions: bool = False) -> Tensor:
         """The annotator maps mixed like the tokens: ``(b, h*w, c)`` fp32 on the token ``grid``.
 
         Every token gets ``sum_k w_k * maps[source_k]`` at its cell, ``w`` the exact token
         weights (Token Labeling Eq. 6 for MixToken's binary mask); maps on a finer grid are
         averaged over each token's cells exactly. ``label_smoothing`` ``s`` applies as to soft
         labels: ``(1 - s) y + s / c``.
+
+        ``distributions``: every map cell is first divided by its sum (a cell summing to less than 1, as top-k maps
+        stored with ``fill="zeros"`` have, becomes its classes' distribution; an all-zero cell stays zero), so every
+        token's row sums to 1. The alignment trackers start from these: then the label rules' renormalisations change
+        nothing but rounding wherever a backbone applies them, and the fast path and the reference agree.
         """
         if self.token_targets is None:
             _fail("this label map carries no token targets; attach the batch's maps with with_token_targets(maps)")
         assert self.token_targets is not None
         (th, tw), (h, w) = (int(self.token_targets.shape[1]), int(self.token_targets.shape[2])), grid
         targets = rearrange(self.token_targets.to(self.device, torch.float32), "b h w c -> b (h w) c")
+        if distributions:
+            targets = targets / targets.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         if (th, tw) != (h, w):  # a coarser model grid: average the cells exactly
             if th % h or tw % w:
                 _fail(f"token targets on a {th}x{tw} grid cannot serve a {h}x{w} token grid: use maps on a multiple of it")

@@ -111,8 +111,9 @@ class Rules:
         ``fork`` kept, through the forked part's spatial map), the rest ``y``; each channel counted once, as
         ``Parallel.concat`` weighs its branches, and renormalised. ``keep`` ``(b,)`` bool: samples that kept the
         forked part under stochastic depth; a dropped one (zeros in its channels) keeps ``y`` under ``follow_drop``.
-        ``normalised``: the rows of ``y`` and ``forked`` each sum to 1 already, and so does their mix: no
-        renormalisation (it would change rounding only)."""
+        ``normalised``: the rows of ``y`` and ``forked`` each sum to 1 already (a tracker's rows do: source weights,
+        and annotator maps started as distributions), and so does their mix: no renormalisation (it would change
+        rounding only)."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"a join's share is the forked part's channel fraction, in [0, 1]; got {share}")
         if normalised:

@@ -62,7 +62,7 @@ class CompactTracker:
         if rules.tracks_aligned or rules.tracks_input:
             # fp32 under any autocast: the label map computes its weights and targets in an fp32 region
             if self._dense:
-                tokens = label_map.mixed_token_targets(layout.grid)  # b n c
+                tokens = label_map.mixed_token_targets(layout.grid, distributions=True)  # b n c, rows summing to 1
                 prefix = label_map.image_targets().unsqueeze(1).expand(-1, layout.num_prefix, -1)
                 y0 = torch.cat([prefix, tokens], dim=1)
             else:
@@ -113,10 +113,6 @@ class CompactTracker:
         self, fork: Fork, share: float, *, merge: Callable[[Tensor], Tensor] | None = None, keep: Tensor | None = None,
         normalised: bool = False,
     ) -> None:
-        # source weights sum to 1 in every row; annotator maps (dense labels) may sum to less, so they keep the
-        # renormalisations, which then weigh the parts' rows alike
-        normalised = normalised and not self._dense
-
         def joined(y: Tensor, forked: Tensor) -> Tensor:
             forked = forked if merge is None else merge(forked)
             return self._rules.join(y, _forked(y, forked.float()), share, keep, normalised=normalised)
@@ -191,7 +187,7 @@ class DenseTracker:
         if rules.uses_token_targets and label_map.token_targets is not None:
             if layout.pixel_windows is not None:
                 raise ValueError("token targets cannot start on a layout's pixel_windows; start the labels on the pixels")
-            patches = label_map.mixed_token_targets(grid).to(dtype)
+            patches = label_map.mixed_token_targets(grid, distributions=True).to(dtype)  # rows summing to 1
         prefix = self.image_target.to(dtype).unsqueeze(1).expand(-1, p, -1)
         self.y = torch.cat([prefix, patches], dim=1)  # b n c
         self.static = self.y

@@ -39,7 +39,8 @@ We store probabilities, so a softmax afterwards would flatten them; the default
 ``"renormalize"`` divides the top-k probabilities by their sum: exactly the softmax of
 the annotator's logits restricted to its top-k classes. ``"spread"`` instead keeps the
 annotator's remaining mass ``1 - sum(top-k)`` spread evenly over the other classes;
-``"zeros"`` is the raw scatter (rows sum to less than 1).
+``"zeros"`` is the raw scatter (rows sum to less than 1; the alignment schemes start from each
+cell renormalised, so for them it reads as ``"renormalize"``: ``mixed_token_targets(distributions=True)``).
 
 Shapes, named once: ``b`` batch, ``hm wm`` map cells, ``k`` kept scores, ``c`` classes,
 ``h w`` token grid, ``n = h * w``.
