@@ -45,6 +45,11 @@ shortcut's and a cross-stage part's rows already sum to 1): 5 fast-path pairs of
 1.2e-7, no logits, no reference pair; compared tensor by tensor against ``eb50881`` (small grids' conv matrices built
 once per forward, ``Kernels.matrix``, left every bit as it was).
 
+Rewritten for session 43's Hiera cut (a stage transition's merge by the mean of the pooled tokens' labels instead of
+their renormalised sum; the unroll, a permutation, not renormalised): 3 fast-path pairs of Hiera moved, by at most
+6e-8, no logits, no reference pair; compared tensor by tensor against ``eb50881`` (the batched MLP-Mixer, gMLP and
+ResMLP mixes left every bit as it was).
+
 A digest is exact: another torch or timm version, or another CPU's kernels, may change the last
 bit of a float, and then this test fails although nothing is wrong. It says so, and the fix is
 to rewrite the digest from the commit before the change under test on that machine

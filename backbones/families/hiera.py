@@ -144,7 +144,7 @@ class AdaptedHiera(AdaptedBase):
         m: Any = self.model
         x, grid, start = _embed(m, images, label_map)
         tracker = start_on_convs(self.scheme, label_map, start, grid, len(m.blocks), [m.patch_embed.proj])
-        tracker.aggregate(m.unroll)  # a permutation: labels follow the tokens
+        tracker.aggregate(m.unroll, normalised=True)  # a permutation: labels follow the tokens, rows unchanged
         for layer, blk in enumerate(m.blocks):
             x = through_hooks(blk, functools.partial(self._block, blk, layer=layer, tracker=tracker), x)
         tracker.pool("mean", 0)
@@ -162,8 +162,9 @@ class AdaptedHiera(AdaptedBase):
         shortcut = _shortcut(blk, x, x_norm)
         out, mixed = _attention(blk.attn, x_norm, tracker.labels_for(layer))
         s = blk.attn.q_stride
-        if s > 1:  # the shortcut's max pool over the unrolled stride: its tokens' labels summed
-            tracker.aggregate(lambda y: reduce(y, "b (s n) l -> b n l", "sum", s=s))
+        if s > 1:  # the shortcut's max pool over the unrolled stride: its tokens' labels merged, by their mean (the
+            # renormalised sum, in one operator instead of four)
+            tracker.aggregate(lambda y: reduce(y, "b (s n) l -> b n l", "mean", s=s), normalised=True)
         out, keep = branch(blk.drop_path1, blk.ls1(out))
         tracker.residual(layer, keep, mixed=mixed)
         x = shortcut + out
