@@ -47,6 +47,7 @@ __all__ = [
     "REFERENCE_LIMIT",
     "check_reference_size",
     "stride_grid",
+    "tap_mixes",
     "branch",
     "conv_label_kernel",
     "effective_weight",
@@ -425,14 +426,20 @@ def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: to
     if len(shapes) == 1 and len(steps) > 1:
         ((kh, kw), padding, dilation), = shapes
         taps = _tap_matrices(grid, (kh, kw), (padding[0], padding[1]), (dilation[0], dilation[1]), device)
-        t = (torch.stack(kernels).to(taps).view(len(steps), -1) @ taps).view(len(steps), n, n)
-        return list((t / t.sum(dim=-1, keepdim=True)).unbind(0))  # the in-grid tap weight of every row
+        return list(tap_mixes(torch.stack(kernels).to(taps).view(len(steps), -1), taps, (len(steps), n, n)).unbind(0))
     out = []
     for kernel, (_, padding, dilation) in zip(kernels, steps):
         taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), tuple(padding), tuple(dilation), device)
-        t = (kernel.to(taps).reshape(1, -1) @ taps).reshape(n, n)
-        out.append(t / t.sum(dim=-1, keepdim=True))  # the in-grid tap weight of every row
+        out.append(tap_mixes(kernel.to(taps).reshape(1, -1), taps, (n, n)))
     return out
+
+
+def tap_mixes(kernels: Tensor, taps: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``Norm(T(kernel))`` of label kernels given as rows ``(g, kh*kw)``, from a grid's tap matrices ``(kh*kw, n*n)``
+    (``_tap_matrices``): one product viewed as ``shape`` (``(g, n, n)``, or ``(n, n)`` for one kernel), every row
+    divided by its in-grid tap weight."""
+    t = (kernels @ taps).view(shape)
+    return t / t.sum(dim=-1, keepdim=True)
 
 
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:

@@ -75,7 +75,7 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._common import (
-    AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
+    AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, tap_mixes, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
     start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
@@ -537,45 +537,48 @@ class Kernels:
             self._wide.update(((c, channels), k) for c, k in zip(same, expanded.unbind(0)))
         return self._wide[(conv, channels)]
 
-    def mass(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
-        """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
-        fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
-        one convolution of ones (the stack ``wide`` uses, and a conv and an unbind per grid: where a shape
-        has at least ``_WIDE_GROUP`` convs, fewer operators than a conv of ones per step); ``None``: not held here,
-        or too few alike (``conv_steps_on_grid`` then computes it per step)."""
+    def _per_grid(
+        self, cache: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor], conv: nn.Module | KernelConv,
+        grid: tuple[int, int], build: Callable[[Tensor, tuple[int, int], tuple[int, int]], Sequence[Tensor]],
+    ) -> Tensor | None:
+        """``conv``'s entry of ``cache`` on ``grid``, built on the first ask for every conv of its kernel shape,
+        padding and dilation together: ``build(stacked, padding, dilation)`` turns their stacked kernels
+        ``(g, 1, kh, kw)`` (the stack ``wide`` uses) into one tensor per conv, in order. ``None``: not held here, or
+        fewer than ``_WIDE_GROUP`` alike."""
         kernel = self.get(conv)
         if kernel is None:
             return None
-        if (conv, grid) not in self._mass:
+        if (conv, grid) not in cache:
             same, stacked = self._stack(*self._alike(kernel, conv, geometry=True))
             if stacked is None:
                 return None
-            padding, dilation = _geometry(conv)
+            cache.update(((c, grid), t) for c, t in zip(same, build(stacked, *_geometry(conv)), strict=True))
+        return cache[(conv, grid)]
+
+    def mass(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
+        """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
+        fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
+        one convolution of ones (a conv and an unbind per grid: where a shape has at least ``_WIDE_GROUP`` convs,
+        fewer operators than a conv of ones per step); ``None``: not held here, or too few alike
+        (``conv_steps_on_grid`` then computes it per step)."""
+        def masses(stacked: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Sequence[Tensor]:
             ones = _ones((1, 1, grid[0], grid[1]), stacked.device)  # one channel to every kernel: see ``_ones``
-            masses = F.conv2d(ones, stacked, padding=padding, dilation=dilation)  # 1 g h w
-            self._mass.update(((c, grid), m) for c, m in zip(same, masses.unbind(1)))
-        return self._mass[(conv, grid)]
+            return F.conv2d(ones, stacked, padding=padding, dilation=dilation).unbind(1)  # 1 g h w -> (1 h w) each
+
+        return self._per_grid(self._mass, conv, grid, masses)
 
     def matrix(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
         """``conv``'s label mix ``Norm(T(kernel))`` ``(n, n)`` on a small ``grid`` (the dense route, where
         ``depthwise_route`` is false), built for every conv of its kernel shape, padding and dilation on that grid
-        together: one product of their stacked kernels with the grid's tap matrices, one sum and one division per
-        grid and shape, where ``conv_chain`` spends three operators per block. ``None``: not held here, or too few
-        alike (``_WIDE_GROUP``; ``conv_chain`` then builds it)."""
-        kernel = self.get(conv)
-        if kernel is None:
-            return None
-        if (conv, grid) not in self._matrix:
-            same, stacked = self._stack(*self._alike(kernel, conv, geometry=True))
-            if stacked is None:
-                return None
-            padding, dilation = _geometry(conv)
-            n = grid[0] * grid[1]
-            taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), padding, dilation, stacked.device)
-            t = (stacked.view(len(same), -1) @ taps).view(len(same), n, n)
-            t = t / t.sum(dim=-1, keepdim=True)  # the in-grid tap weight of every row
-            self._matrix.update(((c, grid), m) for c, m in zip(same, t.unbind(0)))
-        return self._matrix[(conv, grid)]
+        together (``tap_mixes`` of their stacked kernels: one product, one sum and one division per grid and shape,
+        where ``conv_chain`` spends three operators per block). ``None``: not held here, or too few alike
+        (``_WIDE_GROUP``; ``conv_chain`` then builds it)."""
+        def matrices(stacked: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Sequence[Tensor]:
+            g, kernel, n = int(stacked.shape[0]), (int(stacked.shape[-2]), int(stacked.shape[-1])), grid[0] * grid[1]
+            taps = _tap_matrices(grid, kernel, padding, dilation, stacked.device)
+            return tap_mixes(stacked.view(g, -1), taps, (g, n, n)).unbind(0)
+
+        return self._per_grid(self._matrix, conv, grid, matrices)
 
 
 def _geometry(conv: nn.Module | KernelConv) -> tuple[tuple[int, int], tuple[int, int]]:
