@@ -46,7 +46,7 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
@@ -180,11 +180,9 @@ class AdaptedMetaFormer(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         depth = sum(len(stage.blocks) for stage in m.stages)
         tracker = start_on_stem(self.scheme, label_map, start, grid, depth, m.stem.conv)
-        # every read SepConv's depthwise label kernel, computed together on the first read (the model has no FSDP2
-        # units below the root, so its weights are whole here)
+        # every read SepConv's depthwise label kernel, computed together on the first read
         blocks = [blk for stage in m.stages for blk in stage.blocks]
-        kernels = Kernels(blk.token_mixer.dwconv for layer, blk in enumerate(blocks)
-                          if type(blk.token_mixer) is SepConv and tracker.labels_for(layer) is not None)
+        kernels = read_kernels(blocks, tracker, lambda blk: [blk.token_mixer.dwconv] if type(blk.token_mixer) is SepConv else [])
         layer = 0
         for stage in m.stages:
             if not isinstance(stage.downsample, nn.Identity):
@@ -201,7 +199,7 @@ class AdaptedMetaFormer(AdaptedBase):
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
-    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
+    def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels | None) -> Tensor:
         mixer, labels, mixed = blk.token_mixer, tracker.labels_for(layer), None
         h = blk.norm1(x)
         if type(mixer) is Attention:
