@@ -97,20 +97,32 @@ def check_labels(labels: Tensor, num_classes: int) -> None:
 
 
 def check_token_targets(maps: Tensor) -> None:
-    """Raise unless annotator maps ``(b, h, w, c)`` are probabilities: finite, >= 0, each cell summing to at most 1.
+    """Raise unless annotator maps ``(b, h, w, c)`` are probabilities: finite, >= 0, each cell summing to at most 1
+    and more than 0.
 
-    (At most, not exactly: top-k maps expanded with ``fill="zeros"`` leave the rest of the mass out.)
-    One host read.
+    (At most, not exactly: top-k maps expanded with ``fill="zeros"`` leave the rest of the mass out; the trackers
+    read every cell as its classes' distribution, ``mixed_token_targets(distributions=True)``.) A cell with no mass
+    at all is refused: it has no distribution, a token covering it and labelled cells would get a row summing to
+    less than 1, and such rows mix differently wherever a backbone renormalises (the fast path and the float64
+    reference renormalise at different points). One host read.
     """
     if maps.numel() == 0:
         return
     m = maps.float()
-    flags = torch.stack([(~torch.isfinite(m)).any(), (m < 0).any(), (m.sum(dim=-1) > 1.01).any()]).tolist()
+    total = m.sum(dim=-1)
+    flags = torch.stack([(~torch.isfinite(m)).any(), (m < 0).any(), (total > 1.01).any(), (total <= 0).any()]).tolist()
     if flags[0] or flags[1] or flags[2]:
         found = "NaN or inf values" if flags[0] else "negative values" if flags[1] else "cells summing to more than 1"
         _fail(
             f"token_targets must be class probabilities per cell, found {found}: these look like logits or "
             "unnormalised scores. Pass probabilities, e.g. maps.softmax(dim=-1) of an annotator's logits"
+        )
+    if flags[3]:
+        b, h, w = (int(i) for i in (total <= 0).nonzero()[0])
+        _fail(
+            f"token_targets has cells with no class mass (all zeros; the first: sample {b}, cell ({h}, {w})): every "
+            "cell needs a class distribution, since a token's target is made of its cells'. Give such cells one "
+            "(the image's one-hot label, or a uniform 1 / num_classes), or store the maps with more classes per cell"
         )
 
 
@@ -501,7 +513,7 @@ class TokenLabelMap:
             >>> tuple(lm.with_token_targets(maps).mixed_token_targets((4, 4)).shape)
             (2, 16, 10)
 
-        Values (probabilities: finite, non-negative, cells summing to at most 1) are checked here
+        Values (probabilities: finite, non-negative, every cell summing to at most 1 and more than 0) are checked here
         for maps on the CPU; maps on an accelerator are checked by the adapter, at its first call
         (no device sync per step).
         """
@@ -648,7 +660,8 @@ class TokenLabelMap:
         labels: ``(1 - s) y + s / c``.
 
         ``distributions``: every map cell is first divided by its sum (a cell summing to less than 1, as top-k maps
-        stored with ``fill="zeros"`` have, becomes its classes' distribution; an all-zero cell stays zero), so every
+        stored with ``fill="zeros"`` have, becomes its classes' distribution; an all-zero cell, which
+        ``with_token_targets`` refuses, would stay zero), so every
         token's row sums to 1. The alignment trackers start from these: then the label rules' renormalisations change
         nothing but rounding wherever a backbone applies them, and the fast path and the reference agree.
         """

@@ -9,6 +9,8 @@ differently: before the trackers started the maps as distributions (``mixed_toke
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -38,10 +40,25 @@ def test_the_maps_start_as_distributions() -> None:
     normalised = as_given.with_token_targets(maps / maps.sum(-1, keepdim=True))
     assert_close(as_given.with_token_targets(maps).mixed_token_targets((8, 8), distributions=True), normalised.mixed_token_targets((8, 8)))
     zero = maps.clone()
-    zero[0, :4, :4] = 0.0  # one token's cells all unlabelled: its row stays zero
-    z = as_given.with_token_targets(zero).mixed_token_targets((8, 8), distributions=True)
+    zero[0, :4, :4] = 0.0  # one token's cells all unlabelled: its row stays zero (built past the check)
+    z = replace(as_given, token_targets=zero).mixed_token_targets((8, 8), distributions=True)
     assert torch.equal(z[0, 0], torch.zeros(10))
     assert not torch.allclose(lm.mixed_token_targets((8, 8)).sum(-1), torch.ones(2, 64))  # as given: below 1
+
+
+def test_cells_without_mass_are_refused() -> None:
+    """A cell with no class mass has no distribution: a token covering it and labelled cells would get a row below 1,
+    which the fast path and the reference renormalise at different points. ``with_token_targets`` refuses it, naming
+    the first such cell; a cell holding any mass passes."""
+    _, lm, maps = _batch()
+    zero = maps.clone()
+    zero[1, 5, 9] = 0.0
+    with pytest.raises(ValueError, match=r"no class mass .*sample 1, cell \(5, 9\)"):
+        lm.with_token_targets(zero)
+    with pytest.raises(ValueError, match="no class mass"):
+        replace(lm, token_targets=zero).check()
+    zero[1, 5, 9, 3] = 1e-6
+    lm.with_token_targets(zero)
 
 
 @pytest.mark.parametrize("family", ["vgg", "resnet", "swin", "efficientformer", "cspnet", "twins", "volo", "vit"])
