@@ -109,6 +109,7 @@ __all__ = [
     "merge_matrix",
     "block_labels",
     "start_on_path",
+    "start_before_path",
     "block_labels_reference",
     "conv_norm_act_ops",
     "run_stem",
@@ -823,20 +824,32 @@ def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, i
 def start_on_path(
     scheme: Scheme, label_map: TokenLabelMap, start: tuple[int, int], grid: tuple[int, int], depth: int, stem: Path
 ) -> LabelTracker:
-    """A pooled CNN's tracker: on ``grid`` for a token-space map (``start == grid``); else the pixel labels
-    (grid ``start``) through the stem's path: its leading windows weigh the mask directly
-    (``start_on_windows``), the rest of the path is one ``aggregate``."""
-    if start == grid:
-        return scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=depth, class_token=False))
+    """A pooled CNN's tracker: on ``grid`` for a token-space map; else the pixel labels (grid ``start``) through the
+    stem's path: its leading windows weigh the mask directly (``start_on_windows``), the rest of the path is one
+    ``aggregate``."""
+    tracker, rest, mid = start_before_path(scheme, label_map, start, grid, depth, stem)
+    if rest:
+        tracker.aggregate(lambda y: apply_path(rest, y, mid)[0], normalised=True)
+    return tracker
+
+
+def start_before_path(
+    scheme: Scheme, label_map: TokenLabelMap, start: tuple[int, int], grid: tuple[int, int], depth: int, stem: Path
+) -> tuple[LabelTracker, Path, tuple[int, int]]:
+    """``start_on_path`` up to the stem's ops after its leading windows: the tracker, those ops (still to apply, as
+    one ``aggregate``), and the grid they start on.
+
+    A token-space map starts on the stem's ``grid``, the stem left out (MixToken mixed its output). Any other map
+    starts on the pixels, whose grid a stem of stride 1 keeps (VGG's first conv): that ``start == grid`` does not
+    make it a token-space map, and its convs still mix the labels."""
+    if label_map.token_space:
+        return scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=depth, class_token=False)), (), grid
     lead = 0
     while lead < len(stem) and isinstance(stem[lead], Window):
         lead += 1
     windows = window_axes([w for w in stem[:lead] if isinstance(w, Window)], start)
     tracker, mid = start_on_windows(scheme, label_map, start, depth, windows)
-    rest = stem[lead:]
-    if rest:
-        tracker.aggregate(lambda y: apply_path(rest, y, mid)[0], normalised=True)
-    return tracker
+    return tracker, stem[lead:], mid
 
 
 def block_labels(
@@ -1103,14 +1116,16 @@ class AdaptedConvNet(AdaptedBase):
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
-        tracker = start_on_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
+        # the stem's ops after its leading windows join the first run of units without shortcut (VGG: all of them)
+        tracker, rest, mid = start_before_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
         paths = None if self._fresh_paths else self._all_paths(blocks)  # fresh: asked for per unit, the forward done
         if paths is not None and not _reads_statistics(paths):
             # each unit's label events right after its forward: their temporaries (labels on a pixel grid are
             # megabytes) come and go before the forward's saved activations peak, not on top of them. The label
             # kernels read weights alone, so all of them are still computed together, at the first event
-            kernels = Kernels(_unit_convs(paths))
+            kernels = Kernels([*path_convs(rest), *_unit_convs(paths)])
             pending, layer = _Pending(tracker, kernels, by_unit=True), 0
+            pending.add(rest, mid)
             for blk in blocks:
                 x, ran = self._run([blk], x)
                 grid, layer = self._events(ran, grid, layer, tracker, kernels, pending, paths)
@@ -1119,9 +1134,10 @@ class AdaptedConvNet(AdaptedBase):
         # statistics, which a training forward moves in the norms' own block only, so after the whole forward they
         # are what the reference reads right after that block; all the label kernels are then computed together
         x, ran = self._run(blocks, x)
-        kernels = Kernels(op for op in _unit_convs(paths or self._all_paths(blocks))
-                          if not (self._fresh_paths and isinstance(op, KernelConv)))  # a fresh path's KernelConv is new
+        kernels = Kernels([*path_convs(rest), *(op for op in _unit_convs(paths or self._all_paths(blocks))
+                                                if not (self._fresh_paths and isinstance(op, KernelConv)))])  # a fresh path's KernelConv is new
         pending = _Pending(tracker, kernels)
+        pending.add(rest, mid)
         self._events(ran, grid, 0, tracker, kernels, pending, paths)
         return self._finish(x, tracker, pending)
 
@@ -1138,7 +1154,7 @@ class AdaptedConvNet(AdaptedBase):
         x, stem, grid, start = self._stem(images, label_map)
         blocks = self._blocks()
         rules = DenseRules(self.scheme, label_map, start, 0, self._depth(blocks))
-        if start != grid:
+        if not label_map.token_space:  # from the pixels, a stride-1 stem's convs too (``start_before_path``)
             rules.aggregate(path_matrix(stem, start)[0])
         x, grid, _ = self._walk(blocks, x, grid, 0, rules)
         output, token_logits = self._head(x)

@@ -564,7 +564,7 @@ class AdaptedByobNet(AdaptedBase):
         stem = _ops(_flat(m.stem))
         x, grid, start = run_stem(m.stem, stem, images, label_map)
         rules = DenseRules(self.scheme, label_map, start, 0, _depth(m))
-        if start != grid:
+        if not label_map.token_space:
             rules.aggregate(path_matrix(stem, start)[0])
         size, layer = (int(images.shape[2]), int(images.shape[3])), 0
         for blk in _blocks(m):

@@ -225,7 +225,7 @@ class AdaptedEfficientNet(AdaptedBase):
         x, stem, grid, start = _stem(m, images, label_map)
         blocks = _blocks(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(blocks))
-        if start != grid:
+        if not label_map.token_space:
             rules.aggregate(path_matrix(stem, start)[0])
         for layer, blk in enumerate(blocks):
             if type(blk) is MobileAttention:

@@ -545,7 +545,7 @@ class AdaptedMaxxVit(AdaptedBase):
         x, grid, start = embed_stem(m.stem, _pair(m.stem.conv1.stride), images, label_map)
         units = _units(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(units))
-        if start != grid:
+        if not label_map.token_space:
             for stem in _stem_windows(m):
                 merge, start = merge_matrix(start, stem)
                 rules.aggregate(merge)

@@ -150,7 +150,7 @@ class AdaptedRegNet(AdaptedBase):
         x, stem, grid, start = run_module_stem(m.stem, images, label_map)
         blocks = _blocks(m)
         rules = DenseRules(self.scheme, label_map, start, 0, len(blocks))
-        if start != grid:
+        if not label_map.token_space:
             rules.aggregate(path_matrix(stem, start)[0])
         for layer, blk in enumerate(blocks):
             x, keep = _block(blk, x)
