@@ -233,8 +233,11 @@ def kernel_labels(weight: Tensor) -> Tensor:
 
     Five operators whatever the weight's size (abs, tap sums, their clamp, the division in
     place, the mean): on a GPU each is one launch, where a chunked pass costs several per chunk.
-    A weight of ``_LARGE_WEIGHT`` elements or more is averaged in two sums (seven operators).
+    A weight of ``_LARGE_WEIGHT`` elements or more is averaged in two sums (seven operators), and on
+    the CPU in chunks of output channels (``_chunked_kernel_labels``).
     """
+    if weight.device.type == "cpu" and weight.numel() >= _LARGE_WEIGHT and weight.is_contiguous():
+        return _chunked_kernel_labels(weight)
     with torch.no_grad():
         k = weight.abs().to(torch.float32)  # o i kh kw; fp32 whatever the weight's dtype (abs is exact)
         sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # o i 1 1
@@ -246,6 +249,31 @@ def kernel_labels(weight: Tensor) -> Tensor:
         # float64 (1.2e-7 of the largest tap against 2.6e-7)
         return k.sum(dim=0).sum(dim=0).div_(k.shape[0] * k.shape[1])
 
+
+def _chunked_kernel_labels(weight: Tensor) -> Tensor:
+    """``kernel_labels`` of a large CPU weight, ``_CHUNK`` elements of output channels at a time through one buffer.
+
+    On the CPU the whole-weight pass is slow for a reason other than its arithmetic: its temporary ``|K|`` (411 MB
+    for VGG-11's 7x7 head conv) is fresh memory every step, and the kernel's page faults on first touch cost more
+    than the reads (``abs`` into new memory 118 ms, into an existing buffer 28). Chunks reuse one buffer of at most
+    ``_CHUNK`` elements, faulted in once a call: the head conv's labels in 71 instead of 181 ms, and as near float64
+    (each chunk's rows summed over output channels first, as the whole-weight pass does). Seven operators a chunk
+    (13 chunks for that conv): the CPU pays per byte here, a GPU per launch, so a GPU keeps the whole-weight pass.
+    """
+    o, rest = int(weight.shape[0]), weight.shape[1:]
+    rows = max(1, _CHUNK // max(1, weight.numel() // o))
+    with torch.no_grad():
+        buf = torch.empty((min(rows, o), *rest), dtype=torch.float32)
+        total = torch.zeros(rest, dtype=torch.float32)  # i kh kw
+        for start in range(0, o, rows):
+            k = buf[: min(rows, o - start)].copy_(weight[start : start + rows]).abs_()  # fp32 whatever the dtype
+            k.div_(k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
+            total.add_(k.sum(dim=0))
+        return total.sum(dim=0).div_(o * int(rest[0]))
+
+
+_CHUNK = 1 << 23
+"""Elements of a large CPU weight ``_chunked_kernel_labels`` takes at a time (32 MB in fp32)."""
 
 _LARGE_WEIGHT = 1 << 22
 """Weights from this many elements up (16 MB in fp32: a classifier head written as a conv) that ``kernel_labels``

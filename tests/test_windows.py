@@ -456,3 +456,25 @@ def test_kernel_labels_of_a_large_weight_equal_float64(layout: str) -> None:
         assert got.dtype == torch.float32 and got.shape == (7, 7)
         # a channels-last weight's one mean (reduced in its own order) lands 1.2e-6 of the largest tap from float64
         assert_close(got.double(), want, rtol=0.0, atol=(5e-7 if layout == "contiguous" else 3e-6) * float(want.max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_labels_of_a_large_cpu_weight_in_chunks_equal_float64(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU a large weight is read in chunks of output channels through one reused buffer
+    (``_chunked_kernel_labels``: fresh memory for the whole ``|K|`` every step costs more in page faults than its
+    arithmetic). Chunks of 100 output channels, the last one short (1338 = 13 x 100 + 38), a bf16 weight too: each
+    equals its float64 ``mean_{o,i}(|K_oi| / sum|K_oi|)`` to fp32 rounding, and the one chunk of a small ``_CHUNK``
+    split equals the unsplit result to fp32 rounding."""
+    from mixlabels.backbones import _common
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(_common._LARGE_WEIGHT // (64 * 49) + 1, 64, 7, 7, generator=g).to(dtype)
+    assert w.shape[0] == 1338
+    k = w.double().abs()
+    want = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+    whole = _common.kernel_labels(w)  # one chunk: 1338 rows fit _CHUNK's elements
+    monkeypatch.setattr(_common, "_CHUNK", 100 * 64 * 49)
+    got = _common.kernel_labels(w)
+    assert got.dtype == torch.float32 and got.shape == (7, 7)
+    assert_close(got.double(), want, rtol=0.0, atol=5e-7 * float(want.max()))
+    assert_close(got, whole, rtol=0.0, atol=5e-7 * float(want.max()))
