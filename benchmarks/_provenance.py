@@ -31,7 +31,7 @@ def cpu_model() -> str:
 
 
 def provenance(command: list[str] | None = None, *, device: str = "cpu") -> dict[str, Any]:
-    """Date (UTC), command, machine (cores, CPU model, GPU), torch and Python versions, load average.
+    """Date (UTC), command, machine (cores, CPU model and torch's CPU kernels, GPU), torch and Python versions, load average.
 
     Args:
         command: the command line (default: ``sys.argv`` with the script's path shortened to its name).
@@ -47,6 +47,9 @@ def provenance(command: list[str] | None = None, *, device: str = "cpu") -> dict
         "command": " ".join(argv),
         "cores": os.cpu_count(),
         "cpu": cpu_model(),
+        # torch's CPU kernels (AVX2, AVX512, ...): one model name has come with either on this project's machines,
+        # and times and last bits differ between them
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
         "gpu": gpu,
         "device": device,
         "torch": torch.__version__,
@@ -112,7 +115,8 @@ def provenance_line(p: dict[str, Any]) -> str:
     ``p`` is a record of ``provenance`` (finished by ``finish``), as a benchmark's JSON keeps it.
     """
     gpu = p.get("gpu") or "no GPU"
-    machine = f"{p.get('cores', '?')} CPU cores ({p.get('cpu', 'unknown CPU')}), {gpu}"
+    kernels = f", {p['cpu_kernels']} kernels" if p.get("cpu_kernels") else ""  # not recorded before 2026-11-29
+    machine = f"{p.get('cores', '?')} CPU cores ({p.get('cpu', 'unknown CPU')}{kernels}), {gpu}"
     load, end = p.get("load_average"), p.get("load_average_end")
     extra = (f"; load average {load[0]:.2f} at the start" if load else "") + (
         f"{',' if load else '; load average'} {end[0]:.2f} at the end" if end else "")

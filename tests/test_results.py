@@ -57,6 +57,19 @@ def test_a_renamed_script_is_shown_by_its_present_name_and_its_recorded_one() ->
     assert "run as" not in report.provenance_line(PROVENANCE)
 
 
+def test_a_record_names_the_cpu_kernels_torch_ran() -> None:
+    """One CPU model name has come with AVX2 and with AVX-512 kernels on this project's machines (times and last bits
+    differ): a record keeps torch's CPU capability and the line names it; an older record without it reads as before."""
+    import torch
+
+    from benchmarks._provenance import provenance
+
+    record = provenance(["python", "x.py"])
+    assert record["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert f"({record['cpu']}, {record['cpu_kernels']} kernels)" in report.provenance_line(record)
+    assert "kernels" not in report.provenance_line(PROVENANCE)
+
+
 def _fake_ablation(out: Path, top1: dict[tuple[bool, int], float], args: Sequence[str] = TINY) -> AblationConfig:
     """An ablation output directory as a finished job leaves it (results.json), with the given top-1 per run (by
     aligned and seed, whatever the row)."""
