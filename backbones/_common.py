@@ -242,12 +242,13 @@ def kernel_labels(weight: Tensor) -> Tensor:
         k = weight.abs().to(torch.float32)  # o i kh kw; fp32 whatever the weight's dtype (abs is exact)
         sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # o i 1 1
         k = k.div_(sums)
+        kh, kw = int(k.shape[-2]), int(k.shape[-1])
         if k.numel() < _LARGE_WEIGHT or not k.is_contiguous():
-            return k.mean(dim=(0, 1))
+            return k.mean(dim=(0, 1)).add_(_self_tap(kh, kw, k.device))  # a weight of zeros: see _self_tap
         # over the output channels first (whole contiguous (i kh kw) rows added together), then the input channels:
         # VGG-11's 7x7 head conv (4096 x 512 taps, 411 MB) in 22 ms instead of the mean's 69 on the CPU, and nearer
         # float64 (1.2e-7 of the largest tap against 2.6e-7)
-        return k.sum(dim=0).sum(dim=0).div_(k.shape[0] * k.shape[1])
+        return k.sum(dim=0).sum(dim=0).div_(k.shape[0] * k.shape[1]).add_(_self_tap(kh, kw, k.device))
 
 
 def _chunked_kernel_labels(weight: Tensor) -> Tensor:
@@ -269,8 +270,28 @@ def _chunked_kernel_labels(weight: Tensor) -> Tensor:
             k = buf[: min(rows, o - start)].copy_(weight[start : start + rows]).abs_()  # fp32 whatever the dtype
             k.div_(k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
             total.add_(k.sum(dim=0))
-        return total.sum(dim=0).div_(o * int(rest[0]))
+        return total.sum(dim=0).div_(o * int(rest[0])).add_(_self_tap(int(rest[1]), int(rest[2]), total.device))
 
+
+@functools.lru_cache(maxsize=64)
+def _self_tap(kh: int, kw: int, device: torch.device) -> Tensor:
+    """``(kh, kw)`` fp32: ``_READS_NOTHING`` at the tap ``((kh - 1) // 2, (kw - 1) // 2)`` (the centre of an odd kernel,
+    which a grid-keeping stride-1 conv reads each position itself through), 0 elsewhere; added to every label kernel
+    (cached, a constant: one operator per kernel or stack of kernels).
+
+    A conv whose weight is all zeros reads nothing (timm's ``zero_init_last``: ResNetV2's basic blocks zero their
+    second 3x3 conv), and its label kernel was all zeros: every position's in-grid tap weight 0, its labels 0 / 0,
+    NaN targets and a NaN loss from the first step. With this tap such a kernel is the identity (``Y <- Y``: the
+    labels stay, as a channel op leaves them), and a position whose in-grid taps are all zero keeps its own labels;
+    the reference reads both so (``_dense.row_normalise``). Any other kernel is unchanged to the bit: a tap of at
+    least 1e-12 (of a kernel summing to 1) is more than 2**23 times ``_READS_NOTHING``."""
+    t = torch.zeros(kh, kw)
+    t[(kh - 1) // 2, (kw - 1) // 2] = _READS_NOTHING
+    return t.to(device)
+
+
+_READS_NOTHING = 1e-20
+"""The self tap's weight (``_self_tap``): a normal fp32 number whose products with labels down to 1e-18 stay normal."""
 
 _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_kernel_labels`` takes at a time (32 MB in fp32)."""
@@ -326,6 +347,7 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                     runs = torch.split(rows.div_(sums), [len(same) * shape[0] * shape[1] for shape, same in shapes.items()])
                     per_shape = [run.view(len(same), -1, kh * kw).mean(dim=1) for run, same in zip(runs, shapes.values())]
                     means = torch.cat(per_shape).view(-1, kh, kw)
+            means.add_(_self_tap(kh, kw, means.device))  # a weight of zeros reads nothing: see _self_tap
             for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]

@@ -23,7 +23,15 @@ __all__ = ["DenseRules", "conv_matrix", "window_matrix", "row_normalise", "drop_
 
 
 def row_normalise(m: Tensor) -> Tensor:
-    return m / m.sum(dim=-1, keepdim=True)
+    """Every row of ``m`` divided by its sum; a row of a square matrix with no mass (a conv whose weight is all zeros,
+    or a position whose in-grid taps are) is the identity's row: that position keeps its own labels
+    (``_common._self_tap``, the fast path's rule)."""
+    sums = m.sum(dim=-1, keepdim=True)
+    if m.shape[-1] == m.shape[-2] and bool((sums == 0).any()):
+        eye = torch.eye(int(m.shape[-1]), dtype=m.dtype, device=m.device).expand_as(m)
+        m = torch.where(sums == 0, eye, m)
+        sums = m.sum(dim=-1, keepdim=True)
+    return m / sums
 
 
 def _taps(grid: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int]) -> tuple[tuple[int, int], list[tuple[int, int, Tensor, Tensor, Tensor]]]:

@@ -638,7 +638,13 @@ def _mobilevit_reference(blk: Any, x: Tensor, rules: DenseRules, layer: int, gri
     padding, dilation = _pad(blk.conv_fusion.conv)
     halves = [conv_matrix(grid, k.sum(dim=(0, 1)) / pairs, padding=padding, dilation=dilation)[0]
               for k in (per_pair[:, :c_in], per_pair[:, c_in:])]
-    rules.aggregate(row_normalise(torch.cat(halves, dim=1)))  # n x 2n: each half's taps, rows renormalised together
+    fused = torch.cat(halves, dim=1)  # n x 2n: each half's taps, rows renormalised together
+    share = c_in / int(per_pair.shape[1])
+    eye = torch.eye(n, dtype=torch.float64)
+    # a position no in-grid tap reads (a fusion weight of zeros) keeps each half's own label by its share of the
+    # channels, as the fast path's self taps (_common._self_tap) weighed by the halves' shares give
+    fused = torch.where(fused.sum(dim=-1, keepdim=True) == 0, torch.cat([share * eye, (1 - share) * eye], dim=1), fused)
+    rules.aggregate(row_normalise(fused))
     return blk.conv_fusion(torch.cat((shortcut, x), dim=1)), layer
 
 

@@ -161,7 +161,7 @@ class AdaptedConvNeXt(AdaptedBase):
             for blk in stage.blocks:
                 conv = blk.conv_dw
                 kernel = conv.weight.detach().double().abs()
-                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
                 matrix, _ = conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)
                 out, keep = _drop(blk.drop_path, _branch_tokens(blk, conv(x)))
                 rules.mix(layer, row_normalise(matrix), keep)

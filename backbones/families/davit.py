@@ -158,7 +158,7 @@ def _cpe_matrix(cpe: Any, grid: tuple[int, int]) -> Tensor:
     """The reference's ``Norm(T(K))`` ``(n, n)`` of a position encoding's depthwise conv, in float64."""
     conv = cpe.proj
     kernel = conv.weight.detach().double().abs()
-    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
     return row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0])
 
 

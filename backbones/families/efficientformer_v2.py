@@ -347,7 +347,7 @@ def _window_matrix(grid: tuple[int, int], conv: Any) -> tuple[Tensor, tuple[int,
 def _conv_mix_matrix(grid: tuple[int, int], conv: Any) -> Tensor:
     """``Norm(T(K))`` of a stride-1 depthwise conv: every channel's |kernel| normalised, averaged, border-renormalised."""
     k = conv.weight.detach().double().abs()
-    k = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+    k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
     return row_normalise(conv_matrix(grid, k, padding=_pair(conv.padding), dilation=_pair(conv.dilation))[0])
 
 

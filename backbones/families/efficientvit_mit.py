@@ -341,7 +341,7 @@ class AdaptedEfficientViTMIT(AdaptedBase):
 
 def _conv_matrix_normalised(grid: tuple[int, int], weight: Tensor, padding: Any, dilation: Any) -> Tensor:
     k = weight.detach().double().abs()
-    kernel = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+    kernel = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
     return row_normalise(conv_matrix(grid, kernel, padding=padding, dilation=dilation)[0])
 
 

@@ -290,7 +290,7 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
                 elif type(mod) is ConvNorm:
                     dw: Any = mod.conv
                     k = dw.weight.detach().double().abs()
-                    kernel = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+                    kernel = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
                     matrix = row_normalise(conv_matrix(grid, kernel, padding=dw.padding, dilation=dw.dilation)[0]).unsqueeze(0)
                 x, keep = _residual_drop(rd, x, out)
                 if matrix is not None:

@@ -149,7 +149,7 @@ def _focal_matrix(mod: Any, grid: tuple[int, int], gates: Tensor) -> Tensor:
     for i, level in enumerate(mod.focal_layers):
         conv = level[0]
         k = conv.weight.detach().double().abs()
-        k = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+        k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
         chain = row_normalise(conv_matrix(grid, k, padding=conv.padding, dilation=conv.dilation)[0]) @ chain
         matrix = matrix + w[:, :, i : i + 1] * chain
     glob = torch.full((n, n), 1.0 / n, dtype=torch.float64) @ chain

@@ -175,7 +175,7 @@ def _global_query(stage: Any, x: Tensor) -> Tensor:
 def _dw_matrix(conv: Any, grid: tuple[int, int]) -> Tensor:
     """The reference's ``Norm(T(K))`` ``(n, n)`` of a depthwise conv, in float64."""
     kernel = conv.weight.detach().double().abs()
-    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
     return row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0])
 
 

@@ -296,7 +296,7 @@ def _branch_matrix(ops: list[_Op], grid: tuple[int, int]) -> tuple[Tensor, tuple
             w, grid = merge_matrix(grid, op)
         else:
             k = op.weight.detach().double().abs()
-            k = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+            k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
             w, grid = conv_matrix(grid, k, padding=op.padding, dilation=op.dilation)
         m = row_normalise(w) if m is None else row_normalise(w) @ m
     return (torch.eye(grid[0] * grid[1], dtype=torch.float64) if m is None else m), grid

@@ -260,7 +260,7 @@ class AdaptedMetaFormer(AdaptedBase):
                     out = mixer(h)
                     conv = mixer.dwconv
                     kernel = conv.weight.detach().double().abs()
-                    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+                    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
                     matrix = row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]).unsqueeze(0)
                 out, keep = _drop(blk.drop_path1, out)
                 rules.mix(layer, matrix, keep)

@@ -309,7 +309,7 @@ def _pool_matrix(op: Any, grid: tuple[int, int], p: int) -> Tensor:
         return torch.eye(p + grid[0] * grid[1], dtype=torch.float64)
     if type(op) is nn.Conv2d and op.stride == (1, 1):
         k = op.weight.detach().double().abs()
-        kernel = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+        kernel = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
         matrix = conv_matrix(grid, kernel, padding=_pair(op.padding), dilation=_pair(op.dilation))[0]
     else:
         matrix = conv_matrix(grid, torch.ones(_pair(op.kernel_size)), _pair(op.stride), _pair(op.padding))[0]

@@ -246,7 +246,7 @@ class AdaptedNest(AdaptedBase):
                 _check_even(grid, i)
                 conv = level.pool.conv
                 kernel = conv.weight.detach().double().abs()
-                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
                 rules.aggregate(row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]))
                 merge, grid = _pool_matrix(grid, level.pool.pool)
                 rules.aggregate(merge)

@@ -201,7 +201,7 @@ class AdaptedPVTv2(AdaptedBase):
                 x = x + out
                 mlp = blk.mlp
                 kernel = mlp.dwconv.weight.detach().double().abs()
-                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
                 matrix, _ = conv_matrix(grid, kernel, padding=mlp.dwconv.padding, dilation=mlp.dwconv.dilation)
                 out, keep = _drop(blk.drop_path2, _mlp_out(mlp, mlp.dwconv(_mlp_in(mlp, blk.norm2(x), grid))))
                 rules.mix(layer, row_normalise(matrix), keep)

@@ -278,7 +278,7 @@ class AdaptedTwins(AdaptedBase):
                 if j == 0:
                     conv = peg.proj[0]
                     kernel = conv.weight.detach().double().abs()
-                    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+                    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
                     rules.mix(layer, row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]), None)
                     x = _peg(peg, x, grid)
                 layer += 1

@@ -110,7 +110,7 @@ def _lpi_matrix(lpi: Any, grid: tuple[int, int]) -> Tensor:
     matrix = torch.eye(grid[0] * grid[1], dtype=torch.float64)
     for conv in (lpi.conv1, lpi.conv2):
         kernel = conv.weight.detach().double().abs()
-        kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
+        kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
         matrix = row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]) @ matrix
     return matrix
 
