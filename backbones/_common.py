@@ -231,10 +231,10 @@ def effective_weight(conv: nn.Conv2d) -> Tensor:
 def kernel_labels(weight: Tensor) -> Tensor:
     """``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` fp32 of a conv weight ``(o, i, kh, kw)``.
 
-    Five operators whatever the weight's size (abs, tap sums, their clamp, the division in
-    place, the mean): on a GPU each is one launch, where a chunked pass costs several per chunk.
-    A weight of ``_LARGE_WEIGHT`` elements or more is averaged in two sums (seven operators), and on
-    the CPU in chunks of output channels (``_chunked_kernel_labels``).
+    Six operators whatever the weight's size (abs, tap sums, their clamp, the division in
+    place, the mean, the self tap ``_self_tap``): on a GPU each is one launch, where a chunked pass
+    costs several per chunk. A weight of ``_LARGE_WEIGHT`` elements or more is averaged in two sums
+    (eight operators), and on the CPU in chunks of output channels (``_chunked_kernel_labels``).
     """
     if weight.device.type == "cpu" and weight.numel() >= _LARGE_WEIGHT and weight.is_contiguous():
         return _chunked_kernel_labels(weight)
@@ -306,8 +306,8 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
 
     Weights of one shape are stacked; where a tap count has several shapes, the stacks' ``(o, i)`` tap rows
     are concatenated ``(sum o*i, kh*kw)``, normalised together, split by shape (one operator) and averaged per
-    weight by a view and a mean per shape. About seven operators per tap count and three per further shape,
-    instead of five per weight: a ResNet-18's thirteen stride-1 3x3 convs have four shapes, a DenseNet-121's 58
+    weight by a view and a mean per shape, then the self tap (``_self_tap``) added to all. About eight operators
+    per tap count and three per further shape, instead of six per weight: a ResNet-18's thirteen stride-1 3x3 convs have four shapes, a DenseNet-121's 58
     one. The concatenation is one copy of those weights, made once per step.
 
     Returns:
