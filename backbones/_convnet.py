@@ -78,7 +78,7 @@ from mixlabels.backbones._common import (
     AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, tap_mixes, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
     start_on_windows,
 )
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._windows import (
     AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, mix_tokens, pool_on_grid, same_axis_windows,
     window_plan,
@@ -814,8 +814,7 @@ def path_matrix(path: Path, grid: tuple[int, int]) -> tuple[Tensor, tuple[int, i
             m = sum((s * path_matrix(b, grid)[0] for s, b in zip(op.shares(), op.branches)), torch.zeros(1, dtype=torch.float64))
             grid = out
         else:
-            k = _op_weight(op).double().abs()
-            k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+            k = kernel_reference(_op_weight(op))
             m, _ = conv_matrix(grid, k, padding=_pair(op.padding), dilation=_pair(op.dilation))
         total = row_normalise(m) @ total
     return total, grid

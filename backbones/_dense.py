@@ -19,7 +19,15 @@ from torch import Tensor, nn
 from mixlabels.backbones._common import branch
 from mixlabels import DenseTracker, Scheme, TokenLabelMap, TokenLayout
 
-__all__ = ["DenseRules", "conv_matrix", "window_matrix", "row_normalise", "drop_path_reference"]
+__all__ = ["DenseRules", "conv_matrix", "kernel_reference", "window_matrix", "row_normalise", "drop_path_reference"]
+
+
+def kernel_reference(weight: Tensor) -> Tensor:
+    """The float64 label kernel ``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` of a conv weight ``(o, i, kh, kw)``
+    (``_common.kernel_labels``' rule), every reference's: a pair of zeros adds nothing (its sum clamped, not 0 / 0),
+    and a weight of zeros gives zeros, whose rows ``row_normalise`` makes the identity's."""
+    k = weight.detach().double().abs()
+    return (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
 
 
 def row_normalise(m: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, mix_token_space, stride_grid
 from mixlabels.backbones._convnet import Kernels, apply_path, path_grid, path_of
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -160,8 +160,7 @@ class AdaptedConvNeXt(AdaptedBase):
             x = stage.downsample(x)
             for blk in stage.blocks:
                 conv = blk.conv_dw
-                kernel = conv.weight.detach().double().abs()
-                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+                kernel = kernel_reference(conv.weight)
                 matrix, _ = conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)
                 out, keep = _drop(blk.drop_path, _branch_tokens(blk, conv(x)))
                 rules.mix(layer, row_normalise(matrix), keep)

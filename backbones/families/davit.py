@@ -55,7 +55,7 @@ from mixlabels.backbones._common import (
     mix_token_space,
     start_on_stem,
 )
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels.backbones.families.swin import shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._convnet import Kernels, apply_path
@@ -157,8 +157,7 @@ def _token_logits(m: Any, x: Tensor) -> Tensor:
 def _cpe_matrix(cpe: Any, grid: tuple[int, int]) -> Tensor:
     """The reference's ``Norm(T(K))`` ``(n, n)`` of a position encoding's depthwise conv, in float64."""
     conv = cpe.proj
-    kernel = conv.weight.detach().double().abs()
-    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+    kernel = kernel_reference(conv.weight)
     return row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0])
 
 

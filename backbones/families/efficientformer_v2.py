@@ -62,7 +62,7 @@ from mixlabels.backbones._common import (
 )
 from mixlabels.backbones._convnet import Kernels, apply_path
 from mixlabels.backbones._windows import window_means
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._family import Family
 
 __all__ = ["AdaptedEfficientFormerV2", "EFFICIENTFORMERV2_FAMILY", "efficientformer_v2_refusal", "tiny_efficientformer_v2"]
@@ -346,8 +346,7 @@ def _window_matrix(grid: tuple[int, int], conv: Any) -> tuple[Tensor, tuple[int,
 
 def _conv_mix_matrix(grid: tuple[int, int], conv: Any) -> Tensor:
     """``Norm(T(K))`` of a stride-1 depthwise conv: every channel's |kernel| normalised, averaged, border-renormalised."""
-    k = conv.weight.detach().double().abs()
-    k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+    k = kernel_reference(conv.weight)
     return row_normalise(conv_matrix(grid, k, padding=_pair(conv.padding), dilation=_pair(conv.dilation))[0])
 
 

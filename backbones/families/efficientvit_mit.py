@@ -57,7 +57,7 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, start_on_stem
 from mixlabels.backbones._convnet import Kernels, apply_path
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
 
@@ -340,8 +340,7 @@ class AdaptedEfficientViTMIT(AdaptedBase):
 
 
 def _conv_matrix_normalised(grid: tuple[int, int], weight: Tensor, padding: Any, dilation: Any) -> Tensor:
-    k = weight.detach().double().abs()
-    kernel = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+    kernel = kernel_reference(weight)
     return row_normalise(conv_matrix(grid, kernel, padding=padding, dilation=dilation)[0])
 
 

@@ -52,7 +52,7 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, mix_token_space, start_on_convs
 from mixlabels.backbones._convnet import Kernels, apply_path
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 
@@ -289,8 +289,7 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
                     matrix = _cascade_matrix(mod, x, grid)
                 elif type(mod) is ConvNorm:
                     dw: Any = mod.conv
-                    k = dw.weight.detach().double().abs()
-                    kernel = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+                    kernel = kernel_reference(dw.weight)
                     matrix = row_normalise(conv_matrix(grid, kernel, padding=dw.padding, dilation=dw.dilation)[0]).unsqueeze(0)
                 x, keep = _residual_drop(rd, x, out)
                 if matrix is not None:

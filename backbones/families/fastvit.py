@@ -65,7 +65,7 @@ from mixlabels.backbones._common import (
     mix_token_space,
     start_on_convs,
 )
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels.backbones._convnet import KernelBatch, KernelConv, Kernels, apply_path
 from mixlabels.backbones._family import Family
@@ -344,8 +344,7 @@ def _label_convs(m: Any, tracker: LabelTracker) -> dict[nn.Module, Any]:
 
 
 def _mix_matrix(grid: tuple[int, int], kernel: Tensor, conv: Any) -> Tensor:
-    k = kernel.double().abs()
-    k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+    k = kernel_reference(kernel)
     return row_normalise(conv_matrix(grid, k, padding=_pair(conv.padding), dilation=_pair(conv.dilation))[0])
 
 

@@ -43,7 +43,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, mix_token_space, start_on_stem, stride_grid
 from mixlabels.backbones._convnet import Kernels, walk_path
 from mixlabels.backbones._windows import as_tokens
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
@@ -148,8 +148,7 @@ def _focal_matrix(mod: Any, grid: tuple[int, int], gates: Tensor) -> Tensor:
     matrix = torch.zeros(w.shape[0], n, n, dtype=torch.float64)
     for i, level in enumerate(mod.focal_layers):
         conv = level[0]
-        k = conv.weight.detach().double().abs()
-        k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+        k = kernel_reference(conv.weight)
         chain = row_normalise(conv_matrix(grid, k, padding=conv.padding, dilation=conv.dilation)[0]) @ chain
         matrix = matrix + w[:, :, i : i + 1] * chain
     glob = torch.full((n, n), 1.0 / n, dtype=torch.float64) @ chain

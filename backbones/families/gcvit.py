@@ -57,7 +57,7 @@ from mixlabels.backbones._common import (
     conv_windows,
     start_on_windows,
 )
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels.backbones.families.swin import shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import through_hooks
@@ -174,8 +174,7 @@ def _global_query(stage: Any, x: Tensor) -> Tensor:
 
 def _dw_matrix(conv: Any, grid: tuple[int, int]) -> Tensor:
     """The reference's ``Norm(T(K))`` ``(n, n)`` of a depthwise conv, in float64."""
-    kernel = conv.weight.detach().double().abs()
-    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+    kernel = kernel_reference(conv.weight)
     return row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0])
 
 

@@ -75,7 +75,7 @@ from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space
 from mixlabels.backbones._convnet import Window, merge_matrix, path_grid, start_on_path
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels.backbones._windows import average_windows
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import through_hooks
@@ -295,8 +295,7 @@ def _branch_matrix(ops: list[_Op], grid: tuple[int, int]) -> tuple[Tensor, tuple
         if kind == "sum":
             w, grid = merge_matrix(grid, op)
         else:
-            k = op.weight.detach().double().abs()
-            k = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+            k = kernel_reference(op.weight)
             w, grid = conv_matrix(grid, k, padding=op.padding, dilation=op.dilation)
         m = row_normalise(w) if m is None else row_normalise(w) @ m
     return (torch.eye(grid[0] * grid[1], dtype=torch.float64) if m is None else m), grid

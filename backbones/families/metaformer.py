@@ -47,7 +47,7 @@ from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
 from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
@@ -259,8 +259,7 @@ class AdaptedMetaFormer(AdaptedBase):
                 else:
                     out = mixer(h)
                     conv = mixer.dwconv
-                    kernel = conv.weight.detach().double().abs()
-                    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+                    kernel = kernel_reference(conv.weight)
                     matrix = row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]).unsqueeze(0)
                 out, keep = _drop(blk.drop_path1, out)
                 rules.mix(layer, matrix, keep)

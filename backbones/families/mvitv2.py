@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, mean_pool_merge, mix_token_space, start_on_convs
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -308,8 +308,7 @@ def _pool_matrix(op: Any, grid: tuple[int, int], p: int) -> Tensor:
     if op is None:
         return torch.eye(p + grid[0] * grid[1], dtype=torch.float64)
     if type(op) is nn.Conv2d and op.stride == (1, 1):
-        k = op.weight.detach().double().abs()
-        kernel = (k / k.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+        kernel = kernel_reference(op.weight)
         matrix = conv_matrix(grid, kernel, padding=_pair(op.padding), dilation=_pair(op.dilation))[0]
     else:
         matrix = conv_matrix(grid, torch.ones(_pair(op.kernel_size)), _pair(op.stride), _pair(op.padding))[0]

@@ -39,7 +39,7 @@ from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, pool_labels, stride_grid
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import through_hooks
 
@@ -245,8 +245,7 @@ class AdaptedNest(AdaptedBase):
             if isinstance(level.pool, ConvPool):
                 _check_even(grid, i)
                 conv = level.pool.conv
-                kernel = conv.weight.detach().double().abs()
-                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+                kernel = kernel_reference(conv.weight)
                 rules.aggregate(row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]))
                 merge, grid = _pool_matrix(grid, level.pool.pool)
                 rules.aggregate(merge)

@@ -38,7 +38,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, start_on_stem
 from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
 from mixlabels.backbones._windows import window_means
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
@@ -200,8 +200,7 @@ class AdaptedPVTv2(AdaptedBase):
                 rules.mix(layer, a.detach().double().mean(dim=1) @ _reduction_matrix(attn, grid), keep)
                 x = x + out
                 mlp = blk.mlp
-                kernel = mlp.dwconv.weight.detach().double().abs()
-                kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+                kernel = kernel_reference(mlp.dwconv.weight)
                 matrix, _ = conv_matrix(grid, kernel, padding=mlp.dwconv.padding, dilation=mlp.dwconv.dilation)
                 out, keep = _drop(blk.drop_path2, _mlp_out(mlp, mlp.dwconv(_mlp_in(mlp, blk.norm2(x), grid))))
                 rules.mix(layer, row_normalise(matrix), keep)

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, stride_grid
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -277,8 +277,7 @@ class AdaptedTwins(AdaptedBase):
                 x = x + _drop(blk.drop_path2, blk.mlp(blk.norm2(x)))[0]
                 if j == 0:
                     conv = peg.proj[0]
-                    kernel = conv.weight.detach().double().abs()
-                    kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+                    kernel = kernel_reference(conv.weight)
                     rules.mix(layer, row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]), None)
                     x = _peg(peg, x, grid)
                 layer += 1

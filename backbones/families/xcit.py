@@ -44,7 +44,7 @@ from mixlabels.backbones._attention import attention_with_labels, class_attentio
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, stride_grid
 from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
-from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise
+from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -109,8 +109,7 @@ def _lpi_matrix(lpi: Any, grid: tuple[int, int]) -> Tensor:
     """``Norm(T(K2)) Norm(T(K1))`` ``(n, n)`` float64 written out."""
     matrix = torch.eye(grid[0] * grid[1], dtype=torch.float64)
     for conv in (lpi.conv1, lpi.conv2):
-        kernel = conv.weight.detach().double().abs()
-        kernel = (kernel / kernel.sum(dim=(-2, -1), keepdim=True).clamp_min(1e-300)).mean(dim=(0, 1))
+        kernel = kernel_reference(conv.weight)
         matrix = row_normalise(conv_matrix(grid, kernel, padding=conv.padding, dilation=conv.dilation)[0]) @ matrix
     return matrix
 
