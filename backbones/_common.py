@@ -234,25 +234,30 @@ def kernel_labels(weight: Tensor) -> Tensor:
     Six operators whatever the weight's size (abs, tap sums, their clamp, the division in
     place, the mean, the self tap ``_self_tap``): on a GPU each is one launch, where a chunked pass
     costs several per chunk. A weight of ``_LARGE_WEIGHT`` elements or more is averaged in two sums
-    (eight operators), and on the CPU in chunks of output channels (``_chunked_kernel_labels``).
+    (eight operators), and on the CPU in chunks of output channels (``_chunked_pair_mean``).
     """
-    if weight.device.type == "cpu" and weight.numel() >= _LARGE_WEIGHT and weight.is_contiguous():
-        return _chunked_kernel_labels(weight)
     with torch.no_grad():
-        k = weight.abs().to(torch.float32)  # o i kh kw; fp32 whatever the weight's dtype (abs is exact)
-        sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # o i 1 1
-        k = k.div_(sums)
-        kh, kw = int(k.shape[-2]), int(k.shape[-1])
-        if k.numel() < _LARGE_WEIGHT or not k.is_contiguous():
-            return k.mean(dim=(0, 1)).add_(_self_tap(kh, kw, k.device))  # a weight of zeros: see _self_tap
-        # over the output channels first (whole contiguous (i kh kw) rows added together), then the input channels:
-        # VGG-11's 7x7 head conv (4096 x 512 taps, 411 MB) in 22 ms instead of the mean's 69 on the CPU, and nearer
-        # float64 (1.2e-7 of the largest tap against 2.6e-7)
-        return k.sum(dim=0).sum(dim=0).div_(k.shape[0] * k.shape[1]).add_(_self_tap(kh, kw, k.device))
+        # a weight of zeros reads nothing: see _self_tap
+        return _pair_mean(weight).add_(_self_tap(int(weight.shape[-2]), int(weight.shape[-1]), weight.device))
 
 
-def _chunked_kernel_labels(weight: Tensor) -> Tensor:
-    """``kernel_labels`` of a large CPU weight, ``_CHUNK`` elements of output channels at a time through one buffer.
+def _pair_mean(weight: Tensor) -> Tensor:
+    """``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` fp32 (``kernel_labels`` before its self tap), under ``no_grad``."""
+    if weight.device.type == "cpu" and weight.numel() >= _LARGE_WEIGHT and weight.is_contiguous():
+        return _chunked_pair_mean(weight)
+    k = weight.abs().to(torch.float32)  # o i kh kw; fp32 whatever the weight's dtype (abs is exact)
+    sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # o i 1 1
+    k = k.div_(sums)
+    if k.numel() < _LARGE_WEIGHT or not k.is_contiguous():
+        return k.mean(dim=(0, 1))
+    # over the output channels first (whole contiguous (i kh kw) rows added together), then the input channels:
+    # VGG-11's 7x7 head conv (4096 x 512 taps, 411 MB) in 22 ms instead of the mean's 69 on the CPU, and nearer
+    # float64 (1.2e-7 of the largest tap against 2.6e-7)
+    return k.sum(dim=0).sum(dim=0).div_(k.shape[0] * k.shape[1])
+
+
+def _chunked_pair_mean(weight: Tensor) -> Tensor:
+    """``_pair_mean`` of a large CPU weight, ``_CHUNK`` elements of output channels at a time through one buffer.
 
     On the CPU the whole-weight pass is slow for a reason other than its arithmetic: its temporary ``|K|`` (411 MB
     for VGG-11's 7x7 head conv) is fresh memory every step, and the kernel's page faults on first touch cost more
@@ -263,14 +268,13 @@ def _chunked_kernel_labels(weight: Tensor) -> Tensor:
     """
     o, rest = int(weight.shape[0]), weight.shape[1:]
     rows = max(1, _CHUNK // max(1, weight.numel() // o))
-    with torch.no_grad():
-        buf = torch.empty((min(rows, o), *rest), dtype=torch.float32)
-        total = torch.zeros(rest, dtype=torch.float32)  # i kh kw
-        for start in range(0, o, rows):
-            k = buf[: min(rows, o - start)].copy_(weight[start : start + rows]).abs_()  # fp32 whatever the dtype
-            k.div_(k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
-            total.add_(k.sum(dim=0))
-        return total.sum(dim=0).div_(o * int(rest[0])).add_(_self_tap(int(rest[1]), int(rest[2]), total.device))
+    buf = torch.empty((min(rows, o), *rest), dtype=torch.float32)
+    total = torch.zeros(rest, dtype=torch.float32)  # i kh kw
+    for start in range(0, o, rows):
+        k = buf[: min(rows, o - start)].copy_(weight[start : start + rows]).abs_()  # fp32 whatever the dtype
+        k.div_(k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny))
+        total.add_(k.sum(dim=0))
+    return total.sum(dim=0).div_(o * int(rest[0]))
 
 
 @functools.lru_cache(maxsize=64)
@@ -294,7 +298,7 @@ _READS_NOTHING = 1e-20
 """The self tap's weight (``_self_tap``): a normal fp32 number whose products with labels down to 1e-18 stay normal."""
 
 _CHUNK = 1 << 23
-"""Elements of a large CPU weight ``_chunked_kernel_labels`` takes at a time (32 MB in fp32)."""
+"""Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""
 
 _LARGE_WEIGHT = 1 << 22
 """Weights from this many elements up (16 MB in fp32: a classifier head written as a conv) that ``kernel_labels``

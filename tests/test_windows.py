@@ -461,7 +461,7 @@ def test_kernel_labels_of_a_large_weight_equal_float64(layout: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_labels_of_a_large_cpu_weight_in_chunks_equal_float64(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU a large weight is read in chunks of output channels through one reused buffer
-    (``_chunked_kernel_labels``: fresh memory for the whole ``|K|`` every step costs more in page faults than its
+    (``_chunked_pair_mean``: fresh memory for the whole ``|K|`` every step costs more in page faults than its
     arithmetic). Chunks of 100 output channels, the last one short (1338 = 13 x 100 + 38), a bf16 weight too: each
     equals its float64 ``mean_{o,i}(|K_oi| / sum|K_oi|)`` to fp32 rounding, and the one chunk of a small ``_CHUNK``
     split equals the unsplit result to fp32 rounding."""
