@@ -68,6 +68,7 @@ __all__ = [
     "mix_token_space",
     "check_static_conv",
     "explicit_mix",
+    "mixing_rows",
 ]
 
 
@@ -296,6 +297,19 @@ def _self_tap(kh: int, kw: int, device: torch.device) -> Tensor:
 
 _READS_NOTHING = 1e-20
 """The self tap's weight (``_self_tap``): a normal fp32 number whose products with labels down to 1e-18 stay normal."""
+
+
+def mixing_rows(w: Tensor) -> Tensor:
+    """``Norm(w)`` of non-negative square token-mixing weights ``(..., n, n)``, in place (pass a fresh tensor): every
+    row made a distribution over the tokens it draws from (ResMLP's and gMLP's token linears, MLP-Mixer's token MLP
+    paths; four operators for a whole stack).
+
+    ``_READS_NOTHING`` is added on the diagonal first, the token mixers' self tap (``_self_tap``): a token whose row
+    has no mass (a token mixer whose weights are all zeros outputs its bias alone, the same for every token) keeps
+    its own labels, as the reference's ``_dense.row_normalise`` says, where the clamped division gave it a row of
+    zeros and the targets lost that token's label mass. Any other row is unchanged to the bit."""
+    w.diagonal(dim1=-2, dim2=-1).add_(_READS_NOTHING)
+    return w.div_(w.sum(dim=-1, keepdim=True))
 
 _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""

@@ -32,8 +32,8 @@ def kernel_reference(weight: Tensor) -> Tensor:
 
 def row_normalise(m: Tensor) -> Tensor:
     """Every row of ``m`` divided by its sum; a row of a square matrix with no mass (a conv whose weight is all zeros,
-    or a position whose in-grid taps are) is the identity's row: that position keeps its own labels
-    (``_common._self_tap``, the fast path's rule)."""
+    or a position whose in-grid taps are; a token mixer's zeroed row) is the identity's row: that position keeps its
+    own labels (``_common._self_tap`` and ``_common.mixing_rows``, the fast path's rules)."""
     sums = m.sum(dim=-1, keepdim=True)
     if m.shape[-1] == m.shape[-2] and bool((sums == 0).any()):
         eye = torch.eye(int(m.shape[-1]), dtype=m.dtype, device=m.device).expand_as(m)

@@ -37,8 +37,8 @@ from torch import Tensor, nn
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels, class_attention
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, explicit_mix, stride_grid
-from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
+from mixlabels.backbones._common import _READS_NOTHING, AdaptedBase, branch, explicit_mix, mixing_rows, stride_grid
+from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 from mixlabels.backbones._fsdp import through_hooks
@@ -78,10 +78,9 @@ def talking_heads(attn: Any, x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def label_matrix(a: Tensor) -> Tensor:
-    """``mean_h(Norm(|A'_h|))`` ``(b, n, n)`` fp32: each head's mixing weights made a distribution."""
-    w = a.detach().float().abs()
-    w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return reduce(w, "b h n m -> b n m", "mean")
+    """``mean_h(Norm(|A'_h|))`` ``(b, n, n)`` fp32: each head's mixing weights made a distribution (``mixing_rows``: a row
+    of zeros is the identity's)."""
+    return reduce(mixing_rows(a.detach().float().abs()), "b h n m -> b n m", "mean")
 
 
 def talking_heads_label_mix(a: Tensor, labels: Tensor) -> Tensor:
@@ -98,7 +97,10 @@ def talking_heads_label_mix(a: Tensor, labels: Tensor) -> Tensor:
     w = torch.abs(rearrange(a.detach(), "b h n m -> b n m h").float())  # proj_w's own layout: one streaming pass
     y = torch.cat((labels.float(), labels.new_ones(b, m, 1, dtype=torch.float32)), dim=-1)  # b m (l + 1)
     both = torch.matmul(w.transpose(-1, -2), y.unsqueeze(1))  # b n h (l + 1): per query row, |A'_h| [Y 1]
-    mixed = both[..., :-1] / both[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)
+    # the self tap (``mixing_rows``): a head whose row reads nothing (all of A'_h's row zero: a zeroed proj_w) leaves
+    # the token its own labels, where a clamped division gave it none; any other row's bits are unchanged
+    both.add_(y.unsqueeze(2), alpha=_READS_NOTHING)
+    mixed = both[..., :-1] / both[..., -1:]
     return reduce(mixed, "b n h l -> b n l", "mean")
 
 
@@ -206,7 +208,7 @@ class AdaptedCaiT(AdaptedBase):
             a, v = talking_heads(blk.attn, blk.norm1(x))
             w = a.detach().double().abs()
             matrix = eye.clone()
-            matrix[:, 1:, 1:] = (w / w.sum(dim=-1, keepdim=True)).mean(dim=1)
+            matrix[:, 1:, 1:] = row_normalise(w).mean(dim=1)
             out = blk.attn.proj(rearrange(F.dropout(a, blk.attn.attn_drop.p, blk.training) @ v, "b h n d -> b n (h d)"))
             out, keep = _drop(blk.drop_path, blk.gamma_1 * out)
             rules.mix(layer, matrix, keep)

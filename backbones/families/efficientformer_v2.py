@@ -58,6 +58,7 @@ from mixlabels.backbones._common import (
     AdaptedBase,
     branch,
     mix_token_space,
+    mixing_rows,
     start_on_convs,
 )
 from mixlabels.backbones._convnet import Kernels, apply_path
@@ -229,9 +230,10 @@ def _attention_downsample(attn: Any, x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _abs_weights(a: Tensor) -> Tensor:
-    """``mean_h Norm(|A'_h|)`` ``(b, n, m)`` fp32: the normalised absolute weights of every head, averaged."""
+    """``mean_h Norm(|A'_h|)`` ``(b, n, n)`` fp32: the normalised absolute weights of every head, averaged (a head
+    row of zeros, a zeroed ``talking_head2``'s, is the identity's: ``mixing_rows``)."""
     with fp32_labels(a.device):
-        return reduce(normalise_rows(a.detach().float().abs()), "b h n m -> b n m", "mean")
+        return reduce(mixing_rows(a.detach().float().abs()), "b h n m -> b n m", "mean")
 
 
 def _upsample(labels: Tensor, low: tuple[int, int], scale: Any) -> Tensor:
@@ -364,7 +366,7 @@ def _block_reference(blk: Any, x: Tensor, rules: DenseRules, layer: int, grid: t
         out, a = _attention2d(attn, x)
         out, keep = branch(blk.drop_path1, blk.ls1(out))
         heads = a.detach().double().abs()
-        weights = (heads / heads.sum(dim=-1, keepdim=True)).mean(dim=1)  # b n' n'
+        weights = row_normalise(heads).mean(dim=1)  # b n' n'
         if attn.stride_conv is None:
             matrix = (weights + _conv_mix_matrix(grid, attn.v_local.conv)) / 2
         else:

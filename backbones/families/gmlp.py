@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from mixlabels import LabelTracker
 from mixlabels._label_map import fp32_labels
-from mixlabels.backbones._common import branch, mix_tokens
+from mixlabels.backbones._common import branch, mix_tokens, mixing_rows
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_refusal
 from mixlabels.backbones._family import Family, tiny
@@ -70,7 +70,7 @@ def _gmlp_refusal(model: nn.Module) -> str | None:
 
 def gating_mixing_matrices(projs: Sequence[nn.Linear]) -> Tensor:
     """``Norm(|W| + diag|b|)`` ``(g, n, n)`` fp32 of spatial gating units' token projections of one shape, computed
-    together (eight operators for all of a model's blocks, not six a block)."""
+    together (nine operators for all of a model's blocks, not six a block)."""
     with torch.no_grad():  # no detaches: a label matrix carries no gradient
         w = torch.stack([p.weight for p in projs]).float().abs_()  # g n_out n_in: a fresh stack, so in place
         biases: list[Tensor] = [p.bias for p in projs if p.bias is not None]
@@ -79,8 +79,7 @@ def gating_mixing_matrices(projs: Sequence[nn.Linear]) -> Tensor:
                 raise ValueError("gating_mixing_matrices: some projections have a bias and some not; pass one kind at a time")
             # + diag|b| without building the diagonal matrices
             w.diagonal(dim1=-2, dim2=-1).add_(torch.stack(biases).float().abs_())
-        matrices: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return matrices
+        return mixing_rows(w)
 
 
 class AdaptedGMLP(AdaptedMixer):

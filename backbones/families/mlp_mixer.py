@@ -31,8 +31,8 @@ from torch import Tensor, nn
 
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, branch, mix_tokens, stride_grid
-from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop
+from mixlabels.backbones._common import AdaptedBase, branch, mix_tokens, mixing_rows, stride_grid
+from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
 
@@ -74,14 +74,12 @@ def _mixer_refusal(model: nn.Module) -> str | None:
 
 
 def token_mixing_matrices(mlps: Sequence[Any]) -> Tensor:
-    """``Norm(|W_2| |W_1|)`` ``(g, n, n)`` fp32 of token MLPs of one shape, computed together (eight operators for all
+    """``Norm(|W_2| |W_1|)`` ``(g, n, n)`` fp32 of token MLPs of one shape, computed together (nine operators for all
     of a model's blocks, not six a block): row ``i`` is where token ``i`` draws from."""
     with torch.no_grad():  # no detaches: a label matrix carries no gradient
         w1 = torch.stack([m.fc1.weight for m in mlps]).float().abs_()  # g hidden n_in: a fresh stack, so in place
         w2 = torch.stack([m.fc2.weight for m in mlps]).float().abs_()  # g n_out hidden
-        w = torch.bmm(w2, w1)
-        matrices: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return matrices
+        return mixing_rows(torch.bmm(w2, w1))
 
 
 def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tuple[int, int]]:
@@ -177,7 +175,7 @@ class AdaptedMixer(AdaptedBase):
         w2 = blk.mlp_tokens.fc2.weight.detach().double().abs()  # n hidden
         paths = torch.einsum("ik,kj->ij", w2, w1)
         out, keep = _drop(blk.drop_path, _token_mlp(blk, x))
-        rules.mix(layer, (paths / paths.sum(dim=1, keepdim=True)).unsqueeze(0), keep)
+        rules.mix(layer, row_normalise(paths).unsqueeze(0), keep)
         x = x + out
         return x + _drop(blk.drop_path, blk.mlp_channels(blk.norm2(x)))[0]
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from mixlabels import LabelTracker
 from mixlabels._label_map import fp32_labels
-from mixlabels.backbones._common import branch, mix_tokens
+from mixlabels.backbones._common import branch, mix_tokens, mixing_rows
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels.backbones.families.mlp_mixer import AdaptedMixer, mixer_model_refusal
 from mixlabels.backbones._family import Family, tiny
@@ -57,12 +57,11 @@ def _resmlp_refusal(model: nn.Module) -> str | None:
 
 
 def linear_mixing_matrices(linears: Sequence[nn.Linear]) -> Tensor:
-    """``Norm(|W|)`` ``(g, n, n)`` fp32 of linear layers over tokens of one shape, computed together (five operators
+    """``Norm(|W|)`` ``(g, n, n)`` fp32 of linear layers over tokens of one shape, computed together (six operators
     for all of a model's blocks, not four a block): row ``i`` is where token ``i`` draws from."""
     with torch.no_grad():  # no detach: a label matrix carries no gradient
         w = torch.stack([linear.weight for linear in linears]).float().abs_()  # g n_out n_in: a fresh stack
-        matrices: Tensor = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return matrices
+        return mixing_rows(w)
 
 
 def _linear_tokens(blk: Any, x: Tensor) -> Tensor:
