@@ -351,6 +351,12 @@ def _attend(attn: Any, x: Tensor, labels: Tensor | None, reference: bool = False
     the explicit head-mean matrix ``(b, n, n)`` float64 instead."""
     q, k, v = _qkv(attn, x)
     bias = attn.rel_pos.get_bias() if attn.rel_pos is not None else None  # 1 h n n
+    if bias is not None and int(bias.shape[-1]) != int(k.shape[-2]):
+        raise ValueError(
+            f"an attention here sees {int(k.shape[-2])} tokens, but its relative position bias is for "
+            f"{int(bias.shape[-1])}: timm sizes the bias from img_size at construction; {FIX}, or create the model "
+            "with img_size set to yours"
+        )
     dropout_p = attn.attn_drop.p if attn.training else 0.0
     if reference or not attn.fused_attn:
         scores = (q * attn.scale) @ k.transpose(-2, -1)

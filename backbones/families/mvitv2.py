@@ -144,6 +144,19 @@ def _pool(attn: Any, t: Tensor, op: Any, norm: Any, feat: tuple[int, int]) -> tu
     return (t if norm is None else norm(t)), size
 
 
+def _check_rel_pos(attn: Any, q_size: tuple[int, int], k_size: tuple[int, int]) -> None:
+    """Refuse a query grid whose relative positions reach past the tables timm sized from ``img_size`` (timm's
+    ``cal_rel_pos_type`` would fail with an IndexError deep inside)."""
+    for q, k, table, axis in ((q_size[0], k_size[0], attn.rel_pos_h, "height"), (q_size[1], k_size[1], attn.rel_pos_w, "width")):
+        reach = int((q - 1) * max(k / q, 1.0) + (k - 1) * max(q / k, 1.0))  # cal_rel_pos_type's largest distance index
+        if reach >= int(table.shape[0]):
+            raise ValueError(
+                f"a {q_size[0]}x{q_size[1]} query grid over {k_size[0]}x{k_size[1]} keys needs {reach + 1} relative "
+                f"positions along the {axis}, but this MViTv2 has {int(table.shape[0])}: timm sizes them from img_size at "
+                "construction; feed images of the model's img_size, or create the model with img_size set to yours"
+            )
+
+
 def _scores(attn: Any, x: Tensor, feat: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, tuple[int, int]]:
     """timm's ``MultiScaleAttention`` up to the softmax: weights ``(b, h, n_q, m)``, pooled q, v, and the q grid."""
     q, k, v = rearrange(attn.qkv(x), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
@@ -152,6 +165,7 @@ def _scores(attn: Any, x: Tensor, feat: tuple[int, int]) -> tuple[Tensor, Tensor
     v, _ = _pool(attn, v, attn.pool_v, attn.norm_v, feat)
     a = (q * attn.scale) @ k.transpose(-2, -1)
     if attn.rel_pos_type == "spatial":
+        _check_rel_pos(attn, q_size, k_size)
         a = cal_rel_pos_type(a, q, attn.has_cls_token, list(q_size), list(k_size), attn.rel_pos_h, attn.rel_pos_w)
     return a.softmax(dim=-1), q, v, q_size
 
@@ -269,9 +283,9 @@ class AdaptedMViTv2(AdaptedBase):
                 attn = blk.attn
                 x_norm = blk.norm1(x)
                 shortcut = blk._shortcut_pool(x if blk.shortcut_proj_attn is None else blk.shortcut_proj_attn(x_norm), list(grid))
-                out, q_size = attn(x_norm, list(grid))  # timm's own attention
-                with torch.no_grad():
+                with torch.no_grad():  # first: it refuses a grid the relative positions do not reach
                     a = _scores(attn, x_norm, grid)[0].double().mean(dim=1)  # b n_q m
+                out, q_size = attn(x_norm, list(grid))  # timm's own attention
                 matrix = a @ _pool_matrix(attn.pool_v, grid, p)
                 if attn.residual_pooling:
                     matrix = (matrix + _pool_matrix(attn.pool_q, grid, p)) / 2

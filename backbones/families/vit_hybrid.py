@@ -364,6 +364,13 @@ class AdaptedViTHybrid(AdaptedViT):
         m: Any = self.model
         pe = m.patch_embed
         x = pe.proj(self._cnn.tail(x))
+        grid, built = (int(x.shape[2]), int(x.shape[3])), tuple(int(s) for s in pe.grid_size)
+        if m.pos_embed is not None and not m.dynamic_img_size and grid != built:
+            raise ValueError(
+                f"the images give a {grid[0]}x{grid[1]} token grid, but this model's position embedding is for "
+                f"{built[0]}x{built[1]} (img_size {tuple(pe.img_size)}): feed images of the model's img_size, or create the "
+                "model with img_size set to yours (or dynamic_img_size=True)"
+            )
         x = rearrange(x, "b d h w -> b (h w) d") if pe.flatten else nchw_to(x, pe.output_fmt)
         return m.norm_pre(m.patch_drop(m._pos_embed(x)))  # type: ignore[no-any-return]
 

@@ -182,6 +182,17 @@ def _embed(m: Any, images: Tensor, label_map: TokenLabelMap) -> tuple[Tensor, tu
     return x.permute(0, 2, 3, 1), grid, (label_map.image_size[0], label_map.image_size[1]), path
 
 
+def _check_pos_embed(m: Any, x: Tensor, images: Tensor) -> None:
+    """Refuse a grid the position embedding (``(1, h, w, c)``, sized from ``img_size`` at construction) does not fit."""
+    grid, pos = tuple(int(s) for s in x.shape[1:3]), tuple(int(s) for s in m.pos_embed.shape[1:3])
+    if grid != pos:
+        raise ValueError(
+            f"{images.shape[2]}x{images.shape[3]} images give a {grid[0]}x{grid[1]} grid where VOLO adds its position "
+            f"embedding, which is {pos[0]}x{pos[1]}: timm sizes it from img_size at construction; feed images of the "
+            "model's img_size, or create the model with img_size set to yours"
+        )
+
+
 def _token_logits(m: Any, x: Tensor) -> Tensor:
     """Per-patch-token logits: the aux head (token labeling's dense head) where the model has one, else the head."""
     t = m.head_drop(x[:, 1:])
@@ -251,6 +262,7 @@ class AdaptedVOLO(AdaptedBase):
         layer = 0
         for i, part in enumerate(m.network):
             if i == 2 and m.pos_embed is not None:
+                _check_pos_embed(m, x, images)
                 x = m.pos_drop(x + m.pos_embed)  # a channel op
             if isinstance(part, Downsample):
                 down, g = path_of([part.proj]), grid
@@ -350,6 +362,7 @@ class AdaptedVOLO(AdaptedBase):
         layer = 0
         for i, part in enumerate(m.network):
             if i == 2 and m.pos_embed is not None:
+                _check_pos_embed(m, x, images)
                 x = m.pos_drop(x + m.pos_embed)
             if isinstance(part, Downsample):
                 merge, _ = path_matrix(path_of([part.proj]), grid)
