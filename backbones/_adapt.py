@@ -103,11 +103,11 @@ def adapt(model: nn.Module, scheme: Scheme, reference: bool = False) -> nn.Modul
         why = family.refusal(model)
         if why is None:
             return family.build(model, scheme, reference)
-        reasons.append(why)
+        reasons.append((family.name, why))
     return _any_classifier(model, scheme, reference, reasons)
 
 
-def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: list[str]) -> nn.Module:
+def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: list[tuple[str, str]]) -> nn.Module:
     """The last family: ``NoAlign`` for any classifier; every other scheme refused, saying why and what works."""
     fallback = _REGISTRY[-1]
     why = fallback.refusal(model)
@@ -117,9 +117,14 @@ def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: 
         return fallback.build(model, scheme, reference)
     aligning = ", ".join(f.name for f in _REGISTRY[:-1])
     listing = "\n  - ".join(f"{f.name}: {f.description}" for f in _REGISTRY[:-1])
+    # The families that take the model's class and refuse one of its parts say what to change: first, where a
+    # user reads (a family that is not of its class says only that, and they are the long list below).
+    name = type(model).__name__
+    near = [f"{family}: {why}" for family, why in reasons if not why.startswith(f"{name} is not a ")]
+    first = f"{type(scheme).__name__} cannot adapt this {name}: {'; '.join(near)}.\n" if near else ""
     raise TypeError(
-        f"aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "
+        f"{first}aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "
         f"the families {aligning}; NoAlign() (the image-level CutMix/MixUp target) works for any classifier.\n"
-        f"{type(scheme).__name__} cannot adapt {type(model).__name__}, which is none of them: {'; '.join(reasons)}.\n"
+        f"{type(scheme).__name__} cannot adapt {name}, which is none of them: {'; '.join(why for _, why in reasons)}.\n"
         f"Supported families:\n  - {listing}"
     )

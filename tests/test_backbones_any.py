@@ -97,7 +97,9 @@ def test_aligning_schemes_refuse_other_models_naming_the_families_and_noalign(sc
     with pytest.raises(TypeError) as err:
         backbones.adapt(model, scheme)  # type: ignore[arg-type]
     text = str(err.value)
-    assert text.startswith("aligned targets follow labels through a model's token mixers")
+    # first the reason of the family whose class it is (a ByobNet of DarkBlocks), then the families
+    assert text.startswith(f"{type(scheme).__name__} cannot adapt this ByobNet: byobnet: block ")
+    assert "\naligned targets follow labels through a model's token mixers" in text
     assert "NoAlign() (the image-level CutMix/MixUp target) works for any classifier" in text
     assert f"{type(scheme).__name__} cannot adapt ByobNet, which is none of them: " in text
     assert "ByobNet is not a timm VisionTransformer" in text  # the vit family's reason, among every family's
@@ -146,8 +148,12 @@ def test_mixtoken_trains_a_timm_model_outside_the_families() -> None:
     model = timm.create_model("test_vit3", pretrained=False, num_classes=C, img_size=32, global_pool="avgmax")
     adapted = backbones.adapt(model, NoAlign())
     assert type(adapted) is AdaptedClassifier
-    with pytest.raises(TypeError, match="TLAlign cannot adapt VisionTransformer, which is none of them"):
+    with pytest.raises(TypeError, match="TLAlign cannot adapt VisionTransformer, which is none of them") as err:
         backbones.adapt(model, TLAlign())
+    # the family of its class says what to change, first; the families of other classes are not listed there
+    first = str(err.value).split("\n")[0]
+    assert first.startswith("TLAlign cannot adapt this VisionTransformer: vit: global_pool='avgmax' has no label readout")
+    assert "is not a timm" not in first
     g = torch.Generator().manual_seed(0)
     images, labels = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, C, (4,), generator=g)
     unmixed, lm = MixToken(C, patch_size=16, generator=g)(images, labels)
