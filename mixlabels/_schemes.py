@@ -68,8 +68,9 @@ def _no_class_token_read(scheme: str, layout: TokenLayout) -> str:
     # Prefix tokens but a pooling head (EVA02, BEiT v2 and ViTs built with global_pool='avg'): the class
     # token is there, but the prediction is the patch tokens' average, not what the class token attends to.
     return (
-        f"{scheme} reads the attention of the class token that the head reads, but this model's head averages "
-        f"the tokens (global_pool='avg') and reads none of its {layout.num_prefix} prefix token(s). Build the model "
+        f"{scheme} reads the attention of the class token that the head reads, but this model's head pools "
+        f"the tokens (global_pool='avg', or 'map' attention pooling) and reads none of its {layout.num_prefix} prefix "
+        "token(s). Build the model "
         "with token pooling, e.g. timm.create_model(name, global_pool='token') (with a class token: class_token=True "
         "where the model has that option), or use TLAlign() or NoAlign() instead"
     )

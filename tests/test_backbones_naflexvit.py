@@ -172,7 +172,7 @@ def test_refusals() -> None:
     diff = NaFlexVit(img_size=32, num_classes=C, patch_size=8, embed_dim=32, depth=1, num_heads=2, attn_layer="diff")
     with pytest.raises(TypeError, match="block 0 is Block with DiffAttention; only Block with Attention or EvaBlock"):
         backbones.adapt(diff, TLAlign())
-    with pytest.raises(ValueError, match=r"averages the tokens \(global_pool='avg'\) and reads none of its 2 prefix"):
+    with pytest.raises(ValueError, match=r"pools the tokens \(global_pool='avg', or 'map' attention pooling\) and reads none of its 2 prefix"):
         backbones.adapt(make("gap"), TransMix())(*cutmix_batch())
     with pytest.raises(ValueError, match="a MAP head"):
         backbones.adapt(make("map"), SCHEMES["tokens"])(*cutmix_batch())
