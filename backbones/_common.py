@@ -311,6 +311,7 @@ def mixing_rows(w: Tensor) -> Tensor:
     w.diagonal(dim1=-2, dim2=-1).add_(_READS_NOTHING)
     return w.div_(w.sum(dim=-1, keepdim=True))
 
+
 _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""
 
