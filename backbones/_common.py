@@ -547,7 +547,9 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
             mass = masses[i] if masses is not None else None
             if mass is None:
                 mass = F.conv2d(ones, k, padding=padding, dilation=dilation)  # 1 l h w: in-grid tap weight
-            y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l) / mass
+            # in place on the conv's fresh output: a new tensor for the quotient cost more than the conv on large
+            # grids (8 x 3 labels on 112x112, 2 CPU cores: 1.65 ms against 0.63), the same bits and layout
+            y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l).div_(mass)
         return y
 
 
@@ -580,7 +582,7 @@ def conv_mix_pair(
         groups = y.shape[1] // 2
         mass = F.conv2d(torch.ones_like(y[:, :2]), k, padding=padding, dilation=dilation, groups=2).sum(1, keepdim=True)  # 1 1 h w
         mixed = F.conv2d(y, rearrange(k, "two 1 kh kw -> 1 two kh kw").expand(groups, -1, -1, -1), padding=padding,
-                         dilation=dilation, groups=groups) / mass  # 1 (b l) h w: each group sums its two halves
+                         dilation=dilation, groups=groups).div_(mass)  # 1 (b l) h w: each group sums its two halves
         return rearrange(mixed, "1 (b l) h w -> b (h w) l", b=first.shape[0])
 
 

@@ -195,7 +195,7 @@ def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, paddin
         y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
         k = rearrange(kernels.float(), "g kh kw -> g 1 kh kw")
         mass = F.conv2d(_ones((1, 1, grid[0], grid[1]), y.device), k, padding=padding, dilation=dilation)  # 1 g h w
-        mixed = F.conv2d(y, k, padding=padding, dilation=dilation) / mass
+        mixed = F.conv2d(y, k, padding=padding, dilation=dilation).div_(mass)  # in place: see conv_steps_on_grid
         return rearrange(mixed, "(b l) g h w -> b g (h w) l", l=labels.shape[-1])
 
 
