@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, overload
 
 import torch
@@ -69,6 +70,7 @@ __all__ = [
     "check_static_conv",
     "explicit_mix",
     "mixing_rows",
+    "launch_routes",
 ]
 
 
@@ -244,7 +246,7 @@ def kernel_labels(weight: Tensor) -> Tensor:
 
 def _pair_mean(weight: Tensor) -> Tensor:
     """``mean_{o,i}(|K_oi| / sum|K_oi|)`` ``(kh, kw)`` fp32 (``kernel_labels`` before its self tap), under ``no_grad``."""
-    if weight.device.type == "cpu" and weight.numel() >= _LARGE_WEIGHT and weight.is_contiguous():
+    if _byte_route(weight.device, weight.numel(), _LARGE_WEIGHT) and weight.is_contiguous():
         return _chunked_pair_mean(weight)
     k = weight.abs().to(torch.float32)  # o i kh kw; fp32 whatever the weight's dtype (abs is exact)
     sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # o i 1 1
@@ -315,6 +317,28 @@ def mixing_rows(w: Tensor) -> Tensor:
 _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""
 
+_BYTE_ROUTES = [True]
+"""Whether the CPU takes its byte-saving routes (``_byte_route``); ``launch_routes`` turns them off."""
+
+
+@contextmanager
+def launch_routes() -> Iterator[None]:
+    """Inside, the label kernels take the routes a GPU takes on every device: no CPU-only byte-saving route
+    (``_byte_route``). ``benchmarks/op_count.py`` counts the operators so: what a GPU would launch, where the CPU
+    trades launches it does not pay for against bytes it does."""
+    before = _BYTE_ROUTES[0]
+    _BYTE_ROUTES[0] = False
+    try:
+        yield
+    finally:
+        _BYTE_ROUTES[0] = before
+
+
+def _byte_route(device: torch.device, elements: int, threshold: int) -> bool:
+    """Whether weights of ``elements`` on ``device`` take the CPU's byte-saving route: the CPU pays per byte moved
+    (fresh memory is page-faulted in every step) and little per operator, a GPU the other way round."""
+    return device.type == "cpu" and elements >= threshold and _BYTE_ROUTES[0]
+
 _LARGE_WEIGHT = 1 << 22
 """Weights from this many elements up (16 MB in fp32: a classifier head written as a conv) that ``kernel_labels``
 averages over output channels, then input channels: a mean over both leading dims at once reads them 3x slower."""
@@ -344,8 +368,9 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 tails.setdefault(shape[1:], []).append(shape)
             shapes = {shape: by_shape[shape] for same_tail in tails.values() for shape in same_tail}
             members = [i for same in shapes.values() for i in same]  # the order of the rows below
-            if len(members) == 1:
-                out[members[0]] = kernel_labels(weights[members[0]])
+            if len(members) == 1 or _byte_route(weights[members[0]].device, sum(weights[i].numel() for i in members), _SEPARATE_WEIGHTS):
+                for i in members:  # weight by weight: no stack or concatenation (see _SEPARATE_WEIGHTS)
+                    out[i] = kernel_labels(weights[i])
                 continue
             if len(shapes) == 1:  # one shape: the stack's mean over (o, i)
                 k = torch.stack([weights[i] for i in members]).abs_().to(torch.float32)  # g o i kh kw
@@ -371,6 +396,13 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 out[i] = kernel
     return [k for k in out if k is not None]
 
+
+_SEPARATE_WEIGHTS = 1 << 20
+"""Weights of one tap count totalling this many elements (4 MB in fp32) or more are reduced weight by weight on the
+CPU (``_byte_route``), not stacked and concatenated: the concatenation is one or two copies of them in fresh memory
+every step, which on 2 CPU cores cost more than the reductions. ResNetV2-18's thirteen stride-1 3x3 convs (9.4M
+elements): 29 ms concatenated, 12 to 17 weight by weight (six operators each instead of about two). A GPU pays per
+launch and keeps the concatenation."""
 
 _MEAN_MATRIX_ENTRIES = 2**20
 """``label_kernels`` averages the tap rows of weights of several shapes by one product with ``_mean_matrix``

@@ -114,8 +114,10 @@ SECTIONS: tuple[Section, ...] = (
             "alone: its rows are the families it finished).", render_families),
     Section("op-count", "Operators a training step dispatches per backbone family (CPU)", "python benchmarks/op_count.py",
             "Exact on any machine: the ATen operators one forward + loss + backward dispatches (a counting dispatch "
-            "mode, batch 2, each family's small model at its default size), the mixer and optimizer left out. In "
-            "eager mode on a GPU each is at least one kernel launch; views count too.", render_op_count),
+            "mode, batch 2, each family's small model at its default size), the mixer and optimizer left out, with "
+            "the label kernels' GPU routes (the CPU's byte-saving routes, which spend operators to save memory "
+            "traffic, are off: `launch_routes`). In eager mode on a GPU each is at least one kernel launch; views "
+            "count too.", render_op_count),
     Section("gpu-suite", "The GPU suite: attention routes, DeiT-S eager and compiled, mixers, families (GPU)",
             "python benchmarks/gpu_suite.py --out runs/gpu",
             "One prepared command for a lent GPU (it ends on its own deadline; a part it did not reach says so).",

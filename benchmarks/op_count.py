@@ -4,7 +4,9 @@ Timings on shared CPUs are noisy and GPUs are scarce; the number of ATen operato
 dispatches is exact on any machine, and in eager mode on a GPU each one is (at least) a kernel
 launch: what the label path's many small operations cost there. A dispatch mode counts every
 operator the step runs below autograd (forward, loss and backward; the mixer and the optimizer
-are the same on both sides and left out), on the CPU, at batch 2 and each model's default size.
+are the same on both sides and left out), on the CPU, at batch 2 and each model's default size, with
+the label kernels' GPU routes (``launch_routes``: not the CPU's byte-saving ones, which trade
+operators a CPU does not pay for against bytes it does).
 
 With ``--mixers``, the mixers instead: every mixer of ``speed.py``'s list (ours, timm's ``Mixup``)
 called once on a 128 x 3 x 224 x 224 batch, counted twice in one run: on the CPU (every operator,
@@ -39,6 +41,7 @@ from benchmarks import _families
 from benchmarks._op_counter import OpCounter
 from benchmarks._provenance import finish, provenance
 from benchmarks._training_step import TrainingSteps
+from mixlabels.backbones._common import launch_routes
 
 __all__ = ["OpCounter", "count_step", "main"]  # OpCounter: re-exported from benchmarks._op_counter
 
@@ -60,7 +63,7 @@ def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
     for name in VARIANTS:
         steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]  # warm-up: caches filled
         steps.model.zero_grad(set_to_none=True)
-        with OpCounter() as counter:
+        with launch_routes(), OpCounter() as counter:  # a GPU's routes: what it would launch (see launch_routes)
             steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]
         steps.model.zero_grad(set_to_none=True)
         row[name] = sum(counter.ops.values())

@@ -478,3 +478,42 @@ def test_kernel_labels_of_a_large_cpu_weight_in_chunks_equal_float64(dtype: torc
     assert got.dtype == torch.float32 and got.shape == (7, 7)
     assert_close(got.double(), want, rtol=0.0, atol=5e-7 * float(want.max()))
     assert_close(got, whole, rtol=0.0, atol=5e-7 * float(want.max()))
+
+
+def test_label_kernels_of_large_cpu_weights_go_weight_by_weight_with_the_same_bits() -> None:
+    """On the CPU the stride-1 convs of one tap count totalling ``_SEPARATE_WEIGHTS`` elements or more are reduced
+    weight by weight (a ResNet's 3x3 convs: their stack and concatenation were two copies of the weights in fresh
+    memory every step, 29 ms of ResNetV2-18's 3x3 labels against 12 to 17 without). No stack or concatenation is
+    dispatched then; ``launch_routes`` (what ``benchmarks/op_count.py`` counts: a GPU's route) keeps them. Weight by
+    weight is the nearer float64 (each weight's own mean: 1e-8 here, where the concatenated rows' means are up to
+    6e-7 off; for ResNet-18's and Res2Net-50's convs the two routes give the same bits)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from mixlabels.backbones._common import _SEPARATE_WEIGHTS, label_kernels, launch_routes
+    from mixlabels.backbones._dense import kernel_reference
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(64, 64, 3, 3), (128, 128, 3, 3), (128, 64, 3, 3), (256, 256, 3, 3), (64, 64, 3, 3), (256, 256, 3, 3)]
+    weights = [torch.randn(*shape, generator=g) for shape in shapes]
+    assert sum(w.numel() for w in weights) >= _SEPARATE_WEIGHTS > sum(w.numel() for w in weights[:3])
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as apart:
+        kernels = label_kernels(weights)
+    with launch_routes(), Ops() as together:
+        grouped = label_kernels(weights)
+    assert not {"cat", "stack"} & set(apart.seen) and {"cat", "stack"} & set(together.seen)
+    assert len(together.seen) < len(apart.seen)
+    small = label_kernels(weights[:3])  # under the threshold: concatenated on the CPU too
+    for got, same, w in zip(kernels, grouped, weights, strict=True):
+        assert_close(got.double(), kernel_reference(w), rtol=0.0, atol=5e-8)  # each weight's own mean: 1e-8 here
+        assert_close(same, got, rtol=0.0, atol=1e-6)  # the concatenated rows' means: up to 6e-7 here
+    for got, want in zip(small, kernels[:3], strict=True):
+        assert_close(got, want, rtol=0.0, atol=1e-6)
