@@ -122,7 +122,10 @@ def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: 
     name = type(model).__name__
     near = [f"{family}: {why}" for family, why in reasons if not why.startswith(f"{name} is not a ")]
     near.sort(key=lambda why: " is not a " in why)  # a part to change before a sibling family's kind of model
-    first = f"{type(scheme).__name__} cannot adapt this {name}: {'; '.join(near)}.\n" if near else ""
+    first = (
+        f"{type(scheme).__name__} cannot adapt this {name}: {'; '.join(near)}. NoAlign() works for any classifier.\n"
+        if near else ""
+    )
     raise TypeError(
         f"{first}aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "
         f"the families {aligning}; NoAlign() (the image-level CutMix/MixUp target) works for any classifier.\n"
