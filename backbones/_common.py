@@ -339,6 +339,7 @@ def _byte_route(device: torch.device, elements: int, threshold: int) -> bool:
     (fresh memory is page-faulted in every step) and little per operator, a GPU the other way round."""
     return device.type == "cpu" and elements >= threshold and _BYTE_ROUTES[0]
 
+
 _LARGE_WEIGHT = 1 << 22
 """Weights from this many elements up (16 MB in fp32: a classifier head written as a conv) that ``kernel_labels``
 averages over output channels, then input channels: a mean over both leading dims at once reads them 3x slower."""
@@ -351,7 +352,8 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
     are concatenated ``(sum o*i, kh*kw)``, normalised together, split by shape (one operator) and averaged per
     weight by a view and a mean per shape, then the self tap (``_self_tap``) added to all. About eight operators
     per tap count and three per further shape, instead of six per weight: a ResNet-18's thirteen stride-1 3x3 convs have four shapes, a DenseNet-121's 58
-    one. The concatenation is one copy of those weights, made once per step.
+    one. The concatenation is one copy of those weights, made once per step; on the CPU a tap count's weights of
+    ``_SEPARATE_WEIGHTS`` elements or more go weight by weight instead (``_byte_route``).
 
     Returns:
         ``(kh, kw)`` fp32 per weight, in order.
@@ -401,7 +403,7 @@ _SEPARATE_WEIGHTS = 1 << 20
 """Weights of one tap count totalling this many elements (4 MB in fp32) or more are reduced weight by weight on the
 CPU (``_byte_route``), not stacked and concatenated: the concatenation is one or two copies of them in fresh memory
 every step, which on 2 CPU cores cost more than the reductions. ResNetV2-18's thirteen stride-1 3x3 convs (9.4M
-elements): 29 ms concatenated, 12 to 17 weight by weight (six operators each instead of about two). A GPU pays per
+elements): 29 ms concatenated, 8 to 17 weight by weight (six operators each instead of about two). A GPU pays per
 launch and keeps the concatenation."""
 
 _MEAN_MATRIX_ENTRIES = 2**20
