@@ -21,6 +21,9 @@ from mixlabels.backbones._family import Family, declared_families
 
 __all__ = ["adapt", "SUPPORTED", "Family", "FAMILIES"]
 
+NO_FAMILY = "aligned targets follow labels through a model's token mixers"
+"""How the refusal of a model no aligning family takes begins its line on the families (``_matrix`` reads it)."""
+
 # Last: the fallback for NoAlign, taken only when no aligning family accepts the model.
 _REGISTRY: list[Family] = [*declared_families(), ANY]
 FAMILIES: tuple[Family, ...] = tuple(_REGISTRY)
@@ -127,7 +130,7 @@ def _any_classifier(model: nn.Module, scheme: Scheme, reference: bool, reasons: 
         if near else ""
     )
     raise TypeError(
-        f"{first}aligned targets follow labels through a model's token mixers, which backbones.adapt knows only for "
+        f"{first}{NO_FAMILY}, which backbones.adapt knows only for "
         f"the families {aligning}; NoAlign() (the image-level CutMix/MixUp target) works for any classifier.\n"
         f"{type(scheme).__name__} cannot adapt {name}, which is none of them: {'; '.join(why for _, why in reasons)}.\n"
         f"Supported families:\n  - {listing}"

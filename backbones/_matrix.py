@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixlabels.backbones._adapt import FAMILIES, adapt
+from mixlabels.backbones._adapt import FAMILIES, NO_FAMILY, adapt
 from pydantic import TypeAdapter
 
 from mixlabels import SCHEMES as REGISTRY
@@ -69,7 +69,7 @@ def support_matrix() -> list[SupportRow]:
                 # The first line says why; later lines (the family listing) are in the matrix anyway. A model of no
                 # family is summed up by the line that says so (its first names the part its class's family refused).
                 lines = str(err).splitlines()
-                reason = next((line for line in lines if line.startswith("aligned targets follow labels")), lines[0])
+                reason = next((line for line in lines if line.startswith(NO_FAMILY)), lines[0])
                 rows.append(SupportRow(family.name, family.description, name, False, reason))
             else:
                 rows.append(SupportRow(family.name, family.description, name, True))
