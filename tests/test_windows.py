@@ -487,7 +487,7 @@ def test_label_kernels_of_large_cpu_weights_go_weight_by_weight_with_the_same_bi
     dispatched then; ``launch_routes`` (what ``benchmarks/op_count.py`` counts: a GPU's route) keeps them. Weight by
     weight is the nearer float64 (each weight's own mean: 1e-8 here, where the concatenated rows' means are up to
     6e-7 off; for ResNet-18's and Res2Net-50's convs the two routes give the same bits)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from benchmarks._op_counter import OpCounter
     from mixlabels.backbones._common import _SEPARATE_WEIGHTS, label_kernels, launch_routes
     from mixlabels.backbones._dense import kernel_reference
 
@@ -496,21 +496,12 @@ def test_label_kernels_of_large_cpu_weights_go_weight_by_weight_with_the_same_bi
     weights = [torch.randn(*shape, generator=g) for shape in shapes]
     assert sum(w.numel() for w in weights) >= _SEPARATE_WEIGHTS > sum(w.numel() for w in weights[:3])
 
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Ops() as apart:
+    with OpCounter() as apart:
         kernels = label_kernels(weights)
-    with launch_routes(), Ops() as together:
+    with launch_routes(), OpCounter() as together:
         grouped = label_kernels(weights)
-    assert not {"cat", "stack"} & set(apart.seen) and {"cat", "stack"} & set(together.seen)
-    assert len(together.seen) < len(apart.seen)
+    assert not {"cat", "stack"} & set(apart.ops) and {"cat", "stack"} & set(together.ops)
+    assert sum(together.ops.values()) < sum(apart.ops.values())
     small = label_kernels(weights[:3])  # under the threshold: concatenated on the CPU too
     for got, same, w in zip(kernels, grouped, weights, strict=True):
         assert_close(got.double(), kernel_reference(w), rtol=0.0, atol=5e-8)  # each weight's own mean: 1e-8 here
