@@ -20,7 +20,6 @@ convolutional or MLP token mix here:
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from torchvision.ops import StochasticDepth
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
+from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
@@ -280,7 +280,7 @@ def _chunked_pair_mean(weight: Tensor) -> Tensor:
     return total.sum(dim=0).div_(o * int(rest[0]))
 
 
-@functools.lru_cache(maxsize=64)
+@shape_cache(maxsize=64)
 def _self_tap(kh: int, kw: int, device: torch.device) -> Tensor:
     """``(kh, kw)`` fp32: ``_READS_NOTHING`` at the tap ``((kh - 1) // 2, (kw - 1) // 2)`` (the centre of an odd kernel,
     which a grid-keeping stride-1 conv reads each position itself through), 0 elsewhere; added to every label kernel
@@ -413,7 +413,7 @@ depthwise convs (a few thousand rows) in one operator where a view and a mean pe
 take two per shape and two more; a ResNet's full 3x3 convs (1.5M rows) keep the means per shape."""
 
 
-@functools.lru_cache(maxsize=64)
+@shape_cache(maxsize=64)
 def _mean_matrix(counts: tuple[int, ...], device: torch.device) -> Tensor:
     """``(g, sum(counts))`` fp32: row ``k`` is ``1 / counts[k]`` on the ``counts[k]`` consecutive columns of weight ``k``
     (its rows among all weights' tap rows), 0 elsewhere: the matrix of the per-weight means. Built by comparisons
@@ -463,7 +463,7 @@ _DENSE_CONV_TOKENS = 64
 depthwise conv call costs three times the small matrix products (on 14x14 the conv wins)."""
 
 
-@functools.lru_cache(maxsize=256)
+@shape_cache(maxsize=256)
 def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], device: torch.device) -> Tensor:
     """``(kh*kw, n*n)`` fp32 0/1: for each tap, which input position every output position reads (shapes only: cached).
 
@@ -481,7 +481,7 @@ def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple
     return (reads & inside.unsqueeze(-1)).to(torch.float32).reshape(kernel[0] * kernel[1], -1)
 
 
-@functools.lru_cache(maxsize=64)
+@shape_cache(maxsize=64)
 def _ones(shape: tuple[int, int, int, int], device: torch.device) -> Tensor:
     """``(1, 1, h, w)`` fp32 ones: the map whose convolution is every position's in-grid tap weight (cached, as
     ``_tap_matrices``: a constant of the grid).
@@ -532,7 +532,7 @@ def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: to
         return list(tap_mixes(torch.stack(kernels).to(taps).view(len(steps), -1), taps, (len(steps), n, n)).unbind(0))
     out = []
     for kernel, (_, padding, dilation) in zip(kernels, steps):
-        taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), tuple(padding), tuple(dilation), device)
+        taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), (padding[0], padding[1]), (dilation[0], dilation[1]), device)
         out.append(tap_mixes(kernel.to(taps).reshape(1, -1), taps, (n, n)))
     return out
 
@@ -606,7 +606,7 @@ def conv_mix_pair(
         n = grid[0] * grid[1]
         if n <= _DENSE_CONV_TOKENS:
             kernel = (int(k_first.shape[0]), int(k_first.shape[1]))
-            taps = _tap_matrices(grid, kernel, tuple(padding), tuple(dilation), first.device)
+            taps = _tap_matrices(grid, kernel, (padding[0], padding[1]), (dilation[0], dilation[1]), first.device)
             t1 = (k_first.to(taps).reshape(1, -1) @ taps).reshape(n, n)
             t2 = (k_second.to(taps).reshape(1, -1) @ taps).reshape(n, n)
             mass = (t1.sum(dim=-1) + t2.sum(dim=-1)).unsqueeze(-1)  # the in-grid tap weight of every row

@@ -19,7 +19,6 @@ Shapes: ``b`` batch, ``h w`` the grid (row-major ``n = h*w``), ``i j`` the outpu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +27,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mixlabels._label_map import fp32_labels
+from mixlabels._shape_cache import shape_cache
 
 __all__ = [
     "AxisWindow",
@@ -102,7 +102,7 @@ def axis_matrix(size: int, window: AxisWindow) -> Tensor:
     return ((pos[None] >= starts[:, None]) & (pos[None] < starts[:, None] + k)).float()
 
 
-@functools.lru_cache(maxsize=512)
+@shape_cache(maxsize=512)
 def chain_matrices(
     grid: tuple[int, int], windows: tuple[tuple[AxisWindow, AxisWindow], ...], normalise: bool, device: torch.device
 ) -> tuple[Tensor, Tensor]:
@@ -223,7 +223,7 @@ def window_route(batch: int, grid: tuple[int, int], out: tuple[int, int], device
     return "dense" if batch * out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_PRODUCTS else "separable"
 
 
-@functools.lru_cache(maxsize=128)
+@shape_cache(maxsize=128)
 def _window_kron(grid: tuple[int, int], axes: tuple[tuple[AxisWindow, AxisWindow], ...], device: torch.device) -> Tensor:
     """``Norm(A_h) (x) Norm(A_w)``: a run of windows as one ``(n', n)`` fp32 matrix (shapes only: cached)."""
     rows, cols = chain_matrices(grid, axes, True, device)

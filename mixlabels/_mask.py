@@ -17,7 +17,6 @@ Shapes: ``b`` batch, ``k`` sources, ``mh mw`` mask cells, ``h w`` a token grid, 
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -25,6 +24,8 @@ from typing import Protocol
 import torch
 from einops import rearrange, reduce, repeat
 from torch import Tensor
+
+from mixlabels._shape_cache import shape_cache
 
 __all__ = ["Mask", "CellMask", "BoxMask"]
 
@@ -73,7 +74,7 @@ def _cell_windows(windows: Tensor, cells: int) -> Tensor:
     return reduce(windows.float(), "h (m r) -> h m", "sum", m=cells)
 
 
-@functools.lru_cache(maxsize=64)
+@shape_cache(maxsize=64)
 def _token_overlap_constants(cells: tuple[int, int], grid: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """What ``BoxMask.token_weights`` needs of the two grids alone, computed once, not per step. Along each axis the
     mask's cells and the tokens tile a finer grid (their lcm); for every token, rows then columns (``(h + w,)``
@@ -97,7 +98,7 @@ def _token_overlap_constants(cells: tuple[int, int], grid: tuple[int, int], devi
             torch.tensor(ends, device=device), total)
 
 
-@functools.lru_cache(maxsize=32)
+@shape_cache(maxsize=32)
 def _box_window_constants(rows: Tensor, cols: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """What ``BoxMask.window_weights`` needs of the windows alone, computed once, not per step: the windows over the
     mask's cells per axis, transposed (``(gh, h)``, ``(gw, w)``, contiguous), every cell's index along its axis

@@ -13,11 +13,15 @@ trains on batches from a mixer. For every family's registry model this file chec
   the comparison is tight), and inductor itself (codegen reorders float sums; on the GPU,
   ``tests/test_compile_cuda.py``). The default run takes a family of each kind of label path
   (``KINDS``), the ``slow`` run every family (``pytest -m slow tests/test_compile.py``);
-- the route CUDA takes under ``torch.compile`` (``separate``: two plain SDPA calls) traces whole too.
+- the route CUDA takes under ``torch.compile`` (``separate``: two plain SDPA calls) traces whole too;
+- compiling warns about none of the label path's code (dynamo warned once per ``functools.lru_cache`` it met:
+  ``mixlabels._shape_cache``).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import pytest
@@ -25,12 +29,14 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+import mixlabels
 from mixlabels import TLAlign, backbones
 from mixlabels.backbones import FAMILIES
 from mixlabels.backbones._attention import attention_route
 from mixlabels.strategies import CutMix
 
 B, IMG, C = 4, 32, 10
+PACKAGE = os.path.dirname(os.path.abspath(mixlabels.__file__))  # the backbones' symlink path lies inside it too
 ALIGNING = [f for f in FAMILIES if f.name != "any"]
 
 
@@ -73,7 +79,11 @@ def check_compiles_whole(family: Any, backend: str, tol: float, device: str = "c
     compiled = torch.compile(adapted, backend=backend, fullgraph=True, mode=mode)
     first, *others = batches(2, device)
     want, want_grads = step(adapted, *first)
-    got, got_grads = step(compiled, *first)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_grads = step(compiled, *first)  # type: ignore[arg-type]
+    ours = [str(w.message) for w in caught if PACKAGE in str(w.message) or w.filename.startswith(PACKAGE)]
+    assert not ours, f"compiling warned about the label path's code: {ours}"  # dynamo's lru_cache warning did
     assert_close(got.logits, want.logits, atol=tol, rtol=tol)
     assert_close(got.target, want.target, atol=tol, rtol=tol)
     assert_close(got.loss(), want.loss(), atol=tol, rtol=tol)

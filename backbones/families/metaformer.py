@@ -31,7 +31,6 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 
 from __future__ import annotations
 
-import functools
 
 from typing import Any
 
@@ -43,6 +42,7 @@ from timm.models.metaformer import Attention, MetaFormer, MetaFormerBlock, Pooli
 from torch import Tensor, nn
 
 from mixlabels._label_map import fp32_labels
+from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
@@ -106,7 +106,7 @@ def _metaformer_refusal(model: nn.Module) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=64)
+@shape_cache(maxsize=64)
 def _pooling_weights(grid: tuple[int, int], kernel: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """``(1, n, 1)`` fp32 each: row ``i``'s weight on its own labels and on its window's mean (a constant of the grid
     and the window: cached; ``torch.compile`` traces it as constants)."""

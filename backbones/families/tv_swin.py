@@ -50,6 +50,7 @@ from torchvision.ops import StochasticDepth
 from torchvision.ops.misc import MLP, Permute
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
+from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import explicit_mix
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, mix_token_space, stride_grid, mean_pool_merge
@@ -173,7 +174,7 @@ def kept_shift(grid: tuple[int, int], window: tuple[int, int], shift: Any) -> tu
     return (0 if window[0] >= grid[0] else int(shift[0]), 0 if window[1] >= grid[1] else int(shift[1]))
 
 
-@functools.lru_cache(maxsize=64)
+@shape_cache(maxsize=64)
 def _regions(grid: tuple[int, int], window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> Tensor:
     """``(nw, n)``: each shifted window's tokens' region, torchvision's slices ``[0, -w)``, ``[-w, -s)``, ``[-s, :)`` per
     axis (one region where the shift is 0); a constant of the shapes, cached (``torch.compile`` traces it in)."""
