@@ -417,7 +417,7 @@ take two per shape and two more; a ResNet's full 3x3 convs (1.5M rows) keep the 
 def _mean_matrix(counts: tuple[int, ...], device: torch.device) -> Tensor:
     """``(g, sum(counts))`` fp32: row ``k`` is ``1 / counts[k]`` on the ``counts[k]`` consecutive columns of weight ``k``
     (its rows among all weights' tap rows), 0 elsewhere: the matrix of the per-weight means. Built by comparisons
-    from static bounds, so ``torch.compile`` traces it without a data-dependent shape (it ignores the cache)."""
+    from static bounds, so ``torch.compile`` traces it without a data-dependent shape (``shape_cache``: not cached while traced)."""
     ends = list(itertools.accumulate(counts))
     starts = torch.tensor([e - c for e, c in zip(ends, counts)], device=device)
     stops = torch.tensor(ends, device=device)
@@ -468,7 +468,7 @@ def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple
     """``(kh*kw, n*n)`` fp32 0/1: for each tap, which input position every output position reads (shapes only: cached).
 
     Built by comparisons only, no boolean indexing: every shape is a constant of the grid and kernel, so
-    ``torch.compile`` traces it into the graph (it ignores the cache) without a data-dependent shape.
+    ``torch.compile`` traces it into the graph (``shape_cache``: not cached while traced) without a data-dependent shape.
     """
     h, w = grid
     pos = torch.arange(h * w, device=device)  # n: output positions, row-major

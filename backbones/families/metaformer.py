@@ -31,7 +31,6 @@ Shapes: ``b`` batch, ``c`` channels, ``h w`` grid, ``n`` tokens, ``l`` label cha
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import torch
