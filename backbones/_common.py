@@ -40,7 +40,8 @@ from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 from mixlabels.backbones._windows import (
-    AxisWindow, apply_separable, as_grid, as_tokens, axis_out, axis_windows, chain_matrices, mix_tokens, window_means, window_sums,
+    AxisWindow, apply_separable, as_grid, as_tokens, axis_out, axis_windows, chain_matrices, folded, is_position_major, mix_tokens, unfolded,
+    window_means, window_sums,
 )
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
     "kernel_labels",
     "label_kernels",
     "depthwise_route",
+    "fold_route",
+    "eager_cpu_routes",
     "mix_tokens",
     "conv_mix",
     "conv_steps_on_grid",
@@ -318,14 +321,15 @@ _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""
 
 _BYTE_ROUTES = [True]
-"""Whether the CPU takes its byte-saving routes (``_byte_route``); ``launch_routes`` turns them off."""
+"""Whether the CPU takes its own routes (the byte-saving ones, ``_byte_route``; folded label convs, ``fold_route``);
+``launch_routes`` turns them off."""
 
 
 @contextmanager
 def launch_routes() -> Iterator[None]:
-    """Inside, the label kernels take the routes a GPU takes on every device: no CPU-only byte-saving route
-    (``_byte_route``). ``benchmarks/op_count.py`` counts the operators so: what a GPU would launch, where the CPU
-    trades launches it does not pay for against bytes it does."""
+    """Inside, the label path takes the routes a GPU takes on every device: no CPU-only byte-saving route
+    (``_byte_route``), no folded label convs (``fold_route``). ``benchmarks/op_count.py`` counts the operators so:
+    what a GPU would launch, where the CPU trades launches it does not pay for against bytes it does."""
     before = _BYTE_ROUTES[0]
     _BYTE_ROUTES[0] = False
     try:
@@ -338,6 +342,38 @@ def _byte_route(device: torch.device, elements: int, threshold: int) -> bool:
     """Whether weights of ``elements`` on ``device`` take the CPU's byte-saving route: the CPU pays per byte moved
     (fresh memory is page-faulted in every step) and little per operator, a GPU the other way round."""
     return device.type == "cpu" and elements >= threshold and _BYTE_ROUTES[0]
+
+
+def eager_cpu_routes(device: torch.device) -> bool:
+    """Whether the label path on ``device`` may take the CPU's own layouts (``fold_route``): the CPU, in eager mode
+    (a compiled graph lays its tensors out as its compiler decides), outside ``launch_routes``."""
+    return device.type == "cpu" and _BYTE_ROUTES[0] and not torch.compiler.is_compiling()
+
+
+def fold_route(y: Tensor, convs: int, *, lasting: bool = False) -> bool:
+    """Whether labels viewed ``(b, l, h, w)``, about to go through ``convs`` depthwise label convs on a large grid
+    (``depthwise_route``), are first copied position-major (``position_major``), for ``conv_steps_on_grid`` to
+    convolve them ``folded``. On the CPU in eager mode, for a batch of label maps with fewer channels than
+    ``_FOLD_CHANNELS``, not position-major already, where the copy pays: from labels in any layout but channels-last
+    (the labels' own ``as_grid``), always (8 x 2 labels on 56x56, 2 cores: a grouped conv on ``(b, l, h, w)``-major
+    memory 0.240 ms, on 112x112 6.7 ms; the copy 0.016 and the folded conv 0.055); from channels-last, where it
+    serves at least two convs or lasts (``lasting``: the tracker's own labels, which the convs, pools and residual
+    events after it keep in that layout: a forward copies once, not once a block) (a channels-last conv 0.089 ms,
+    the copy 0.057). A compiled graph lays its tensors out as its compiler decides (its labels stay as they are),
+    and a GPU's depthwise kernels are not the CPU's (``launch_routes``)."""
+    b, l = int(y.shape[0]), int(y.shape[1])
+    if not eager_cpu_routes(y.device):
+        return False
+    if b == 1 or l >= _FOLD_CHANNELS or is_position_major(y):
+        return False
+    return lasting or convs >= 2 or not y.is_contiguous(memory_format=torch.channels_last)
+
+
+_FOLD_CHANNELS = 8
+"""Label channels from which ``fold_route`` leaves the labels as they are (compact labels have two or three sources,
+token targets a channel per class). Measured on 8 label maps, 3x3, 2 cores (``conv2d`` channels-last with ``groups=l``
+against folded): the fold wins for 2 to 7 channels (112x112: 0.252 against 0.078 ms at 2, 0.222 against 0.157 at
+7), loses from 8 (0.334 against 0.563 at 8, 0.228 against 0.261 at 16)."""
 
 
 _LARGE_WEIGHT = 1 << 22
@@ -569,22 +605,30 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
     channel), each divided by its in-grid tap weight: three operators a step, two where ``masses`` holds the step's
     tap weight ``(1, h, w)`` already (``Kernels.mass``: computed for many convs in one call).
 
+    Labels in position-major memory (``position_major``) are convolved ``folded``: ``b * l`` channels in one map,
+    kernels ``(b l, 1, kh, kw)``.
+
     Returns:
         ``(b, l, h, w)`` fp32 in the input's memory layout, rows summing to 1 where the input's do.
     """
     with fp32_labels(y.device):
-        _, l, h, w = (int(s) for s in y.shape)
+        batch, h, w = int(y.shape[0]), int(y.shape[2]), int(y.shape[3])
+        f = folded(y)  # position-major labels: each conv over the whole batch's labels as b * l channels
+        z = y if f is None else f
+        l = int(z.shape[1])
         ones = _ones((1, 1, h, w), y.device)  # one channel: see ``_ones``
         for i, (kernel, padding, dilation) in enumerate(steps):
             # a (kh, kw) kernel, or one already expanded to (l, 1, kh, kw) (``Kernels.wide``, expanded per shape)
-            k = kernel.to(y) if kernel.dim() == 4 else kernel.to(y).expand(l, 1, int(kernel.shape[0]), int(kernel.shape[1]))
+            k = kernel.to(y)
+            if k.dim() == 2 or int(k.shape[0]) != l:
+                k = (k if k.dim() == 2 else k[0, 0]).expand(l, 1, int(k.shape[-2]), int(k.shape[-1]))
             mass = masses[i] if masses is not None else None
             if mass is None:
-                mass = F.conv2d(ones, k, padding=padding, dilation=dilation)  # 1 l h w: in-grid tap weight
+                mass = F.conv2d(ones, k if f is None else k[:1], padding=padding, dilation=dilation)  # 1 l h w: in-grid tap weight
             # in place on the conv's fresh output: a new tensor for the quotient cost more than the conv on large
             # grids (8 x 3 labels on 112x112, 2 CPU cores: 1.65 ms against 0.63), the same bits and layout
-            y = F.conv2d(y, k, padding=padding, dilation=dilation, groups=l).div_(mass)
-        return y
+            z = F.conv2d(z, k, padding=padding, dilation=dilation, groups=l).div_(mass)
+        return z if f is None else unfolded(z, batch)
 
 
 def conv_mix_pair(

@@ -75,13 +75,13 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._common import (
-    AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, tap_mixes, depthwise_route, effective_weight, kernel_labels, label_kernels, mix_token_space,
-    start_on_windows,
+    AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
+    fold_route, kernel_labels, label_kernels, mix_token_space, start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._windows import (
-    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, mix_tokens, pool_on_grid, same_axis_windows,
-    window_plan,
+    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, is_position_major, mix_tokens, pool_on_grid, position_major,
+    same_axis_windows, window_plan,
 )
 from mixlabels.backbones._reparam import Scales, scales_of
 
@@ -108,6 +108,7 @@ __all__ = [
     "path_matrix",
     "merge_matrix",
     "block_labels",
+    "fold_labels",
     "start_on_path",
     "start_before_path",
     "block_labels_reference",
@@ -729,10 +730,13 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
             convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
             i = end
             if depthwise_route(grid):  # expanded kernels, tap weights computed together where they are
-                channels = int(labels.y.shape[1] if labels.on_grid else labels.y.shape[-1])
+                y = labels.grid_view(grid)
+                if fold_route(y, len(convs)):
+                    y = position_major(y)
+                channels = int(y.shape[1]) * (int(y.shape[0]) if is_position_major(y) else 1)  # folded: b * l
                 steps = [(_label_kernel(c, kernels, channels), *_geometry(c)) for c in convs]
                 masses = [kernels.mass(c, grid) for c in convs]
-                labels = _Labels(conv_steps_on_grid(labels.grid_view(grid), steps, masses), True)
+                labels = _Labels(conv_steps_on_grid(y, steps, masses), True)
             else:  # small grids: the explicit matrices, built for the whole forward where ``kernels`` can
                 matrices = [m for m in (kernels.matrix(c, grid) for c in convs) if m is not None]
                 if len(matrices) == len(convs):
@@ -851,6 +855,20 @@ def start_before_path(
     return tracker, stem[lead:], mid
 
 
+def fold_labels(tracker: LabelTracker, layer: int, grid: tuple[int, int]) -> Tensor | None:
+    """``tracker.labels_for(layer)`` for a residual branch that convolves them on ``grid``: where ``fold_route`` says
+    a lasting copy pays, the tracker's own labels are first copied position-major (a layout ``aggregate``). The
+    branch's copy alone would not last: the residual's ``lerp`` keeps the tracker's layout, its first input's, and
+    every block would copy again; the tracker's copy lasts through the blocks after it (one copy a forward)."""
+    labels = tracker.labels_for(layer)
+    if labels is None or not (eager_cpu_routes(labels.device) and depthwise_route(grid)):
+        return labels  # no view dispatched: a GPU's count of operators, or a compiled graph, is as without the fold
+    if fold_route(as_grid(labels, grid), 1, lasting=True):
+        tracker.aggregate(lambda y: as_tokens(position_major(as_grid(y, grid))), normalised=True)
+        labels = tracker.labels_for(layer)
+    return labels
+
+
 def block_labels(
     tracker: LabelTracker, layer: int, grid: tuple[int, int], branch: Path, shortcut: Path | None, keep: Tensor | None,
     kernels: Kernels | None = None, plain: float = 0.0,
@@ -865,7 +883,7 @@ def block_labels(
         tracker.aggregate(lambda y: apply_path(branch, y, grid, kernels)[0], normalised=True)
         return path_grid(branch, grid)
     fork = tracker.fork() if plain else None
-    labels, mixed = tracker.labels_for(layer), None
+    labels, mixed = (fold_labels(tracker, layer, grid) if branch else tracker.labels_for(layer)), None
     if labels is not None and branch:
         mixed, _ = apply_path(branch, labels, grid, kernels)
     if shortcut:

@@ -40,6 +40,10 @@ __all__ = [
     "apply_separable",
     "as_grid",
     "as_tokens",
+    "folded",
+    "is_position_major",
+    "unfolded",
+    "position_major",
     "pool_ceil_mode",
     "apply_pooled",
     "pool_on_grid",
@@ -156,6 +160,45 @@ def as_tokens(y: Tensor) -> Tensor:
     return y.as_strided((b, h * w, l), (sb, sw, sl))
 
 
+def folded(y: Tensor) -> Tensor | None:
+    """Labels viewed ``(b, l, h, w)`` as one channels-last map of ``b * l`` channels ``(1, (b l), h, w)``, where they
+    lie in position-major memory (``is_position_major``), else ``None``.
+
+    A depthwise conv or a pooling treats every channel alike, so on the folded view it is the same sums in one call
+    over ``b * l`` channels. On the CPU that call is the faster one: its channels-last kernels vectorise over the
+    channels, and a label map has two or three (8 x 2 labels, 3x3, 2 cores: 0.080 ms folded against 0.218 on
+    112x112, 0.055 against 0.089 on 56x56)."""
+    if not is_position_major(y):
+        return None
+    b, l, h, w = (int(s) for s in y.shape)
+    # channel b*l + l' lies at b*l + l'. The batch axis (size 1) gets a dense tensor's stride: PyTorch reads any
+    # other as a layout that is not channels-last, and the convolution would first copy the labels out of it
+    return y.as_strided((1, b * l, h, w), (b * l * h * w, 1, w * b * l, b * l))
+
+
+def is_position_major(y: Tensor) -> bool:
+    """Whether labels viewed ``(b, l, h, w)``, a batch of more than one, lie in ``position_major``'s memory
+    ``(h, w, b, l)``: the one layout ``folded`` folds."""
+    b, l, _, w = (int(s) for s in y.shape)
+    return b > 1 and y.stride() == (l, 1, w * b * l, b * l)
+
+
+def unfolded(y: Tensor, batch: int) -> Tensor:
+    """``folded``'s inverse: a ``(1, (b l), h, w)`` result viewed ``(b, l, h, w)`` in its own memory layout."""
+    _, c, h, w = (int(s) for s in y.shape)
+    _, sc, sh, sw = y.stride()
+    return y.as_strided((batch, c // batch, h, w), (c // batch * sc, sc, sh, sw))
+
+
+def position_major(y: Tensor) -> Tensor:
+    """Labels viewed ``(b, l, h, w)`` copied into position-major memory ``(h, w, b, l)`` and viewed as before, which
+    ``folded`` folds: one copy, after which the depthwise convs, pools and elementwise events (a residual's ``lerp``
+    keeps its inputs' layout) keep the layout, so a forward copies once, not once a conv."""
+    b, l, h, w = (int(s) for s in y.shape)
+    out = y.new_empty((h, w, b, l)).permute(2, 3, 0, 1)
+    return out.copy_(y)
+
+
 def pool_ceil_mode(grid: tuple[int, int], axes: Sequence[tuple[AxisWindow, AxisWindow]]) -> tuple[bool, ...] | None:
     """The ``ceil_mode`` with which ``avg_pool2d`` (symmetric padding: each axis' padding before) makes exactly the
     windows of every window in ``axes`` applied in turn from ``grid``, or ``None`` where one cannot: padding over
@@ -187,13 +230,15 @@ def pool_on_grid(y: Tensor, axes: Sequence[tuple[AxisWindow, AxisWindow]], ceil_
     ``apply_separable`` launches about six. ``ceil_modes``: ``pool_ceil_mode``'s.
 
     Returns:
-        ``(b, l, i, j)`` fp32 in the input's memory layout.
+        ``(b, l, i, j)`` fp32 in the input's memory layout (``folded`` where the input folds).
     """
     with fp32_labels(y.device):
-        y = y.float()
+        y, batch = y.float(), int(y.shape[0])
+        f = folded(y)  # position-major labels: every window over the whole batch's labels in one channels-last call
+        z = y if f is None else f
         for ((kh, sh, ph, _, _), (kw, sw, pw, _, _)), ceil in zip(axes, ceil_modes):
-            y = F.avg_pool2d(y, (kh, kw), (sh, sw), (ph, pw), ceil_mode=ceil, count_include_pad=False)
-        return y
+            z = F.avg_pool2d(z, (kh, kw), (sh, sw), (ph, pw), ceil_mode=ceil, count_include_pad=False)
+        return z if f is None else unfolded(z, batch)
 
 
 _DENSE_WINDOW_PRODUCTS = 2**19

@@ -67,6 +67,13 @@ pairs moved, compared tensor by tensor against ``20db8aa`` under AVX2 kernels. B
 (targets by up to 2.0e-3, token targets 3.3e-3) and cspnet (6.7e-3, token targets 4.6e-2). By rounding, fast path
 only (a stem's ops after its windows now join the first run of units, their kernels read with the forward's):
 hgnet, resnest, tresnet, vovnet, xception_aligned, by at most 6e-8. No logits.
+
+Rewritten for session 48's folded label convs (a CPU walk's labels copied position-major once, then each depthwise
+label conv and pool over the whole batch's labels as one channels-last map, ``backbones._windows.folded``): 8
+fast-path pairs of cspnet, ghostnet, mobilenetv3 and repghost moved (the example batch is two samples, and these
+examples' first grids are the only ones over ``_DENSE_CONV_TOKENS``), by at most 6e-8, no logits, no reference pair;
+compared tensor by tensor against ``910faee`` under AVX2 kernels (``tests/test_fold.py`` holds the folded walk at
+64 px, where 29 families fold, against the unfolded walk and the reference path).
 """
 
 from __future__ import annotations

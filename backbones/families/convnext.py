@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, mix_token_space, stride_grid
-from mixlabels.backbones._convnet import Kernels, apply_path, path_grid, path_of
+from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels, path_grid, path_of
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -137,7 +137,7 @@ class AdaptedConvNeXt(AdaptedBase):
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         conv = blk.conv_dw
         h = conv(x)
-        labels, mixed = tracker.labels_for(layer), None
+        labels, mixed = fold_labels(tracker, layer, grid), None  # position-major where the CPU's folded conv pays
         if labels is not None:  # the kernel's matrix, input-independent: a cheap l-channel conv (``conv_mix``), its
             # kernel expanded and its in-grid tap weight computed with the other blocks' (``apply_path``)
             mixed, _ = apply_path((conv,), labels, grid, kernels)

@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, start_on_stem
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
@@ -293,7 +293,7 @@ class AdaptedEfficientViTMIT(AdaptedBase):
 
     @staticmethod
     def _local(block: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
-        labels = tracker.labels_for(layer)
+        labels = fold_labels(tracker, layer, grid)  # position-major where the CPU's folded convs pay
         tracker.residual(layer, None, mixed=None if labels is None else _local_mix(block, labels, grid, kernels))
         return block(x) + x  # type: ignore[no-any-return]
 

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, mix_token_space, start_on_convs
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -255,7 +255,9 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
 
     @staticmethod
     def _residual(rd: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
-        mod, labels, mixed = rd.m, tracker.labels_for(layer), None
+        mod = rd.m
+        # a depthwise conv's labels position-major where the CPU's folded conv pays; ConvMlp mixes channels only
+        labels, mixed = (fold_labels(tracker, layer, grid) if type(mod) is ConvNorm else tracker.labels_for(layer)), None
         if type(mod) is LocalWindowAttention:
             out, mixed = _window_attention(mod, x, labels, grid)
         else:

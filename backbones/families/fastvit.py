@@ -67,7 +67,7 @@ from mixlabels.backbones._common import (
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
-from mixlabels.backbones._convnet import KernelBatch, KernelConv, Kernels, apply_path
+from mixlabels.backbones._convnet import KernelBatch, KernelConv, Kernels, apply_path, fold_labels
 from mixlabels.backbones._family import Family
 from mixlabels.backbones._reparam import Scales, add_centre, folded, joined, parted, scales_of
 
@@ -370,7 +370,7 @@ class AdaptedFastViT(AdaptedBase):
                 grid = conv_aggregate(tracker, grid, _conv(s.downsample.proj[0]))
                 x = s.downsample(x)
             if isinstance(s.pos_emb, RepConditionalPosEnc):
-                y = tracker.labels_for(layer)
+                y = fold_labels(tracker, layer, grid)
                 x = s.pos_emb(x)
                 tracker.residual(layer, None, mixed=None if y is None else _mix(y, grid, kernels, ops[s.pos_emb]))
                 layer += 1
@@ -389,7 +389,7 @@ class AdaptedFastViT(AdaptedBase):
     @staticmethod
     def _block(blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels,
                ops: dict[nn.Module, Any]) -> Tensor:
-        y, mixed = tracker.labels_for(layer), None
+        y, mixed = fold_labels(tracker, layer, grid), None  # position-major where the CPU's folded convs pay
         if type(blk) is RepMixerBlock:
             mixer = blk.token_mixer
             if y is not None:
@@ -404,7 +404,7 @@ class AdaptedFastViT(AdaptedBase):
             x = x + out
             out, keep = branch(blk.drop_path2, blk.layer_scale_2(blk.mlp(x)))
         # ConvMlp's depthwise 7x7 (its norm scales whole channels: no label effect)
-        y = tracker.labels_for(layer)
+        y = fold_labels(tracker, layer, grid)
         tracker.residual(layer, keep, mixed=None if y is None else _mix(y, grid, kernels, ops[blk.mlp]))
         return x + out
 
