@@ -476,6 +476,14 @@ def path_convs(path: Path) -> Iterator[nn.Conv2d | KernelConv]:
             yield op
 
 
+_Groups = tuple[
+    dict[tuple[int, ...], list["nn.Module | KernelConv"]],
+    dict[tuple[Any, ...], list["nn.Module | KernelConv"]],
+    dict["nn.Module | KernelConv", tuple[tuple[int, int], tuple[int, int]]],
+]
+"""``Kernels._groups``: the convs by kernel shape, by kernel shape and geometry, and each conv's geometry."""
+
+
 class Kernels:
     """The label kernels ``(kh, kw)`` of a forward's stride-1 convs, by conv, computed together (``label_kernels``)
     on the first read: once per forward rather than a few operators per conv as each block is reached, and not at
@@ -488,6 +496,7 @@ class Kernels:
         self._mass: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
         self._matrix: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
         self._stacks: dict[tuple[Any, ...], tuple[list[nn.Module | KernelConv], Tensor | None]] = {}
+        self._grouped: _Groups | None = None
 
     def get(self, conv: nn.Module | KernelConv) -> Tensor | None:
         if self._kernels is None:
@@ -511,14 +520,32 @@ class Kernels:
 
     def _alike(self, kernel: Tensor, conv: nn.Module | KernelConv, geometry: bool) -> tuple[tuple[Any, ...], list[nn.Module | KernelConv]]:
         """The convs whose kernels have ``kernel``'s shape (and, with ``geometry``, ``conv``'s padding and dilation),
-        and the key of their stack: one stack serves both where all of a shape share their geometry."""
-        assert self._kernels is not None
-        same = [c for c, k in self._kernels.items() if k.shape == kernel.shape]
+        and the key of their stack: one stack serves both where all of a shape share their geometry. The groups are
+        made once a forward (``_groups``), not by a scan of every conv per ask (asked per conv and grid: a scan
+        each made the asks quadratic, 0.5 ms a forward of GhostNet's 34 convs in Python)."""
+        by_shape, by_geometry, geometry_of = self._groups()
+        shape = tuple(kernel.shape)
+        same = by_shape[shape]
         if geometry:
-            alike = [c for c in same if _geometry(c) == _geometry(conv)]
+            key = (shape, geometry_of[conv])
+            alike = by_geometry[key]
             if len(alike) < len(same):
-                return (tuple(kernel.shape), _geometry(conv)), alike
-        return (tuple(kernel.shape),), same
+                return key, alike
+        return (shape,), same
+
+    def _groups(self) -> _Groups:
+        """The convs by kernel shape, by kernel shape and geometry (each in the forward's order), and each conv's
+        geometry (``_geometry``), made on the first ask."""
+        if self._grouped is None:
+            assert self._kernels is not None
+            by_shape: dict[tuple[int, ...], list[nn.Module | KernelConv]] = {}
+            by_geometry: dict[tuple[Any, ...], list[nn.Module | KernelConv]] = {}
+            geometry_of = {c: _geometry(c) for c in self._kernels}
+            for c, k in self._kernels.items():
+                by_shape.setdefault(tuple(k.shape), []).append(c)
+                by_geometry.setdefault((tuple(k.shape), geometry_of[c]), []).append(c)
+            self._grouped = (by_shape, by_geometry, geometry_of)
+        return self._grouped
 
     def wide(self, conv: nn.Module | KernelConv, channels: int) -> Tensor | None:
         """``get(conv)`` expanded to the depthwise weight ``(channels, 1, kh, kw)`` ``conv_steps_on_grid`` convolves
