@@ -477,9 +477,9 @@ def path_convs(path: Path) -> Iterator[nn.Conv2d | KernelConv]:
 
 
 _Groups = tuple[
-    dict[tuple[int, ...], list["nn.Module | KernelConv"]],
-    dict[tuple[Any, ...], list["nn.Module | KernelConv"]],
-    dict["nn.Module | KernelConv", tuple[tuple[int, int], tuple[int, int]]],
+    dict[tuple[int, ...], list[nn.Module | KernelConv]],
+    dict[tuple[Any, ...], list[nn.Module | KernelConv]],
+    dict[nn.Module | KernelConv, tuple[tuple[int, int], tuple[int, int]]],
 ]
 """``Kernels._groups``: the convs by kernel shape, by kernel shape and geometry, and each conv's geometry."""
 
