@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from mixlabels.backbones._adapt import FAMILIES, SUPPORTED, Family, adapt
 from mixlabels.backbones._any import AdaptedClassifier
 from mixlabels.backbones._attention import ROUTES, attention_route, attention_with_labels
+from mixlabels.backbones._common import compiled_label_convs
 from mixlabels.backbones._count import TierCount, count_timm_names, count_torchvision_names
 from mixlabels.backbones._matrix import SupportRow, support_markdown, support_matrix
 from mixlabels.backbones._task import AlignedClassificationTask
@@ -67,4 +68,5 @@ __all__ = [
     "attention_with_labels",
     "attention_route",
     "ROUTES",
+    "compiled_label_convs",
 ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -317,6 +317,17 @@ def mixing_rows(w: Tensor) -> Tensor:
     return w.div_(w.sum(dim=-1, keepdim=True))
 
 
+def _meet_einops_types() -> None:
+    """Have einops meet a tensor and a parameter now, at import. einops finds a backend by the tensor's type and
+    keeps it per type on first use, and dynamo guards a traced graph on how many types it keeps: a forward traced
+    before einops met a ``Parameter`` (ConvNeXt's layer scale, rearranged) grows that store while traced, and the
+    next call traced the whole step again (a second compile of a user's first steps)."""
+    for t in (torch.empty(0), nn.Parameter(torch.empty(0), requires_grad=False)):
+        rearrange(t, "n -> n")
+
+
+_meet_einops_types()
+
 _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""
 
@@ -600,19 +611,82 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
         return as_tokens(conv_steps_on_grid(as_grid(labels.float(), grid), steps))
 
 
+_SHIFTED_TAPS = 49
+"""Under ``torch.compile``, label convs of at most this many taps (7x7) are written as sums of shifted slices
+(``shifted_conv``); larger kernels stay convolutions (the fused kernel's code grows with the taps)."""
+
+_SHIFTED = [True]
+"""Whether a compiled graph writes label convs as shifted sums (``compiled_label_convs``)."""
+
+
+@contextmanager
+def compiled_label_convs(route: Literal["shifted", "conv"]) -> Iterator[None]:
+    """Inside, a compiled graph convolves labels by ``route``: ``"shifted"`` (the default) sums shifted slices of the
+    padded labels (``shifted_conv``), which the compiler fuses with the in-grid tap weight and the division into the
+    kernels it generates; ``"conv"`` calls the convolution, an extern kernel (cuDNN, mkldnn) that nothing fuses
+    with. Eager mode always convolves: there a shifted sum is one operator a tap. The route is read while tracing
+    and guarded: a graph traced under one route is traced again when called under the other, so keep the calls
+    inside.
+
+    Compiled resnet18 at 224 px, inductor on the CPU: a TL-Align step launches 105 generated kernels and extern
+    calls on the conv route, 79 on the shifted one, CutMix + NoAlign's 62 (``benchmarks/op_count.py --compiled``)."""
+    if route not in ("shifted", "conv"):
+        raise ValueError(f"compiled_label_convs: route must be 'shifted' or 'conv', got {route!r}")
+    before = _SHIFTED[0]
+    _SHIFTED[0] = route == "shifted"
+    try:
+        yield
+    finally:
+        _SHIFTED[0] = before
+
+
+def shifted_route(*kernels: Tensor) -> bool:
+    """Whether label convs with these kernels (``(..., kh, kw)``) are written as shifted sums: traced by
+    ``torch.compile``, the route on (``compiled_label_convs``), every kernel at most ``_SHIFTED_TAPS`` taps."""
+    return (
+        _SHIFTED[0]
+        and torch.compiler.is_compiling()
+        and all(int(k.shape[-2]) * int(k.shape[-1]) <= _SHIFTED_TAPS for k in kernels)
+    )
+
+
+def shifted_conv(y: Tensor, kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """A stride-1 conv with zero padding of ``y`` ``(..., c, h, w)`` as a sum of the kernel's taps times shifted
+    slices of the padded input: every channel with one ``(kh, kw)`` kernel, or with a ``(g, kh, kw)`` kernel a
+    channel's own (``c == g``) or, from one channel (``c == 1``), ``g`` channels out. The same sums as the
+    convolution (rounded in tap order), which a compiler fuses into one kernel with what reads the result."""
+    kh, kw = int(kernel.shape[-2]), int(kernel.shape[-1])
+    (ph, pw), (dh, dw) = padding, dilation
+    oh, ow = int(y.shape[-2]) + 2 * ph - dh * (kh - 1), int(y.shape[-1]) + 2 * pw - dw * (kw - 1)
+    padded = F.pad(y, (pw, pw, ph, ph))
+    taps = kernel if kernel.dim() == 2 else rearrange(kernel, "g kh kw -> kh kw g 1 1")  # tap (i, j): a scalar or (g, 1, 1)
+    out = padded[..., :oh, :ow] * taps[0, 0]
+    for t in range(1, kh * kw):
+        i, j = divmod(t, kw)
+        out = out + padded[..., i * dh : i * dh + oh, j * dw : j * dw + ow] * taps[i, j]
+    return out
+
+
 def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Tensor | None] | None = None) -> Tensor:
     """Labels viewed ``(b, l, h, w)`` (``as_grid``) through one depthwise convolution per step (a group per label
     channel), each divided by its in-grid tap weight: three operators a step, two where ``masses`` holds the step's
     tap weight ``(1, h, w)`` already (``Kernels.mass``: computed for many convs in one call).
 
     Labels in position-major memory (``position_major``) are convolved ``folded``: ``b * l`` channels in one map,
-    kernels ``(b l, 1, kh, kw)``.
+    kernels ``(b l, 1, kh, kw)``. In a compiled graph (``shifted_route``) each step is a shifted sum divided by the
+    shifted sum of ones (``masses`` unread: the compiler drops what computed them), which the compiler fuses.
 
     Returns:
         ``(b, l, h, w)`` fp32 in the input's memory layout, rows summing to 1 where the input's do.
     """
     with fp32_labels(y.device):
         batch, h, w = int(y.shape[0]), int(y.shape[2]), int(y.shape[3])
+        if shifted_route(*(k for k, _, _ in steps)):
+            ones = _ones((1, 1, h, w), y.device)
+            for kernel, padding, dilation in steps:
+                k = (kernel if kernel.dim() == 2 else kernel[0, 0]).to(y)  # an expanded kernel: every row is the kernel
+                y = shifted_conv(y, k, padding, dilation) / shifted_conv(ones, k, padding, dilation)
+            return y
         f = folded(y)  # position-major labels: each conv over the whole batch's labels as b * l channels
         z = y if f is None else f
         l = int(z.shape[1])
@@ -655,6 +729,12 @@ def conv_mix_pair(
             t2 = (k_second.to(taps).reshape(1, -1) @ taps).reshape(n, n)
             mass = (t1.sum(dim=-1) + t2.sum(dim=-1)).unsqueeze(-1)  # the in-grid tap weight of every row
             return (t1 @ first.float() + t2 @ second.float()) / mass
+        if shifted_route(k_first, k_second):  # compiled: both halves' shifted sums, fused (see ``shifted_conv``)
+            ones = _ones((1, 1, grid[0], grid[1]), first.device)
+            k1, k2 = k_first.float(), k_second.float()
+            mixed = (shifted_conv(as_grid(first.float(), grid), k1, padding, dilation)
+                     + shifted_conv(as_grid(second.float(), grid), k2, padding, dilation))
+            return as_tokens(mixed / (shifted_conv(ones, k1, padding, dilation) + shifted_conv(ones, k2, padding, dilation)))
         y = rearrange(torch.stack([first.float(), second.float()], dim=-1), "b (h w) l two -> 1 (b l two) h w", h=grid[0])
         k = rearrange(torch.stack([k_first, k_second]).to(y), "two kh kw -> two 1 kh kw")
         groups = y.shape[1] // 2

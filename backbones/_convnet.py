@@ -76,7 +76,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._common import (
     AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
-    fold_route, kernel_labels, label_kernels, mix_token_space, start_on_windows,
+    fold_route, kernel_labels, label_kernels, mix_token_space, shifted_route, start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._windows import (
@@ -762,7 +762,8 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
                     y = position_major(y)
                 channels = int(y.shape[1]) * (int(y.shape[0]) if is_position_major(y) else 1)  # folded: b * l
                 steps = [(_label_kernel(c, kernels, channels), *_geometry(c)) for c in convs]
-                masses = [kernels.mass(c, grid) for c in convs]
+                # compiled, the tap weights come with the shifted sums (``shifted_route``): none built to go unread
+                masses = None if shifted_route(*(k for k, _, _ in steps)) else [kernels.mass(c, grid) for c in convs]
                 labels = _Labels(conv_steps_on_grid(y, steps, masses), True)
             else:  # small grids: the explicit matrices, built for the whole forward where ``kernels`` can
                 matrices = [m for m in (kernels.matrix(c, grid) for c in convs) if m is not None]

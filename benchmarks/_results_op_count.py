@@ -1,4 +1,4 @@
-"""``op_count.py``'s table in RESULTS.md: operators per training step by family."""
+"""``op_count.py``'s tables in RESULTS.md: operators per training step by family, eager and compiled."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from benchmarks._provenance import provenance_line
 
-__all__ = ["render_op_count", "summarize_op_count"]
+__all__ = ["render_compiled_count", "render_op_count", "summarize_op_count"]
 
 
 def render_op_count(summary: dict[str, Any]) -> str:
@@ -29,9 +29,31 @@ def render_op_count(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_compiled_count(summary: dict[str, Any]) -> str:
+    """Launches per compiled step by family: CutMix + NoAlign, TL-Align by each compiled label conv route."""
+    lines = [provenance_line(summary["provenance"]), "",
+             "| family | model | CutMix + NoAlign | TL-Align, label convs as convolutions | ratio | "
+             "TL-Align, label convs as shifted sums | ratio | extern convolutions (NoAlign / convs / shifted) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for family, row in summary["families"].items():
+        base, conv, shifted = row["cutmix"], row["tlalign/conv"], row["tlalign/shifted"]
+
+        def launches(r: dict[str, Any]) -> str:
+            return f"{r['launches']:.0f} ({r['kernels']:.0f} generated)"
+
+        convs = " / ".join(f"{r['extern'].get('convolution', 0):.0f}" for r in (base, conv, shifted))
+        lines.append(f"| {family} | {row['model']} | {launches(base)} | {launches(conv)} | {row['ratios']['tlalign/conv']:.3f} | "
+                     f"{launches(shifted)} | {row['ratios']['tlalign/shifted']:.3f} | {convs} |")
+    return "\n".join(lines)
+
+
 def summarize_op_count(path: Path) -> tuple[str, dict[str, Any]]:
-    """``benchmarks/results/op-count.json`` from ``benchmarks/op_count.py``'s JSON, without the per-operator lists."""
+    """``benchmarks/results/op-count.json`` from ``benchmarks/op_count.py``'s JSON, without the per-operator lists;
+    ``op-count-compiled.json`` from its ``--compiled`` JSON, as it is."""
     result = json.loads(path.read_text())
+    if result.get("compiled"):
+        return "op-count-compiled", {"provenance": result["provenance"], "batch_size": result["batch_size"],
+                                     "families": result["families"]}
     families = {f: {k: v for k, v in row.items() if not k.endswith("_ops")} for f, row in result["families"].items()}
     return "op-count", {"provenance": result["provenance"], "batch_size": result["batch_size"], "families": families}
 

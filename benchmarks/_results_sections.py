@@ -16,7 +16,7 @@ from benchmarks._archive import REPO_ROOT
 from benchmarks._provenance import provenance_line
 from benchmarks._results_ablation import render_ablation
 from benchmarks._results_analysis import render_analysis, render_rmse
-from benchmarks._results_op_count import render_op_count
+from benchmarks._results_op_count import render_compiled_count, render_op_count
 from benchmarks._results_speed import mixers_or_missing, render_families, render_label_work, steps_or_missing
 from benchmarks.gpu_report import render_gpu_suite
 
@@ -118,6 +118,14 @@ SECTIONS: tuple[Section, ...] = (
             "the label kernels' GPU routes (the CPU's byte-saving routes, which spend operators to save memory "
             "traffic, are off: `launch_routes`). In eager mode on a GPU each is at least one kernel launch; views "
             "count too.", render_op_count),
+    Section("op-count-compiled", "Kernels a compiled training step launches per backbone family (CPU)",
+            "python benchmarks/op_count.py --compiled",
+            "A compiled step (`torch.compile`, inductor, on the CPU; batch 2, each family's small model at its default "
+            "size, the label kernels' GPU routes): the kernels inductor generated and the operators it called out to "
+            "(convolutions, matrix products) that one forward + loss + backward ran, counted from the Python calls of "
+            "inductor's code. On a GPU each is a launch that the host pays for. TL-Align is counted twice: with its "
+            "label convs compiled as convolutions, and as shifted sums (the default: `compiled_label_convs`), which "
+            "inductor fuses with what reads them.", render_compiled_count),
     Section("gpu-suite", "The GPU suite: attention routes, DeiT-S eager and compiled, mixers, families (GPU)",
             "python benchmarks/gpu_suite.py --out runs/gpu",
             "One prepared command for a lent GPU (it ends on its own deadline; a part it did not reach says so).",
@@ -138,6 +146,7 @@ def _section_body(section: Section, found: dict[str, dict[str, Any]]) -> str:
     if section.name in found:
         return section.render(found[section.name])
     add = ("--add-op-count runs/op_count/op_count.json" if section.name == "op-count" else
+           "--add-op-count runs/op_count/op_count_compiled.json" if section.name == "op-count-compiled" else
            "--add-gpu-suite runs/gpu/gpu_suite.json" if section.name == "gpu-suite" else
            "--add-speed runs/speed/speed-families-cpu-<stamp>.json" if section.name.startswith("speed-families") else
            "--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else

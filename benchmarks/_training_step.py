@@ -150,20 +150,29 @@ class TrainingSteps:
         loss: torch.Tensor = (adapter if adapter is not None else self.adapted[variant])(mixed, label_map).loss()
         return loss
 
-    def step(self, variant: str, route: Route | None = None, adapter: Any = None) -> None:
+    def step(self, variant: str, route: Route | str | None = None, adapter: Any = None) -> None:
         """One full training step: mix, forward, loss, backward, AdamW.
 
         Args:
             variant: one of the variants built.
-            route: the attention route (``backbones._attention.ROUTES``); ``tlalign-widened`` implies its own.
+            route: the attention route (``backbones._attention.ROUTES``; ``tlalign-widened`` implies its own), or
+                ``label-convs=shifted`` / ``label-convs=conv``: how a compiled graph convolves labels
+                (``backbones.compiled_label_convs``; read while tracing, so a compiled adapter traces under it).
             adapter: run the mixed batch through this (e.g. ``torch.compile`` of ``adapted[variant]``).
         """
-        from mixlabels.backbones._attention import attention_route
+        from mixlabels.backbones import compiled_label_convs
+        from mixlabels.backbones._attention import ROUTES, attention_route
 
         if route is None and variant == "tlalign-widened":
             route = "widened-autograd"
-        with (attention_route(route) if route else contextlib.nullcontext()), \
-                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):  # fmt: skip
+        context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if route is not None and route.startswith("label-convs="):
+            context = compiled_label_convs(route.removeprefix("label-convs="))  # type: ignore[arg-type]  # it checks
+        elif route is not None:
+            if route not in ROUTES:
+                raise ValueError(f"no attention route {route!r}; choose from {', '.join(ROUTES)} or label-convs=shifted|conv")
+            context = attention_route(route)  # checked above
+        with context, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             if variant == "none":
                 loss = F.cross_entropy(self.model(self.images), self.labels, label_smoothing=0.1)
             else:

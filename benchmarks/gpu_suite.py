@@ -130,8 +130,10 @@ def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable
         model = f"example:{family}" if args.dry_run else models[family]
         log(f"family {family}: {model}")
         try:
-            pair = compiled_pair if args.family_mode == "compiled" else eager_pair
-            into[family] = {"model": model, "mode": args.family_mode, **pair(Steps(model, args), args, deadline, log)}
+            steps = Steps(model, args)
+            timed = (compiled_pair(steps, args, deadline, log, routes=args.family_routes) if args.family_mode == "compiled"
+                     else eager_pair(steps, args, deadline, log))
+            into[family] = {"model": model, "mode": args.family_mode, **timed}
         except OutOfTime as err:
             into[family] = {"model": model, "skipped": f"deadline: {err}"}
         except Exception as err:  # one family's failure must not lose the others' figures
@@ -197,6 +199,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "reduce-overhead replays CUDA graphs, which take the host's launch time off a step)")
     p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
+    p.add_argument("--family-routes", nargs="*", default=[],
+                   help="families compiled: TL-Align by these routes too, e.g. label-convs=conv (the label convs as "
+                   "convolutions, against the default shifted sums: backbones.compiled_label_convs)")
     p.add_argument("--test-workers", type=int, default=16)
     p.add_argument("--test-budget-s", type=float, default=150.0)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes and the registry's 32 px models: try every part anywhere")

@@ -15,9 +15,15 @@ the kernels it would launch, the operators left on the host, the host-to-device 
 host syncs (a value read back: ``.item()``, ``.tolist()``, ``bool()``, ``nonzero``), each with
 the line that asks for it.
 
+With ``--compiled``, a compiled step instead (``torch.compile``, inductor, on the CPU) for a few families: the
+generated kernels and the extern calls (convolutions, matrix products) one step runs, CutMix + NoAlign against
+CutMix + TL-Align with the label convs as convolutions and as shifted sums (``compiled_label_convs``); on a GPU
+each is a launch (``benchmarks/_compiled_count.py``).
+
 Usage::
 
     python benchmarks/op_count.py                       # every family's small model (benchmarks/_families.py)
+    python benchmarks/op_count.py --compiled            # compiled steps of COMPILED_FAMILIES
     python benchmarks/op_count.py --families vit resnet --out runs/op_count
     python -m benchmarks.op_count --mixers              # every mixer against timm's Mixup
     python -m benchmarks.op_count --mixers CutMix MixUp --batch-size 128
@@ -33,19 +39,37 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 from benchmarks import _families
+from benchmarks._compiled_count import count_compiled_calls
 from benchmarks._op_counter import OpCounter
 from benchmarks._provenance import finish, provenance
 from benchmarks._training_step import TrainingSteps
-from mixlabels.backbones._common import launch_routes
+from mixlabels.backbones._common import compiled_label_convs, launch_routes
 
 __all__ = ["OpCounter", "count_step", "main"]  # OpCounter: re-exported from benchmarks._op_counter
 
 VARIANTS = ("cutmix", "tlalign")  # CutMix + NoAlign, CutMix + TL-Align
+COMPILED = ("cutmix", "tlalign/conv", "tlalign/shifted")  # CutMix + NoAlign; TL-Align by each compiled label conv route
+COMPILED_FAMILIES = ("resnet", "convnext", "efficientnet", "mobilenetv3", "efficientvit_mit", "byobnet")
+"""``--compiled``'s default: conv and hybrid families whose label path convolves (inductor compiles each step three
+times, about a minute a family on 2 cores)."""
+
+
+def _mixed_sample(model_name: str, batch_size: int) -> tuple[TrainingSteps, torch.Tensor, Any]:
+    """The step set-up (``TrainingSteps``, CPU) and one CutMix sample drawn from its generator: the mixed batch and
+    its label map, which every variant counted then shares."""
+    num_classes = 10 if model_name.startswith("example:") else 1000
+    steps = TrainingSteps(model_name, num_classes=num_classes, batch_size=batch_size, device="cpu",
+                          variants=VARIANTS, strict=True)
+    mixer, images = steps.mixer, steps.images
+    mixed, label_map = mixer.mix(images, steps.labels, mixer.sample(images.shape, generator=steps.generator))
+    return steps, mixed, label_map
 
 
 def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
@@ -54,11 +78,7 @@ def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
     The model, batch, mixer and adapters are ``TrainingSteps``' (what ``speed.py`` and the GPU suite time);
     one CutMix sample, drawn from its generator, serves both variants.
     """
-    num_classes = 10 if model_name.startswith("example:") else 1000
-    steps = TrainingSteps(model_name, num_classes=num_classes, batch_size=batch_size, device="cpu",
-                          variants=VARIANTS, strict=True)
-    mixer, images = steps.mixer, steps.images
-    mixed, label_map = mixer.mix(images, steps.labels, mixer.sample(images.shape, generator=steps.generator))
+    steps, mixed, label_map = _mixed_sample(model_name, batch_size)
     row: dict[str, Any] = {"model": model_name}
     for name in VARIANTS:
         steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]  # warm-up: caches filled
@@ -78,6 +98,45 @@ def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
     return row
 
 
+def count_compiled_step(model_name: str, batch_size: int = 2, steps: int = 2) -> dict[str, Any]:
+    """Generated kernels and extern calls of one compiled forward + loss + backward (inductor, on the CPU): CutMix +
+    NoAlign, and CutMix + TL-Align with each compiled label conv route, on one CutMix sample."""
+    setup, mixed, label_map = _mixed_sample(model_name, batch_size)
+    row: dict[str, Any] = {"model": model_name}
+    for name in COMPILED:
+        variant, _, route = name.partition("/")
+        torch._dynamo.reset()  # each variant traced afresh: the route is read while tracing
+        compiled = torch.compile(setup.adapted[variant])
+
+        def run() -> None:
+            setup.loss(variant, mixed, label_map, compiled).backward()  # type: ignore[no-untyped-call]
+            setup.model.zero_grad(set_to_none=True)
+
+        # a GPU's routes (``launch_routes``), and the calls inside too: the routes are read while tracing, and guarded
+        with launch_routes(), compiled_label_convs("shifted" if route == "shifted" else "conv"):
+            run()  # compiles forward and backward
+            with torch.compiler.set_stance("fail_on_recompile"):  # a trace would be counted as calls: refuse it
+                row[name] = count_compiled_calls(run, steps)
+    base = row["cutmix"]["launches"]
+    row["ratios"] = {name: row[name]["launches"] / base for name in COMPILED[1:]}
+    return row
+
+
+def _main_compiled(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    models = _families.family_models()
+    result: dict[str, Any] = {"provenance": provenance(), "compiled": True, "batch_size": args.batch_size, "families": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for family in names:
+        row = count_compiled_step(models[family], args.batch_size)
+        result["families"][family] = row
+        print(f"{family:20s} {row['model']:30s} launches a step: " + ", ".join(
+            f"{name} {row[name]['launches']:.0f} ({row[name]['kernels']:.0f} generated)" for name in COMPILED), flush=True)
+        (args.out / "op_count_compiled.json").write_text(json.dumps(result, indent=1))
+    result["provenance"] = finish(result["provenance"])
+    (args.out / "op_count_compiled.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--families", nargs="*", default=None, help="default: every aligning family")
@@ -87,16 +146,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size", type=int, default=224, help="mixers: image side in pixels")
     p.add_argument("--patch", type=int, default=16, help="mixers: cell (token) side in pixels; 4 lets --size 32 hold BEiT's blocks")
     p.add_argument("--example", action="store_true", help="the registry's tiny 32 px models instead of benchmarks/_families.py's")
+    p.add_argument("--compiled", action="store_true",
+                   help="compiled steps (inductor, CPU): generated kernels and extern calls; --families default: "
+                        + " ".join(COMPILED_FAMILIES))
     p.add_argument("--out", type=Path, default=Path("runs/op_count"))
     args = p.parse_args(argv)
     if args.mixers is not None:
         return _count_mixers(args)
     args.batch_size = args.batch_size or 2
     models = _families.family_models()
-    names = args.families or list(models)
+    names = args.families or list(COMPILED_FAMILIES if args.compiled else models)
     unknown = [n for n in names if n not in models]
     if unknown:
         raise SystemExit(f"--families: no such family {unknown}; choose from {', '.join(models)}")
+    if args.compiled:
+        return _main_compiled(args, names)
     result: dict[str, Any] = {"provenance": provenance(), "batch_size": args.batch_size, "families": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for family in names:

@@ -15,12 +15,17 @@ trains on batches from a mixer. For every family's registry model this file chec
   (``KINDS``), the ``slow`` run every family (``pytest -m slow tests/test_compile.py``);
 - the route CUDA takes under ``torch.compile`` (``separate``: two plain SDPA calls) traces whole too;
 - compiling warns about none of the label path's code (dynamo warned once per ``functools.lru_cache`` it met:
-  ``mixlabels._shape_cache``).
+  ``mixlabels._shape_cache``);
+- in a fresh process the first step's compile serves the next steps (einops' per-type backend store, which dynamo
+  guards, no longer grows while the first step is traced).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import warnings
 from typing import Any
 
@@ -108,6 +113,30 @@ KINDS = ["vit", "swin", "resnet", "convnext", "pvt_v2", "maxxvit", "efficientvit
 def _every(kinds: list[str]) -> list[Any]:
     """Every family, those outside ``kinds`` marked slow."""
     return [pytest.param(f, id=f.name, marks=() if f.name in kinds else pytest.mark.slow) for f in ALIGNING]
+
+
+_FRESH = """
+import torch
+import mixlabels
+from mixlabels import backbones
+from mixlabels.strategies import CutMix
+
+torch.manual_seed(0)
+model = next(f for f in backbones.FAMILIES if f.name == {name!r}).example().train()
+compiled = torch.compile(backbones.adapt(model, mixlabels.TLAlign()), backend="eager", fullgraph=True)
+mixer = CutMix(10)
+for step in range(3):  # the first step compiles; the others, other boxes, must not trace again
+    with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
+        compiled(*mixer(torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))).loss().backward()
+"""
+
+
+@pytest.mark.parametrize("name", ["convnext"])  # it rearranges a parameter (its layer scale)
+def test_a_fresh_process_compiles_its_first_step_once(name: str) -> None:
+    """No eager step first (the other tests' eager step warmed every cache a trace reads): what a user's script does."""
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_FRESH.format(name=name))], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("family", _every(KINDS))

@@ -46,6 +46,35 @@ def test_op_count_counts_what_the_label_path_adds() -> None:
     assert row["top_added"] and all(n > 0 for _, n in row["top_added"])
 
 
+def test_compiled_calls_count_generated_kernels_and_extern_operators() -> None:
+    """A compiled conv, relu and sum: one extern convolution a call, the rest generated kernels (inductor)."""
+    from benchmarks._compiled_count import count_compiled_calls, is_aten_operator
+
+    weight = torch.randn(4, 3, 3, 3)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.conv2d(x, weight, padding=1).relu().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f)
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(compiled(x), f(x))
+    counted = count_compiled_calls(lambda: compiled(x) and None, steps=3)
+    assert counted["extern"] == {"convolution": 1.0}
+    assert counted["kernels"] >= 1 and counted["launches"] == counted["kernels"] + 1
+    assert is_aten_operator("mm") and not is_aten_operator("is_grad_enabled") and not is_aten_operator("empty_strided")
+
+
+@pytest.mark.slow
+def test_op_count_compiled_counts_each_label_conv_route() -> None:
+    row = op_count.count_compiled_step("resnet18", steps=1)
+    assert set(row["ratios"]) == {"tlalign/conv", "tlalign/shifted"}
+    base, conv, shifted = row["cutmix"], row["tlalign/conv"], row["tlalign/shifted"]
+    assert shifted["extern"]["convolution"] == base["extern"]["convolution"]  # no label convolution left
+    assert conv["extern"]["convolution"] > base["extern"]["convolution"]
+    assert base["launches"] < shifted["launches"] < conv["launches"]
+
+
 def test_speed_gpu_suite_and_op_count_build_their_steps_with_one_builder(monkeypatch: pytest.MonkeyPatch) -> None:
     """speed.py's step timing, the GPU suite's Steps and op_count's count_step all set up ``TrainingSteps``."""
     built: list[str] = []
@@ -118,6 +147,32 @@ def test_profile_adds_each_variants_kernel_table(tmp_path: Path) -> None:
         assert table["per_step_ms"] > 0 and table["launches_per_step"] >= len(table["top"]) > 0
         times = [row["ms_per_step"] for row in table["top"]]
         assert times == sorted(times, reverse=True) and sum(times) <= table["per_step_ms"] + 1e-9
+
+
+def test_family_routes_reach_the_compiled_pair_and_a_step_takes_either_kind_of_route(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--family-routes label-convs=conv: each family's compiled pair times TL-Align by that route too; a step takes
+    an attention route or a compiled label conv route, and refuses anything else by name."""
+    from benchmarks import _gpu_steps
+
+    seen: list[Any] = []
+
+    def pair(steps: Any, args: Any, deadline: Any, log: Any, routes: Any = ()) -> dict[str, Any]:
+        seen.append(list(routes))
+        for route in routes:
+            steps.call("tlalign", route)()  # eager here: the route's context is entered and left
+        return {}
+
+    monkeypatch.setattr(gpu_suite, "compiled_pair", pair)
+    gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "resnet", "--family-routes",
+                    "label-convs=conv", "widened", "--out", str(tmp_path)])
+    assert seen == [["label-convs=conv", "widened"]]
+    steps = _gpu_steps.Steps("example:resnet", argparse.Namespace(device="cpu", num_classes=10, batch_size=2))
+    with pytest.raises(ValueError, match="label-convs=shifted"):
+        steps.call("tlalign", "fused")()
+    with pytest.raises(ValueError, match="'shifted' or 'conv'"):
+        steps.call("tlalign", "label-convs=fused")()
 
 
 def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> None:
