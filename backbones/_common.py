@@ -560,8 +560,10 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
 
 def depthwise_route(grid: tuple[int, int]) -> bool:
     """Whether ``conv_chain`` mixes labels on ``grid`` by depthwise convolutions (kernels ``(l, 1, kh, kw)``) rather than
-    by tap matrices (kernels ``(kh, kw)``)."""
-    return grid[0] * grid[1] > _DENSE_CONV_TOKENS
+    by tap matrices (kernels ``(kh, kw)``): on grids over ``_DENSE_CONV_TOKENS`` positions, and on every grid in a
+    graph compiled with shifted label convs (``compiled_shifted``), where the convs fuse and the matrices' products
+    would be extern calls."""
+    return grid[0] * grid[1] > _DENSE_CONV_TOKENS or compiled_shifted()
 
 
 def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: torch.device) -> list[Tensor]:
@@ -603,7 +605,7 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
     with fp32_labels(labels.device):
-        if int(labels.shape[1]) <= _DENSE_CONV_TOKENS:
+        if not depthwise_route(grid):
             y = labels.float()
             for t in _chain_matrices(grid, steps, labels.device):
                 y = mix_tokens(t, y)
@@ -629,7 +631,7 @@ def compiled_label_convs(route: Literal["shifted", "conv"]) -> Iterator[None]:
     inside.
 
     Compiled resnet18 at 224 px, inductor on the CPU: a TL-Align step launches 105 generated kernels and extern
-    calls on the conv route, 79 on the shifted one, CutMix + NoAlign's 62 (``benchmarks/op_count.py --compiled``)."""
+    calls on the conv route, 72 on the shifted one, CutMix + NoAlign's 62 (``benchmarks/op_count.py --compiled``)."""
     if route not in ("shifted", "conv"):
         raise ValueError(f"compiled_label_convs: route must be 'shifted' or 'conv', got {route!r}")
     before = _SHIFTED[0]
@@ -640,14 +642,15 @@ def compiled_label_convs(route: Literal["shifted", "conv"]) -> Iterator[None]:
         _SHIFTED[0] = before
 
 
+def compiled_shifted() -> bool:
+    """Whether this is a graph ``torch.compile`` traces with shifted label convs (``compiled_label_convs``)."""
+    return _SHIFTED[0] and torch.compiler.is_compiling()
+
+
 def shifted_route(*kernels: Tensor) -> bool:
     """Whether label convs with these kernels (``(..., kh, kw)``) are written as shifted sums: traced by
     ``torch.compile``, the route on (``compiled_label_convs``), every kernel at most ``_SHIFTED_TAPS`` taps."""
-    return (
-        _SHIFTED[0]
-        and torch.compiler.is_compiling()
-        and all(int(k.shape[-2]) * int(k.shape[-1]) <= _SHIFTED_TAPS for k in kernels)
-    )
+    return compiled_shifted() and all(int(k.shape[-2]) * int(k.shape[-1]) <= _SHIFTED_TAPS for k in kernels)
 
 
 def shifted_conv(y: Tensor, kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
@@ -722,7 +725,7 @@ def conv_mix_pair(
     """
     with fp32_labels(first.device):
         n = grid[0] * grid[1]
-        if n <= _DENSE_CONV_TOKENS:
+        if not depthwise_route(grid):
             kernel = (int(k_first.shape[0]), int(k_first.shape[1]))
             taps = _tap_matrices(grid, kernel, (padding[0], padding[1]), (dilation[0], dilation[1]), first.device)
             t1 = (k_first.to(taps).reshape(1, -1) @ taps).reshape(n, n)

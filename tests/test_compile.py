@@ -94,7 +94,10 @@ def check_compiles_whole(family: Any, backend: str, tol: float, device: str = "c
     assert_close(got.loss(), want.loss(), atol=tol, rtol=tol)
     assert want_grads and got_grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():
-        assert_close(got_grads[name], grad, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+        # to the gradient's own scale: the compiled label convs round as they fuse (targets within 1e-7), and a
+        # random-init example's gradients reach 1e4 (MobileNetV4's layer scales), where that is 1e-3 absolute
+        scale = max(1.0, float(grad.abs().max()))
+        assert_close(got_grads[name], grad, atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}")
     with torch.compiler.set_stance("fail_on_recompile"):  # other boxes, lambdas, partners: no new trace
         for images, label_map in others:
             again, _ = step(compiled, images, label_map)  # type: ignore[arg-type]

@@ -21,7 +21,9 @@ from torch.testing import assert_close
 
 import mixlabels
 from mixlabels import TLAlign, TokenLabelMap, backbones
-from mixlabels.backbones._common import _SHIFTED_TAPS, compiled_label_convs, conv_mix_pair, conv_steps_on_grid, shifted_conv
+from mixlabels.backbones._common import (
+    _SHIFTED_TAPS, compiled_label_convs, conv_chain, conv_mix_pair, conv_steps_on_grid, shifted_conv,
+)
 from mixlabels.backbones._windows import as_grid
 from mixlabels.backbones.families.efficientvit_mit import head_conv_mix
 from test_fold import _float64_steps  # each step's depthwise conv in float64, divided by its in-grid tap weight
@@ -93,6 +95,20 @@ def test_compiled_label_convs_are_shifted_sums_equal_to_eager(geometry: tuple[tu
     kept, graphs = _compiled(conv_steps_on_grid, y, steps, route="conv")
     assert graphs.convs() == 4  # each step's convolution and its in-grid tap weight's
     assert_close(kept, eager, rtol=0, atol=1e-6)
+
+
+def test_small_grids_compiled_take_the_shifted_sums_not_the_tap_matrices() -> None:
+    """Eager mode mixes a small grid's labels by tap matrices (products); compiled, by the same fused sums."""
+    grid = (7, 7)
+    labels = _rand(2, 49, 3, seed=13)
+    labels = labels / labels.sum(-1, keepdim=True)
+    k = _rand(3, 3, seed=14)
+    steps = [(k / k.sum(), (1, 1), (1, 1)), (k.T / k.sum(), (2, 2), (2, 2))]
+    got, graphs = _compiled(conv_chain, labels, grid, steps)
+    products = sum(1 for gm in graphs.graphs for n in gm.graph.nodes if n.op == "call_function"
+                   and any(name in str(n.target) for name in ("mm", "matmul", "bmm")))
+    assert graphs.convs() == 0 and products == 0
+    assert_close(got, conv_chain(labels, grid, steps), rtol=0, atol=1e-6)
 
 
 def test_kernels_over_the_tap_limit_stay_convolutions() -> None:
