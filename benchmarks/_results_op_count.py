@@ -37,14 +37,15 @@ def render_compiled_count(summary: dict[str, Any]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for family, row in summary["families"].items():
         base, conv, shifted = row["cutmix"], row["tlalign/conv"], row["tlalign/shifted"]
-
-        def launches(r: dict[str, Any]) -> str:
-            return f"{r['launches']:.0f} ({r['kernels']:.0f} generated)"
-
         convs = " / ".join(f"{r['extern'].get('convolution', 0):.0f}" for r in (base, conv, shifted))
-        lines.append(f"| {family} | {row['model']} | {launches(base)} | {launches(conv)} | {row['ratios']['tlalign/conv']:.3f} | "
-                     f"{launches(shifted)} | {row['ratios']['tlalign/shifted']:.3f} | {convs} |")
+        lines.append(f"| {family} | {row['model']} | {_launches(base)} | {_launches(conv)} | {row['ratios']['tlalign/conv']:.3f} | "
+                     f"{_launches(shifted)} | {row['ratios']['tlalign/shifted']:.3f} | {convs} |")
     return "\n".join(lines)
+
+
+def _launches(counted: dict[str, Any]) -> str:
+    """A compiled step's launches, with how many of them inductor generated."""
+    return f"{counted['launches']:.0f} ({counted['kernels']:.0f} generated)"
 
 
 def summarize_op_count(path: Path) -> tuple[str, dict[str, Any]]:
