@@ -670,6 +670,13 @@ def shifted_conv(y: Tensor, kernel: Tensor, padding: tuple[int, int], dilation: 
     return out
 
 
+def shifted_mix(y: Tensor, kernel: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """``shifted_conv`` of ``y`` divided by that of ones over its grid: a label conv renormalised by its in-grid tap
+    weight, as sums a compiler fuses into one kernel (the route a compiled graph takes: ``shifted_route``)."""
+    ones = _ones((1, 1, int(y.shape[-2]), int(y.shape[-1])), y.device)
+    return shifted_conv(y, kernel, padding, dilation) / shifted_conv(ones, kernel, padding, dilation)
+
+
 def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Tensor | None] | None = None) -> Tensor:
     """Labels viewed ``(b, l, h, w)`` (``as_grid``) through one depthwise convolution per step (a group per label
     channel), each divided by its in-grid tap weight: three operators a step, two where ``masses`` holds the step's
@@ -685,10 +692,9 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
     with fp32_labels(y.device):
         batch, h, w = int(y.shape[0]), int(y.shape[2]), int(y.shape[3])
         if shifted_route(*(k for k, _, _ in steps)):
-            ones = _ones((1, 1, h, w), y.device)
             for kernel, padding, dilation in steps:
                 k = (kernel if kernel.dim() == 2 else kernel[0, 0]).to(y)  # an expanded kernel: every row is the kernel
-                y = shifted_conv(y, k, padding, dilation) / shifted_conv(ones, k, padding, dilation)
+                y = shifted_mix(y, k, padding, dilation)
             return y
         f = folded(y)  # position-major labels: each conv over the whole batch's labels as b * l channels
         z = y if f is None else f

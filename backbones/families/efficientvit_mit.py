@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, shifted_conv, shifted_route, start_on_stem
+from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, shifted_mix, shifted_route, start_on_stem
 from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
@@ -194,8 +194,7 @@ def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, paddin
     with fp32_labels(labels.device):
         y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
         if shifted_route(kernels):  # compiled: shifted sums, fused (see ``shifted_conv``)
-            ones = _ones((1, 1, grid[0], grid[1]), y.device)
-            mixed = shifted_conv(y, kernels.float(), padding, dilation) / shifted_conv(ones, kernels.float(), padding, dilation)
+            mixed = shifted_mix(y, kernels.float(), padding, dilation)
             return rearrange(mixed, "(b l) g h w -> b g (h w) l", l=labels.shape[-1])
         k = rearrange(kernels.float(), "g kh kw -> g 1 kh kw")
         mass = F.conv2d(_ones((1, 1, grid[0], grid[1]), y.device), k, padding=padding, dilation=dilation)  # 1 g h w
