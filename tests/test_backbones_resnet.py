@@ -124,3 +124,36 @@ def test_timm_names_adapt_and_refusals() -> None:
         resnest = timm.create_model("resnest14d", pretrained=False)
     with pytest.raises(TypeError, match="block 0 is ResNestBottleneck; only timm's BasicBlock and Bottleneck"):
         backbones.AdaptedResNet(resnest, TLAlign())
+
+
+class _ClassLevel(nn.Module):
+    grad_checkpointing = True  # a class-level switch, not set on the instance
+
+
+class _Property(nn.Module):
+    @property
+    def grad_checkpointing(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("where", ["model", "instance", "class", "property"])
+def test_gradient_checkpointing_anywhere_is_refused(where: str) -> None:
+    """The check reads each module's own dict (the fast way): a switch set by timm, on any module, at class level or
+    as a property is found all the same, and the step refused."""
+    model = make("resnet_d")
+    if where == "model":
+        model.set_grad_checkpointing(True)  # type: ignore[operator]
+    elif where == "instance":
+        model.layer2[0].grad_checkpointing = True
+    else:
+        model.layer3[0].extra = _ClassLevel() if where == "class" else _Property()
+    images, lm = cutmix_batch()
+    with pytest.raises(RuntimeError, match="gradient checkpointing re-runs block forwards"):
+        backbones.adapt(model, TLAlign())(images, lm)
+    model_off = make("resnet_d")
+    model_off.layer3[0].extra = _ClassLevel()
+    _ClassLevel.grad_checkpointing = False
+    try:
+        backbones.adapt(model_off, TLAlign())(images, lm)  # off everywhere: runs
+    finally:
+        _ClassLevel.grad_checkpointing = True

@@ -16,6 +16,8 @@ trains on batches from a mixer. For every family's registry model this file chec
 - the route CUDA takes under ``torch.compile`` (``separate``: two plain SDPA calls) traces whole too;
 - compiling warns about none of the label path's code (dynamo warned once per ``functools.lru_cache`` it met:
   ``mixlabels._shape_cache``);
+- a smaller last batch (a loader without ``drop_last``) compiles once more, with the batch size symbolic, and that
+  graph serves every other size, equal to eager;
 - in a fresh process the first step's compile serves the next steps (einops' per-type backend store, which dynamo
   guards, no longer grows while the first step is traced).
 """
@@ -45,14 +47,15 @@ PACKAGE = os.path.dirname(os.path.abspath(mixlabels.__file__))  # the backbones'
 ALIGNING = [f for f in FAMILIES if f.name != "any"]
 
 
-def batches(n: int, device: str = "cpu") -> list[tuple[torch.Tensor, Any]]:
-    """``n`` CutMix batches with fresh boxes, lambdas and partners (what a training loop feeds)."""
+def batches(n: int, device: str = "cpu", sizes: tuple[int, ...] = (B,)) -> list[tuple[torch.Tensor, Any]]:
+    """``n`` CutMix batches with fresh boxes, lambdas and partners (what a training loop feeds), of ``sizes`` in turn."""
     gen = torch.Generator().manual_seed(0)
     mixer = CutMix(C, alpha=1.0, label_smoothing=0.1)
     out = []
-    for _ in range(n):
-        images = torch.randn(B, 3, IMG, IMG, generator=gen).to(device)
-        labels = torch.randint(0, C, (B,), generator=gen).to(device)
+    for i in range(n):
+        size = sizes[i % len(sizes)]
+        images = torch.randn(size, 3, IMG, IMG, generator=gen).to(device)
+        labels = torch.randint(0, C, (size,), generator=gen).to(device)
         params = mixer.sample(images.shape, generator=gen, device=device)
         out.append(mixer.mix(images, labels, params))
     return out
@@ -145,6 +148,31 @@ def test_a_fresh_process_compiles_its_first_step_once(name: str) -> None:
 @pytest.mark.parametrize("family", _every(KINDS))
 def test_training_step_compiles_as_one_graph_once_and_equals_eager(family: Any) -> None:
     check_compiles_whole(family, "eager", tol=1e-5)  # dynamo's trace: the whole forward and loss
+
+
+def check_other_batch_sizes(family: Any, backend: str, tol: float) -> None:
+    """A loader without ``drop_last`` (torchvision's reference scripts) ends each epoch on a smaller batch. Dynamo
+    then compiles once more, with the batch size symbolic, and that graph must serve every other size: the label path
+    may not specialise on the batch (an ``int`` of it that guards, a shape-keyed cache read in the trace)."""
+    torch._dynamo.reset()
+    adapted = backbones.adapt(family.example().train(), TLAlign())
+    compiled = torch.compile(adapted, backend=backend, fullgraph=True)
+    sizes = (B, 3, 2, 5, B)  # the full batch, the last one (compiled again), then sizes the symbolic graph serves
+    for i, (images, label_map) in enumerate(batches(len(sizes), sizes=sizes)):
+        with torch.compiler.set_stance("fail_on_recompile" if i >= 2 else "default"):
+            got, got_grads = step(compiled, images, label_map)  # type: ignore[arg-type]
+        want, want_grads = step(adapted, images, label_map)
+        assert_close(got.target, want.target, atol=tol, rtol=tol, msg=lambda m: f"batch of {sizes[i]}: {m}")
+        assert_close(got.loss(), want.loss(), atol=tol, rtol=tol, msg=lambda m: f"batch of {sizes[i]}: {m}")
+        assert got_grads.keys() == want_grads.keys()
+        for name, grad in want_grads.items():
+            scale = max(1.0, float(grad.abs().max()))  # see check_compiles_whole
+            assert_close(got_grads[name], grad, atol=tol * scale, rtol=tol, msg=lambda m: f"batch of {sizes[i]}, {name}: {m}")
+
+
+@pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"]))
+def test_a_smaller_last_batch_compiles_once_more_and_serves_every_size(family: Any) -> None:
+    check_other_batch_sizes(family, "eager", tol=1e-5)
 
 
 @pytest.mark.parametrize("family", _every(["vit", "swin", "resnet"]))
