@@ -16,6 +16,7 @@ trains on batches from a mixer. For every family's registry model this file chec
 - the route CUDA takes under ``torch.compile`` (``separate``: two plain SDPA calls) traces whole too;
 - compiling warns about none of the label path's code (dynamo warned once per ``functools.lru_cache`` it met:
   ``mixlabels._shape_cache``);
+- under CPU bf16 autocast the compiled targets stay fp32 and equal eager's;
 - a smaller last batch (a loader without ``drop_last``) compiles once more, with the batch size symbolic, and that
   graph serves every other size, equal to eager;
 - in a fresh process the first step's compile serves the next steps (einops' per-type backend store, which dynamo
@@ -173,6 +174,22 @@ def check_other_batch_sizes(family: Any, backend: str, tol: float) -> None:
 @pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"]))
 def test_a_smaller_last_batch_compiles_once_more_and_serves_every_size(family: Any) -> None:
     check_other_batch_sizes(family, "eager", tol=1e-5)
+
+
+@pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"]))
+def test_compiled_under_bf16_autocast_keeps_fp32_labels_and_equals_eager(family: Any) -> None:
+    """timm's ``--amp --amp-dtype bfloat16`` with ``--torchcompile``: the label path turns autocast off inside the
+    graph as it does eagerly (``fp32_labels``), so the targets stay fp32 and equal eager's under the same autocast."""
+    torch._dynamo.reset()
+    adapted = backbones.adapt(family.example().train(), TLAlign())
+    compiled = torch.compile(adapted, backend="aot_eager", fullgraph=True)
+    for images, label_map in batches(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, _ = step(compiled, images, label_map)  # type: ignore[arg-type]
+            want, _ = step(adapted, images, label_map)
+        assert got.target.dtype == torch.float32
+        assert_close(got.target, want.target, atol=1e-6, rtol=1e-6)
+        assert_close(got.loss(), want.loss(), atol=1e-2, rtol=1e-2)  # bf16 logits: the graph may fuse their casts
 
 
 @pytest.mark.parametrize("family", _every(["vit", "swin", "resnet"]))
