@@ -17,7 +17,6 @@ Shapes: ``b`` batch, ``k`` sources, ``mh mw`` mask cells, ``h w`` a token grid, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -68,6 +67,16 @@ class Mask(Protocol):
     def pin_memory(self) -> Mask: ...
 
 
+def _lcm(a: int, b: int) -> int:
+    """``math.lcm`` of two sizes, by Euclid's loop: under ``torch.compile(dynamic=True)`` sizes arrive symbolic, which
+    ``math.lcm`` refuses (a graph break), while the loop's comparisons make dynamo specialise them (grids are
+    constants of the trace)."""
+    x, y = a, b
+    while y:
+        x, y = y, x % y
+    return a * b // x
+
+
 def _cell_windows(windows: Tensor, cells: int) -> Tensor:
     """Per-axis pixel windows ``(h, H)`` as windows over the mask's ``cells`` along that axis: ``(h, cells)``
     (a cell's pixels share its weights, so its window weights add up)."""
@@ -86,14 +95,14 @@ def _token_overlap_constants(cells: tuple[int, int], grid: tuple[int, int], devi
     ends: list[int] = []
     bounds: tuple[list[int], list[int]] = ([], [])
     for axis, (c, t) in enumerate(zip(cells, grid)):
-        fine = math.lcm(c, t)
+        fine = _lcm(c, t)
         per_token = fine // t
         scale += [fine // c] * t
         starts += [i * per_token for i in range(t)]
         ends += [(i + 1) * per_token for i in range(t)]
         bounds[0].extend([2 * axis] * t)
         bounds[1].extend([2 * axis + 1] * t)
-    total = (math.lcm(cells[0], grid[0]) // grid[0]) * (math.lcm(cells[1], grid[1]) // grid[1])
+    total = (_lcm(cells[0], grid[0]) // grid[0]) * (_lcm(cells[1], grid[1]) // grid[1])
     return (torch.tensor(bounds, device=device), torch.tensor(scale, device=device), torch.tensor(starts, device=device),
             torch.tensor(ends, device=device), total)
 
@@ -125,7 +134,7 @@ def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
     """
     h, w = grid
     mh, mw = cells.shape[2:]
-    lh, lw = math.lcm(mh, h), math.lcm(mw, w)
+    lh, lw = _lcm(mh, h), _lcm(mw, w)
     if lh != mh or lw != mw:
         cells = repeat(cells, "b k mh mw -> b k (mh rh) (mw rw)", rh=lh // mh, rw=lw // mw)
     return reduce(cells, "b k (h ph) (w pw) -> b (h w) k", "mean", h=h, w=w)

@@ -18,7 +18,7 @@ trains on batches from a mixer. For every family's registry model this file chec
   ``mixlabels._shape_cache``);
 - under CPU bf16 autocast the compiled targets stay fp32 and equal eager's;
 - a smaller last batch (a loader without ``drop_last``) compiles once more, with the batch size symbolic, and that
-  graph serves every other size, equal to eager;
+  graph serves every other size, equal to eager; ``dynamic=True`` compiles whole too;
 - in a fresh process the first step's compile serves the next steps (einops' per-type backend store, which dynamo
   guards, no longer grows while the first step is traced).
 """
@@ -151,13 +151,15 @@ def test_training_step_compiles_as_one_graph_once_and_equals_eager(family: Any) 
     check_compiles_whole(family, "eager", tol=1e-5)  # dynamo's trace: the whole forward and loss
 
 
-def check_other_batch_sizes(family: Any, backend: str, tol: float) -> None:
+def check_other_batch_sizes(family: Any, backend: str, tol: float, dynamic: bool | None = None) -> None:
     """A loader without ``drop_last`` (torchvision's reference scripts) ends each epoch on a smaller batch. Dynamo
     then compiles once more, with the batch size symbolic, and that graph must serve every other size: the label path
-    may not specialise on the batch (an ``int`` of it that guards, a shape-keyed cache read in the trace)."""
+    may not specialise on the batch (an ``int`` of it that guards, a shape-keyed cache read in the trace).
+    ``dynamic=True``: every size symbolic from the first trace (the grids' sizes too, which the label path
+    specialises: constants of the trace), whole all the same."""
     torch._dynamo.reset()
     adapted = backbones.adapt(family.example().train(), TLAlign())
-    compiled = torch.compile(adapted, backend=backend, fullgraph=True)
+    compiled = torch.compile(adapted, backend=backend, fullgraph=True, dynamic=dynamic)
     sizes = (B, 3, 2, 5, B)  # the full batch, the last one (compiled again), then sizes the symbolic graph serves
     for i, (images, label_map) in enumerate(batches(len(sizes), sizes=sizes)):
         with torch.compiler.set_stance("fail_on_recompile" if i >= 2 else "default"):
@@ -174,6 +176,13 @@ def check_other_batch_sizes(family: Any, backend: str, tol: float) -> None:
 @pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"]))
 def test_a_smaller_last_batch_compiles_once_more_and_serves_every_size(family: Any) -> None:
     check_other_batch_sizes(family, "eager", tol=1e-5)
+
+
+@pytest.mark.parametrize("family", _every(["vit", "convnext", "swin"]))
+def test_dynamic_true_compiles_whole_and_equals_eager(family: Any) -> None:
+    """``torch.compile(dynamic=True)``: sizes arrive symbolic, the mask's grid and the token grid among them (a graph
+    break at ``math.lcm`` of them in 24 families, before ``_mask._lcm``)."""
+    check_other_batch_sizes(family, "eager", tol=1e-5, dynamic=True)
 
 
 @pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"]))
