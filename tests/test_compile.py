@@ -181,7 +181,7 @@ def test_a_smaller_last_batch_compiles_once_more_and_serves_every_size(family: A
 @pytest.mark.parametrize("family", _every(["vit", "convnext", "swin"]))
 def test_dynamic_true_compiles_whole_and_equals_eager(family: Any) -> None:
     """``torch.compile(dynamic=True)``: sizes arrive symbolic, the mask's grid and the token grid among them (a graph
-    break at ``math.lcm`` of them in 24 families, before ``_mask._lcm``)."""
+    break at ``math.lcm`` of them in 23 families, before ``_mask._lcm``)."""
     check_other_batch_sizes(family, "eager", tol=1e-5, dynamic=True)
 
 
