@@ -94,15 +94,16 @@ def _token_overlap_constants(cells: tuple[int, int], grid: tuple[int, int], devi
     starts: list[int] = []
     ends: list[int] = []
     bounds: tuple[list[int], list[int]] = ([], [])
+    total = 1
     for axis, (c, t) in enumerate(zip(cells, grid)):
         fine = _lcm(c, t)
         per_token = fine // t
+        total *= per_token
         scale += [fine // c] * t
         starts += [i * per_token for i in range(t)]
         ends += [(i + 1) * per_token for i in range(t)]
         bounds[0].extend([2 * axis] * t)
         bounds[1].extend([2 * axis + 1] * t)
-    total = (_lcm(cells[0], grid[0]) // grid[0]) * (_lcm(cells[1], grid[1]) // grid[1])
     return (torch.tensor(bounds, device=device), torch.tensor(scale, device=device), torch.tensor(starts, device=device),
             torch.tensor(ends, device=device), total)
 
