@@ -38,6 +38,7 @@ from mixlabels._label_map import fp32_labels
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
+from mixlabels.backbones._routes import _byte_route, eager_cpu_routes, launch_routes
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 from mixlabels.backbones._windows import (
     AxisWindow, apply_separable, as_grid, as_tokens, axis_out, axis_windows, chain_matrices, folded, is_position_major, mix_tokens, unfolded,
@@ -331,11 +332,6 @@ _meet_einops_types()
 _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""
 
-_BYTE_ROUTES = [True]
-"""Whether the CPU takes its own routes (the byte-saving ones, ``_byte_route``; folded label convs, ``fold_route``);
-``launch_routes`` turns them off."""
-
-
 def _checkpointing(model: nn.Module) -> bool:
     """Whether any of ``model``'s modules has gradient checkpointing on (timm's ``grad_checkpointing``), checked on
     every forward. Read from each instance's dict, where timm's ``__init__`` and ``set_grad_checkpointing`` put it:
@@ -352,31 +348,6 @@ def _checkpointing(model: nn.Module) -> bool:
         elif hasattr(type(mod), "grad_checkpointing") and getattr(mod, "grad_checkpointing"):
             return True
     return False
-
-
-@contextmanager
-def launch_routes() -> Iterator[None]:
-    """Inside, the label path takes the routes a GPU takes on every device: no CPU-only byte-saving route
-    (``_byte_route``), no folded label convs (``fold_route``). ``benchmarks/op_count.py`` counts the operators so:
-    what a GPU would launch, where the CPU trades launches it does not pay for against bytes it does."""
-    before = _BYTE_ROUTES[0]
-    _BYTE_ROUTES[0] = False
-    try:
-        yield
-    finally:
-        _BYTE_ROUTES[0] = before
-
-
-def _byte_route(device: torch.device, elements: int, threshold: int) -> bool:
-    """Whether weights of ``elements`` on ``device`` take the CPU's byte-saving route: the CPU pays per byte moved
-    (fresh memory is page-faulted in every step) and little per operator, a GPU the other way round."""
-    return device.type == "cpu" and elements >= threshold and _BYTE_ROUTES[0]
-
-
-def eager_cpu_routes(device: torch.device) -> bool:
-    """Whether the label path on ``device`` may take the CPU's own layouts (``fold_route``): the CPU, in eager mode
-    (a compiled graph lays its tensors out as its compiler decides), outside ``launch_routes``."""
-    return device.type == "cpu" and _BYTE_ROUTES[0] and not torch.compiler.is_compiling()
 
 
 def fold_route(y: Tensor, convs: int, *, lasting: bool = False) -> bool:

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixlabels.backbones import attention_with_labels
+from mixlabels.backbones._common import launch_routes
 from mixlabels.backbones._attention import (
     _CPU,
     _CUDA_EFFICIENT,
@@ -21,6 +23,7 @@ from mixlabels.backbones._attention import (
     ROUTES,
     _Kernel,
     _WidenedForward,
+    _head_mean,
     attention_route,
     widened_autograd,
 )
@@ -349,3 +352,36 @@ def test_vit_with_attention_dropout_in_train_mode_aligns_labels_by_the_undropped
     assert not torch.allclose(trained.logits, evaluated.logits)  # dropout acted in train mode
     assert_close(evaluated.target, explicit.target)
     assert_close(trained.target, explicit.target)
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the operators dispatched inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("tokens, labels, d", [(7, 1, 16), (65, 2, 32), (401, 3, 32), (197, 5, 64)])
+def test_head_mean_of_the_wide_output_has_means_bits(heads: int, tokens: int, labels: int, d: int) -> None:
+    """The widened forward's head mean of the label columns (strided: ``l`` of each row's ``d + l`` channels): the
+    CPU adds a few heads' slices in turn (``mean``'s strided reduction takes a slow loop there), with the same bits
+    as ``mean``; with more heads, and under ``launch_routes`` (a GPU's one reduction), ``mean`` itself."""
+    g = torch.Generator().manual_seed(heads * tokens + labels)
+    q, k, v = (torch.randn(3, heads, tokens, d + labels, generator=g) for _ in range(3))
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=0.2)
+    cols = out[..., d:]
+    assert not cols.is_contiguous()
+    want = cols.mean(dim=1, dtype=torch.float32)
+    with _Ops() as ops:
+        got = _head_mean(cols)
+    assert torch.equal(got, want)
+    assert ("mean.dim" in ops.seen) == (heads == 1 or heads > 4)
+    with launch_routes(), _Ops() as ops:
+        got = _head_mean(cols)
+    assert torch.equal(got, want) and ops.seen == ["mean.dim"]

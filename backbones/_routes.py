@@ -1,0 +1,42 @@
+"""Which device's routes the label path takes: the CPU's own (byte-saving, folded layouts, cheap reductions) or the
+ones a GPU takes (fewest launches). ``launch_routes`` turns the CPU's off, so that ``benchmarks/op_count.py`` counts
+on the CPU what a GPU would launch. Apart from ``_common`` so that ``_attention`` (below it) reads the same switch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["eager_cpu_routes", "launch_routes"]
+
+_BYTE_ROUTES = [True]
+"""Whether the CPU takes its own routes (the byte-saving ones, ``_byte_route``; folded label convs, ``fold_route``);
+``launch_routes`` turns them off."""
+
+
+@contextmanager
+def launch_routes() -> Iterator[None]:
+    """Inside, the label path takes the routes a GPU takes on every device: no CPU-only byte-saving route
+    (``_byte_route``), no folded label convs (``fold_route``), no CPU-only head mean (``_attention``).
+    ``benchmarks/op_count.py`` counts the operators so: what a GPU would launch, where the CPU trades launches it does
+    not pay for against bytes it does."""
+    before = _BYTE_ROUTES[0]
+    _BYTE_ROUTES[0] = False
+    try:
+        yield
+    finally:
+        _BYTE_ROUTES[0] = before
+
+
+def _byte_route(device: torch.device, elements: int, threshold: int) -> bool:
+    """Whether weights of ``elements`` on ``device`` take the CPU's byte-saving route: the CPU pays per byte moved
+    (fresh memory is page-faulted in every step) and little per operator, a GPU the other way round."""
+    return device.type == "cpu" and elements >= threshold and _BYTE_ROUTES[0]
+
+
+def eager_cpu_routes(device: torch.device) -> bool:
+    """Whether the label path on ``device`` may take the CPU's own layouts (``fold_route``): the CPU, in eager mode
+    (a compiled graph lays its tensors out as its compiler decides), outside ``launch_routes``."""
+    return device.type == "cpu" and _BYTE_ROUTES[0] and not torch.compiler.is_compiling()
