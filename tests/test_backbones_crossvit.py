@@ -119,3 +119,56 @@ def test_timm_names_adapt_and_refusals() -> None:
     images, lm = cutmix_batch()
     with pytest.raises(TypeError, match="is not a timm CrossVit"):
         AdaptedCrossViT(vit, TLAlign())
+
+
+def _maps() -> dict[str, TokenLabelMap]:
+    """CutMix maps of each mask kind the windowed start weighs: boxes on the pixels (timm's CutMix) and on 4x4 cells
+    (snapped to a grid), cells of a per-pixel mask and of a coarse 8x8 one."""
+    g = torch.Generator().manual_seed(5)
+    partner, labels = torch.arange(B).roll(1), torch.randint(0, C, (B,), generator=g)
+    boxes = torch.tensor([[3, 20, 5, 29], [0, 32, 7, 8]] * (B // 2))
+    coarse = torch.rand(B, 8, 8, generator=g)
+    return {
+        "pixel boxes": TokenLabelMap.from_boxes(boxes, (IMG, IMG), partner, labels, num_classes=C),
+        "cell boxes": TokenLabelMap.from_boxes(boxes // 8, (4, 4), partner, labels, num_classes=C, image_size=(IMG, IMG)),
+        "pixel cells": cutmix_batch()[1],
+        "coarse cells": TokenLabelMap.from_mask(coarse, partner, labels, num_classes=C, image_size=(IMG, IMG)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["pixel boxes", "cell boxes", "pixel cells", "coarse cells"])
+@pytest.mark.parametrize("scheme", ["tl_align", "transmix"])
+def test_windowed_start_of_every_mask_equals_the_pixels_reference(kind: str, scheme: str) -> None:
+    """The labels start on both branches' windows at once (``window_weights``, no per-pixel map): the targets and
+    TransMix's class-attention weights equal the reference's, which starts on the pixels by explicit matrices."""
+    from mixlabels.backbones.families.crossvit import _start
+
+    model, lm = make(drop_path_rate=0.4).train(), _maps()[kind]
+    start, sizes = _start(model, lm, (IMG, IMG))
+    assert start.pixels is None and start.layout.pixel_windows is not None and sizes == [64, 9]
+    images = lm.mix_pixels(torch.randn(B, 3, IMG, IMG, generator=torch.Generator().manual_seed(2)))
+    torch.manual_seed(1)
+    a = backbones.adapt(model, SCHEMES[scheme])(images, lm)
+    torch.manual_seed(1)
+    b = backbones.adapt(model, SCHEMES[scheme], reference=True)(images, lm)
+    assert_close(a.target, b.target, rtol=1e-5, atol=1e-6)
+    assert (a.target - lm.image_targets()).abs().max() > 1e-3
+
+
+def test_annotator_token_targets_start_on_the_pixels() -> None:
+    """Annotator maps start on the pixels (a layout's windows take none): that route equals the reference too."""
+    from mixlabels.backbones.families.crossvit import _start
+
+    model = make(drop_path_rate=0.4).train()
+    images, lm = cutmix_batch()
+    lm = lm.with_token_targets(torch.rand(B, IMG, IMG, C, generator=torch.Generator().manual_seed(3)).softmax(-1))
+    start, _ = _start(model, lm, (IMG, IMG))
+    assert start.pixels is not None and start.layout.grid == (IMG, IMG)
+    for scheme in ("tokens", "tokens_aligned"):
+        torch.manual_seed(1)
+        a = backbones.adapt(model, SCHEMES[scheme])(images, lm)
+        torch.manual_seed(1)
+        b = backbones.adapt(model, SCHEMES[scheme], reference=True)(images, lm)
+        assert a.token_target is not None and b.token_target is not None
+        assert_close(a.target, b.target, rtol=1e-5, atol=1e-6)
+        assert_close(a.token_target, b.token_target, rtol=1e-5, atol=1e-6)

@@ -74,6 +74,11 @@ fast-path pairs of cspnet, ghostnet, mobilenetv3 and repghost moved (the example
 examples' first grids are the only ones over ``_DENSE_CONV_TOKENS``), by at most 6e-8, no logits, no reference pair;
 compared tensor by tensor against ``910faee`` under AVX2 kernels (``tests/test_fold.py`` holds the folded walk at
 64 px, where 29 families fold, against the unfolded walk and the reference path).
+
+Rewritten for session 51's CrossViT start (the labels start on both branches' windows at once, weighed from the mask
+by ``window_weights``, not on a per-pixel label map aggregated by each branch's matrices): 3 fast-path pairs of
+crossvit moved (TransMix's target, both TokenLabeling token targets), by at most 6e-8, no logits, no reference pair;
+compared tensor by tensor against ``5bcb0d0``.
 """
 
 from __future__ import annotations

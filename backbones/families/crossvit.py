@@ -10,7 +10,9 @@ branches embed the same mixed image, so their patch labels come from the same pi
   aggregates: every conv sums its window's labels and renormalises.
 
 Both are separable, so each branch's start is ``(M_h (x) M_w) Y_pixels`` with per-axis
-row-stochastic ``M`` (one ``aggregate`` event from the pixels). Class tokens start on the
+row-stochastic ``M``: the mask weighs its boxes or cells under both branches' windows at
+once, without a per-pixel label map (``_Start``; annotator token targets start on the
+pixels, one ``aggregate`` event from there). Class tokens start on the
 image target (the sum over all pixels). A branch's self-attention ``Block`` mixes its own
 segment by the head-mean attention (Eq. 9); the channel projections of the class tokens
 (``projs``, ``revert_projs``) leave labels alone; a fusion ``CrossAttentionBlock`` lets
@@ -32,6 +34,7 @@ Shapes: ``b`` batch, ``n`` tokens, ``h w`` pixels, ``p q`` a branch's patch grid
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +47,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
+from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._windows import apply_separable
@@ -124,20 +128,111 @@ def _conv_axis(size: int, kernel: int, stride: int, padding: int) -> Tensor:
 
 def branch_start_matrices(m: Any, image_size: tuple[int, int]) -> list[tuple[Tensor, Tensor]]:
     """Per branch, ``(M_h, M_w)`` float64, row-stochastic: pixels to patch tokens along each axis."""
+    return [(mh.clone(), mw.clone()) for mh, mw in _start_matrices(_start_geometry(m), image_size)]
+
+
+_Geometry = tuple[tuple[tuple[int, int], bool, tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...]], ...]
+"""Per branch: the scaled image size, ``crop_scale``, and every patch-embedding conv's (kernel, stride, padding) per
+axis: all the label starts depend on."""
+
+
+def _start_geometry(m: Any) -> _Geometry:
+    def axis(c: Any, a: int) -> tuple[int, int, int]:
+        return int(c.kernel_size[a]), int(c.stride[a]), int(c.padding[a])
+
+    return tuple(
+        ((int(m.img_size_scaled[i][0]), int(m.img_size_scaled[i][1])), bool(m.crop_scale),
+         tuple((axis(c, 0), axis(c, 1)) for c in _stem_convs(embed)))
+        for i, embed in enumerate(m.patch_embed)
+    )  # fmt: skip
+
+
+@shape_cache(maxsize=16)
+def _start_matrices(geometry: _Geometry, image_size: tuple[int, int]) -> tuple[tuple[Tensor, Tensor], ...]:
+    """``branch_start_matrices`` of a model of ``geometry`` (``_start_geometry``), built once per image size."""
     starts = []
-    for i, embed in enumerate(m.patch_embed):
-        scaled = m.img_size_scaled[i]
-        axes = [_resample_axis(image_size[a], scaled[a], m.crop_scale) for a in (0, 1)]
-        for conv in _stem_convs(embed):
-            axes = [_conv_axis(ax.shape[0], conv.kernel_size[a], conv.stride[a], conv.padding[a]) @ ax for a, ax in enumerate(axes)]
+    for scaled, crop, convs in geometry:
+        axes = [_resample_axis(image_size[a], scaled[a], crop) for a in (0, 1)]
+        for conv in convs:
+            axes = [_conv_axis(int(ax.shape[0]), *conv[a]) @ ax for a, ax in enumerate(axes)]
         starts.append((axes[0], axes[1]))
-    return starts
+    return tuple(starts)
 
 
-def _start(m: Any, label_map: TokenLabelMap, image_size: tuple[int, int]) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
-    starts = [(mh.to(label_map.device, torch.float32), mw.to(label_map.device, torch.float32))
-              for mh, mw in branch_start_matrices(m, image_size)]  # fmt: skip
-    return starts, [int(mh.shape[0] * mw.shape[0]) for mh, mw in starts]
+@shape_cache(maxsize=16)
+def _pixel_starts(geometry: _Geometry, image_size: tuple[int, int], device: torch.device) -> tuple[tuple[Tensor, Tensor], ...]:
+    """``_start_matrices`` fp32 on ``device``."""
+    return tuple((mh.to(device, torch.float32), mw.to(device, torch.float32)) for mh, mw in _start_matrices(geometry, image_size))
+
+
+@shape_cache(maxsize=16)
+def _window_starts(geometry: _Geometry, image_size: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
+    """The branches' start matrices stacked, ``(p_0 + p_1, H)`` and ``(q_0 + q_1, W)`` fp32 on ``device``; the
+    gather of ``[img, img, cls_0, patches_0, cls_1, patches_1]`` from ``[img, img, grid]`` over their
+    ``(p_0 + p_1) x (q_0 + q_1)`` grid; and each branch's positions in that grid (its diagonal block)."""
+    mats = _start_matrices(geometry, image_size)
+    width = sum(int(mw.shape[0]) for _, mw in mats)
+    blocks, gather, top, left = [], [torch.tensor([0, 1])], 0, 0
+    for i, (mh, mw) in enumerate(mats):
+        p, q = int(mh.shape[0]), int(mw.shape[0])
+        block = ((torch.arange(top, top + p) * width)[:, None] + torch.arange(left, left + q)).reshape(-1)
+        blocks.append(block.to(device))
+        gather += [torch.tensor([i]), block + 2]  # the class token: the image's row
+        top, left = top + p, left + q
+    rows = torch.cat([mh for mh, _ in mats]).to(device, torch.float32)
+    cols = torch.cat([mw for _, mw in mats]).to(device, torch.float32)
+    return rows, cols, torch.cat(gather).to(device), tuple(blocks)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """Where a forward's labels start (``layout``) and how they reach the branches' tokens.
+
+    Without annotator token targets, on the branches' tokens at once: the layout's ``pixel_windows`` are the
+    branches' start matrices stacked, so the mask weighs its boxes or cells under every pair of their rows
+    (``TokenLabelMap.window_weights``: no per-pixel label map, CrossViT-Ti's 240x240 pixels cost 5 of its label
+    work's 30 ms that way), and branch ``i``'s tokens are that grid's ``i``-th diagonal block (the cross blocks'
+    few rows go unread). With them (they start on the pixels), each branch from the pixels by its two matrices."""
+
+    layout: TokenLayout
+    pixels: tuple[tuple[Tensor, Tensor], ...] | None  # per branch (M_h, M_w), on the pixels
+    gather: Tensor | None  # on the stacked windows: the merge's gather
+    blocks: tuple[Tensor, ...]  # on the stacked windows: each branch's positions in the layout's grid
+
+    def merge(self, y: Tensor) -> Tensor:
+        """``[img, img, start grid] -> [img, img, cls_0, patches_0, cls_1, patches_1]`` (the prefix rows stay:
+        read only by the final readout merge)."""
+        if self.pixels is None:
+            assert self.gather is not None
+            return y.index_select(1, self.gather)  # one gather
+        parts = []
+        for i, (mh, mw) in enumerate(self.pixels):
+            parts += [y[:, i : i + 1], apply_separable(y[:, 2:], self.layout.grid, mh, mw)]  # two matmuls, no (b, p, w, l) temporary
+        return torch.cat([y[:, :2]] + parts, dim=1)
+
+    def spread(self, row: Tensor, branch: int) -> Tensor:
+        """A class token's attention over branch ``branch``'s patches ``(b, p*q)``, renormalised, spread over the
+        start grid's positions each patch's labels came from (``row @ (M_h (x) M_w)``): ``(b, h*w)``."""
+        row = row / row.sum(dim=-1, keepdim=True)
+        if self.pixels is None:
+            n = self.layout.grid[0] * self.layout.grid[1]
+            return row.new_zeros(row.shape[0], n).index_copy_(1, self.blocks[branch], row)  # its own block
+        mh, mw = self.pixels[branch]
+        row = rearrange(row, "b (p q) -> b p q", p=mh.shape[0])
+        return rearrange(mh.T @ (row @ mw), "b h w -> b (h w)")  # two matmuls
+
+
+def _start(m: Any, label_map: TokenLabelMap, image_size: tuple[int, int]) -> tuple[_Start, list[int]]:
+    """The forward's ``_Start`` and each branch's token count."""
+    geometry, depth = _start_geometry(m), _depth(m)
+    if label_map.token_targets is None:
+        rows, cols, gather, blocks = _window_starts(geometry, image_size, label_map.device)
+        grid = (int(rows.shape[0]), int(cols.shape[0]))
+        layout = TokenLayout(grid=grid, num_prefix=2, depth=depth, class_token=True, pixel_windows=(rows, cols))
+        return _Start(layout, None, gather, blocks), [int(b.shape[0]) for b in blocks]
+    pixels = _pixel_starts(geometry, image_size, label_map.device)
+    layout = TokenLayout(grid=image_size, num_prefix=2, depth=depth, class_token=True)
+    return _Start(layout, pixels, None, ()), [int(mh.shape[0] * mw.shape[0]) for mh, mw in pixels]
 
 
 def _segments(sizes: list[int]) -> list[tuple[int, int]]:
@@ -200,10 +295,10 @@ class AdaptedCrossViT(AdaptedBase):
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         m: Any = self.model
         size = _refuse_inputs(m, images, label_map)
-        starts, sizes = _start(m, label_map, size)
+        start, sizes = _start(m, label_map, size)
         segs = _segments(sizes)
-        tracker = self.scheme.start(label_map, TokenLayout(grid=size, num_prefix=2, depth=_depth(m), class_token=True))
-        tracker.aggregate(lambda y: self._start_merge(y, starts, size))
+        tracker = self.scheme.start(label_map, start.layout)
+        tracker.aggregate(start.merge)
         xs = m._embed(images)
         base = 0
         for ms in m.blocks:
@@ -214,7 +309,7 @@ class AdaptedCrossViT(AdaptedBase):
                     x = through_hooks(blk, functools.partial(self._block, blk, layer=base + j, tracker=tracker, seg=segs[d]), x)
                 outs.append(x)
             base += max(len(seq) for seq in ms.blocks)
-            xs, base = self._fuse(ms, outs, base, tracker, segs, starts, size), base + len(_fusion_blocks(ms.fusion[0]))
+            xs, base = self._fuse(ms, outs, base, tracker, segs, start), base + len(_fusion_blocks(ms.fusion[0]))
         xs = [norm(x) for norm, x in zip(m.norm, xs)]
         tracker.aggregate(lambda y: self._readout_merge(y, segs))
         tracker.pool("token", 0)
@@ -222,14 +317,6 @@ class AdaptedCrossViT(AdaptedBase):
         token_logits = _heads(m, xs) if self.scheme.needs_token_logits else None
         t = tracker.finish()
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
-
-    @staticmethod
-    def _start_merge(y: Tensor, starts: list[tuple[Tensor, Tensor]], size: tuple[int, int]) -> Tensor:
-        """``[img, img, pixels] -> [cls_0, patches_0, cls_1, patches_1]`` (labels summed; rows renormalised after)."""
-        parts = []
-        for i, (mh, mw) in enumerate(starts):
-            parts += [y[:, i : i + 1], apply_separable(y[:, 2:], size, mh, mw)]  # two matmuls, no (b, p, w, l) temporary
-        return torch.cat([y[:, :2]] + parts, dim=1)  # the prefix rows stay (read only by the final readout merge)
 
     def _readout_merge(self, y: Tensor, segs: list[tuple[int, int]]) -> Tensor:
         """``[read, read, patches_0, patches_1]``: the prefix rows become the branches' readouts summed
@@ -269,7 +356,7 @@ class AdaptedCrossViT(AdaptedBase):
         return x + out
 
     def _fuse(self, ms: Any, outs: list[Tensor], base: int, tracker: LabelTracker, segs: list[tuple[int, int]],
-              starts: list[tuple[Tensor, Tensor]], size: tuple[int, int]) -> list[Tensor]:  # fmt: skip
+              start: _Start) -> list[Tensor]:  # fmt: skip
         """The fusion: each branch's class token attends to the other branch's patches."""
         fused, rows = [], []
         wanted = [base + f for f in range(len(_fusion_blocks(ms.fusion[0]))) if tracker.wants_class_attention(base + f)]
@@ -283,7 +370,7 @@ class AdaptedCrossViT(AdaptedBase):
                 mean = a.detach().float().mean(dim=1)  # b 1 n
                 out, keep = branch(blk.drop_path, _cross_out(blk.attn, a, v))
                 if f == 0 and wanted:  # later fusion blocks attend to the class token alone
-                    rows.append(self._pixel_row(mean[:, 0, 1:], starts[j], size))
+                    rows.append(start.spread(mean[:, 0, 1:], j))
                 mixed = None
                 if y is not None:
                     (ci, _), (cj, ej) = segs[i], segs[j]
@@ -297,14 +384,6 @@ class AdaptedCrossViT(AdaptedBase):
         if rows:
             tracker.class_attention(wanted[0], self._class_row(rows))
         return fused
-
-    @staticmethod
-    def _pixel_row(row: Tensor, start: tuple[Tensor, Tensor], size: tuple[int, int]) -> Tensor:
-        """A class token's attention over a branch's patches ``(b, p*q)``, renormalised, spread over the pixels
-        each patch's labels came from (``row @ (M_h (x) M_w)``): ``(b, h*w)``."""
-        mh, mw = start
-        row = rearrange(row / row.sum(dim=-1, keepdim=True), "b (p q) -> b p q", p=mh.shape[0])
-        return rearrange(mh.T @ (row @ mw), "b h w -> b (h w)")  # two matmuls
 
     @staticmethod
     def _class_row(rows: list[Tensor]) -> Tensor:
