@@ -332,6 +332,7 @@ _meet_einops_types()
 _CHUNK = 1 << 23
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (32 MB in fp32)."""
 
+
 def _checkpointing(model: nn.Module) -> bool:
     """Whether any of ``model``'s modules has gradient checkpointing on (timm's ``grad_checkpointing``), checked on
     every forward. Read from each instance's dict, where timm's ``__init__`` and ``set_grad_checkpointing`` put it:
