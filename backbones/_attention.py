@@ -312,7 +312,8 @@ _CHAINED_HEADS = 4
 
 
 def _head_mean(y: Tensor) -> Tensor:
-    """``mean_h`` of a wide output's label columns ``(b, h, n, l)`` (strided: ``l`` of each row's channels), fp32.
+    """``mean_h`` of a wide output's label columns ``(b, h, n, l)`` (strided: ``l`` of each row's channels), fp32:
+    every route's head mean of ``A_h Y``.
 
     On the CPU in eager mode, for a few fp32 heads, the heads' slices added in turn and divided once: the same
     additions in the same order as ``mean``'s, so the same bits (checked in ``tests/test_attention.py``), where
@@ -455,7 +456,7 @@ def attention_with_labels(
         qw, kw, vw = _widen(q, k, v, labels, 8)
         out_wide = F.scaled_dot_product_attention(qw, kw, vw, attn_mask=attn_mask, scale=scale)
         out, mixed = out_wide[..., :d], out_wide[..., d : d + labels.shape[-1]].detach()
-    return out, mixed.float().mean(dim=1)  # b h n l -> b n l
+    return out, _head_mean(mixed.float())  # b h n l -> b n l
 
 
 def _label_call(q: Tensor, k: Tensor, labels: Tensor, scale: float, mask: Tensor | None) -> Tensor:

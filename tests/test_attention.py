@@ -385,3 +385,5 @@ def test_head_mean_of_the_wide_output_has_means_bits(heads: int, tokens: int, la
     with launch_routes(), _Ops() as ops:
         got = _head_mean(cols)
     assert torch.equal(got, want) and ops.seen == ["mean.dim"]
+    for contiguous in (cols.contiguous(), cols.bfloat16().float()):  # the other routes' slices, an autocast one's
+        assert torch.equal(_head_mean(contiguous), contiguous.mean(dim=1))

@@ -191,8 +191,9 @@ class _Start:
     Without annotator token targets, on the branches' tokens at once: the layout's ``pixel_windows`` are the
     branches' start matrices stacked, so the mask weighs its boxes or cells under every pair of their rows
     (``TokenLabelMap.window_weights``: no per-pixel label map; CrossViT-Ti's 240x240 one and the branches' products
-    from it took about 6 ms of a batch of 8's forward, profiled operator by operator), and branch ``i``'s tokens are that grid's ``i``-th diagonal block (the cross blocks'
-    few rows go unread). With them (they start on the pixels), each branch from the pixels by its two matrices."""
+    from it took about 6 ms of a batch of 8's forward, profiled operator by operator), and branch ``i``'s tokens are
+    that grid's ``i``-th diagonal block (the cross blocks' few rows go unread). With them (they start on the
+    pixels), each branch from the pixels by its two matrices."""
 
     layout: TokenLayout
     pixels: tuple[tuple[Tensor, Tensor], ...] | None  # per branch (M_h, M_w), on the pixels
