@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import timm
 import torch
+from einops import rearrange
 from test_backbones_common import C, IMG, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, set_fused, sharpen
 from torch.testing import assert_close
 
@@ -59,9 +60,16 @@ def test_talking_heads_label_matrix() -> None:
     assert (label_matrix(mixed_heads) >= 0).all()
 
 
-def test_talking_heads_label_mix_equals_the_matrix_product() -> None:
-    """The fast path's one-matmul form (ones column for the row sums) is ``label_matrix(a) @ y``."""
-    a = torch.einsum("gh,bhnm->bgnm", torch.randn(3, 3), torch.softmax(torch.randn(2, 3, 7, 7), dim=-1)) - 0.05
-    y = torch.rand(2, 7, 4)
+@pytest.mark.parametrize("heads, tokens, labels", [(1, 7, 4), (3, 7, 4), (4, 50, 2), (8, 17, 3), (12, 9, 10)])
+def test_talking_heads_label_mix_equals_the_matrix_product(heads: int, tokens: int, labels: int) -> None:
+    """The fast path's one-product form (ones column for the row sums, the labels shared by every query row) is
+    ``label_matrix(a) @ y`` in float64, from the head-mixing linear's own layout as the step gives it."""
+    g = torch.Generator().manual_seed(heads * 100 + tokens)
+    soft = torch.softmax(torch.randn(2, heads, tokens, tokens, generator=g), dim=-1)
+    mix = torch.randn(heads, heads, generator=g)
+    a = rearrange(torch.einsum("gh,bhnm->bnmg", mix, soft) - 0.05, "b n m g -> b g n m")  # proj_w's output, permuted
+    y = torch.rand(2, tokens, labels, generator=g)
     y = y / y.sum(-1, keepdim=True)
-    assert_close(talking_heads_label_mix(a, y), label_matrix(a) @ y)
+    w = a.double().abs()
+    expected = (w / w.sum(-1, keepdim=True)).mean(1) @ y.double()  # Norm(|A'_h|) averaged over heads, float64
+    assert_close(talking_heads_label_mix(a, y).double(), expected, rtol=1e-6, atol=1e-7)
