@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import test_backbones_common
 import timm
@@ -11,7 +13,7 @@ from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
 from mixlabels.backbones._common import conv_mix
-from mixlabels.backbones.families.efficientvit_mit import head_conv_mix, linear_attention_labels
+from mixlabels.backbones.families.efficientvit_mit import _v_kernels, head_conv_mix, linear_attention_labels, value_kernels
 
 CONFIGS = {
     # B series on 32 px: stem 16x16, stages 8x8, 4x4, then LiteMLA on 2x2 (on 4x4 with 64 px images)
@@ -69,6 +71,27 @@ def test_linear_attention_rule() -> None:
     expected[0, 1, 2] = y[0, 2]
     assert_close(linear_attention_labels(q, k, values, y), expected.mean(1))
     assert_close(linear_attention_labels(q, k, values, y).sum(-1), torch.ones(2, 6))
+
+
+def test_value_kernels_of_many_convs_equal_each_convs_own() -> None:
+    """``value_kernels`` reduces the value channels of every conv of one head dim and kernel size in one stack: each
+    conv's kernels are ``_v_kernels``' (the reference's definition), bit for bit and in order, with two head dims and
+    two kernel sizes interleaved."""
+    g = torch.Generator().manual_seed(0)
+    specs = [(8, 5, 4), (4, 5, 2), (8, 3, 4), (8, 5, 6), (4, 5, 3)]  # (head dim, kernel size, heads)
+    convs = []
+    for d, k, heads in specs:
+        c = 3 * d * heads
+        conv = torch.nn.Conv2d(c, c, k, padding=k // 2, groups=c, bias=False)
+        with torch.no_grad():
+            conv.weight.copy_(torch.randn(conv.weight.shape, generator=g))
+            conv.weight[: 3 * d, :, 0, 0] = 0.0  # a head's corner taps all zero: the clamp and the means still agree
+        convs.append((d, conv))
+    got = value_kernels(convs)
+    assert len(got) == len(specs)
+    for (d, conv), kernels, (_, k, heads) in zip(convs, got, specs):
+        assert kernels.shape == (heads, k, k)
+        assert torch.equal(kernels, _v_kernels(SimpleNamespace(dim=d), conv, torch.float32))
 
 
 def test_head_conv_mix_is_conv_mix_per_head() -> None:

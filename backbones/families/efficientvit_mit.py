@@ -35,6 +35,7 @@ Shapes: ``b`` batch, ``g`` heads, ``n`` tokens, ``d`` head dim, ``l`` label chan
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, shifted_mix, shifted_route, start_on_stem
 from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels
+from mixlabels.backbones._windows import as_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._family import Family, tiny
@@ -173,13 +175,14 @@ def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor
     with torch.no_grad(), fp32_labels(q.device):
         b, g, n, d = (int(s) for s in q.shape)
         # heads folded into the batch: ``bmm`` dispatches one operator where a 4-d ``@`` dispatches about six; no
-        # detach (no graph is recorded here)
+        # detach (no graph is recorded here). A ones column on the values makes the same two products give the row
+        # sums ``relu(q_i) sum_j relu(k_j)`` beside the numerators (timm's own attention pads its values so)
         q3, k3 = q.float().reshape(b * g, n, d), k.float().reshape(b * g, n, d)
-        num = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), values.float().reshape(b * g, n, -1)))  # (b g) n l
-        den = torch.bmm(q3, k3.sum(dim=1).unsqueeze(-1))  # (b g) n 1: the row sums
+        padded = F.pad(values.float().reshape(b * g, n, -1), (0, 1), value=1.0)  # (b g) n (l + 1)
+        both = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), padded)).view(b, g, n, -1)  # b g n (l + 1)
+        num, den = both[..., :-1], both[..., -1:]
         # a zero row's 0 / 0 is not taken; the token's own labels broadcast over the heads
-        rows = torch.where(den.view(b, g, n, 1) > 0, num.view(b, g, n, -1) / den.view(b, g, n, 1), labels.float().unsqueeze(1))
-        return rows.mean(dim=1)
+        return torch.where(den > 0, num / den, labels.float().unsqueeze(1)).mean(dim=1)
 
 
 def _v_kernels(mla: Any, conv: nn.Conv2d, dtype: torch.dtype) -> Tensor:
@@ -189,17 +192,60 @@ def _v_kernels(mla: Any, conv: nn.Conv2d, dtype: torch.dtype) -> Tensor:
         return (w / w.sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(dtype).tiny)).mean(dim=1)
 
 
+def value_kernels(convs: Sequence[tuple[int, nn.Conv2d]]) -> list[Tensor]:
+    """``_v_kernels`` of many multi-scale depthwise convs ``(head dim, conv)`` at once, fp32 ``(g, kh, kw)`` each, in
+    order: the value channels of every conv of one head dim and kernel size in one stack, reduced together (about
+    six operators a stack where ``_v_kernels`` takes five a conv), the same bits as conv by conv."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, (d, conv) in enumerate(convs):
+        groups.setdefault((d, int(conv.weight.shape[-2]), int(conv.weight.shape[-1])), []).append(i)
+    out: list[Tensor | None] = [None] * len(convs)
+    with torch.no_grad():  # no graph, and no detach dispatched
+        for (d, _, _), members in groups.items():
+            parts = [rearrange(convs[i][1].weight, "(g three d) 1 kh kw -> g three d kh kw", three=3, d=d)[:, 2] for i in members]
+            w = torch.cat(parts).float().abs_()  # G d kh kw: a new tensor (one conv's too), so abs in place
+            means = w.div_(w.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)).mean(dim=1)
+            for i, kernels in zip(members, torch.split(means, [int(p.shape[0]) for p in parts])):
+                out[i] = kernels
+    return [k for k in out if k is not None]
+
+
+class _ValueKernels:
+    """The value kernels of a forward's LiteMLA blocks (``value_kernels``), computed together on the first read: not at
+    all where no labels move (``NoAlign``)."""
+
+    def __init__(self, mlas: Sequence[Any]) -> None:
+        self._convs = [(int(mla.dim), op[0]) for mla in mlas for op in mla.aggreg]
+        self._kernels: dict[nn.Module, Tensor] | None = None
+
+    def get(self, conv: nn.Module) -> Tensor:
+        if self._kernels is None:
+            self._kernels = {c: k for (_, c), k in zip(self._convs, value_kernels(self._convs), strict=True)}
+        return self._kernels[conv]
+
+
 def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
     """``Norm(T(K_g)) Y`` for every head's kernel ``(g, kh, kw)``: ``(b, n, l) -> (b, g, n, l)`` fp32, border-renormalised."""
     with fp32_labels(labels.device):
-        y = rearrange(labels.float(), "b (h w) l -> (b l) 1 h w", h=grid[0])
+        b, l = int(labels.shape[0]), int(labels.shape[-1])
+        # the labels as ``b l`` one-channel maps: one copy (einops' reshape of the permuted view dispatches a second
+        # operator, ``_unsafe_view``, after it)
+        y = as_grid(labels.float(), grid).contiguous().view(b * l, 1, grid[0], grid[1])
         if shifted_route(kernels):  # compiled: shifted sums, fused (see ``shifted_conv``)
-            mixed = shifted_mix(y, kernels.float(), padding, dilation)
-            return rearrange(mixed, "(b l) g h w -> b g (h w) l", l=labels.shape[-1])
+            return _by_head(shifted_mix(y, kernels.float(), padding, dilation), b)
         k = rearrange(kernels.float(), "g kh kw -> g 1 kh kw")
         mass = F.conv2d(_ones((1, 1, grid[0], grid[1]), y.device), k, padding=padding, dilation=dilation)  # 1 g h w
-        mixed = F.conv2d(y, k, padding=padding, dilation=dilation).div_(mass)  # in place: see conv_steps_on_grid
-        return rearrange(mixed, "(b l) g h w -> b g (h w) l", l=labels.shape[-1])
+        return _by_head(F.conv2d(y, k, padding=padding, dilation=dilation).div_(mass), b)  # in place: see conv_steps_on_grid
+
+
+def _by_head(mixed: Tensor, batch: int) -> Tensor:
+    """``rearrange(mixed, "(b l) g h w -> b g (h w) l")`` as one strided view where ``h`` and ``w`` merge (a conv's
+    output), einops otherwise."""
+    bl, g, h, w = (int(s) for s in mixed.shape)
+    sbl, sg, sh, sw = mixed.stride()
+    if sh != sw * w:
+        return rearrange(mixed, "(b l) g h w -> b g (h w) l", b=batch)
+    return mixed.as_strided((batch, g, h * w, bl // batch), (bl // batch * sbl, sg, sw, sbl))
 
 
 def _mla_qkv(mla: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -217,13 +263,14 @@ def _mla_out(mla: Any, q: Tensor, k: Tensor, v: Tensor, grid: tuple[int, int]) -
     return mla.proj(rearrange(out, "b g (h w) d -> b (g d) h w", h=grid[0]))  # type: ignore[no-any-return]
 
 
-def _mla_values(mla: Any, labels: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Every head's value labels ``(b, g, n, l)``: ``Y`` for the original heads, then each scale's conv of it."""
+def _mla_values(mla: Any, labels: Tensor, grid: tuple[int, int], kernels: _ValueKernels) -> Tensor:
+    """Every head's value labels ``(b, g, n, l)``: ``Y`` for the original heads, then each scale's conv of it
+    (``kernels``: the forward's value kernels)."""
     heads = mla.qkv.conv.out_channels // (3 * mla.dim)
     parts = [labels.float().unsqueeze(1).expand(-1, heads, -1, -1)]
     for op in mla.aggreg:
         conv = op[0]
-        parts.append(head_conv_mix(labels, grid, _v_kernels(mla, conv, torch.float32), conv.padding, conv.dilation))
+        parts.append(head_conv_mix(labels, grid, kernels.get(conv), conv.padding, conv.dilation))
     return torch.cat(parts, dim=1)
 
 
@@ -276,10 +323,11 @@ class AdaptedEfficientViTMIT(AdaptedBase):
         x, grid, start = _embed(m, images, label_map)
         tracker = start_on_stem(self.scheme, label_map, start, grid, _depth(m), m.stem.in_conv.conv)
         kernels = Kernels(conv for block in _local_blocks(m) for conv in _spatial_convs(block))  # computed together
+        values = _ValueKernels([blk.context_module.main for blk in _blocks(m) if type(blk) is EfficientVitBlock])
         layer = 0
         for blk in _blocks(m):
             if type(blk) is EfficientVitBlock:
-                x = self._attention(blk.context_module.main, x, layer, tracker, grid)
+                x = self._attention(blk.context_module.main, x, layer, tracker, grid, values)
                 x = self._local(blk.local_module.main, x, layer, tracker, grid, kernels)
             elif blk.shortcut is None:  # a stage's first block: strided, no shortcut
                 grid = conv_aggregate(tracker, grid, _spatial_convs(blk.main)[0])
@@ -301,12 +349,12 @@ class AdaptedEfficientViTMIT(AdaptedBase):
         return block(x) + x  # type: ignore[no-any-return]
 
     @staticmethod
-    def _attention(mla: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int]) -> Tensor:
+    def _attention(mla: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], values: _ValueKernels) -> Tensor:
         q, k, v = _mla_qkv(mla, x)
         out = _mla_out(mla, q, k, v, grid)
         labels, mixed = tracker.labels_for(layer), None
         if labels is not None:
-            mixed = linear_attention_labels(q, k, _mla_values(mla, labels, grid), labels)
+            mixed = linear_attention_labels(q, k, _mla_values(mla, labels, grid, values), labels)
         tracker.residual(layer, None, mixed=mixed)
         return out + x
 
