@@ -365,8 +365,21 @@ def _patches(blk: Any, grid: tuple[int, int], images: tuple[int, int]) -> tuple[
     return ph, pw, grid[0] // ph, grid[1] // pw
 
 
-_TO_SEQ = "b (nh ph nw pw) l -> b (ph pw) (nh nw) l"
-_FROM_SEQ = "b (ph pw) (nh nw) l -> b (nh ph nw pw) l"
+def _to_sequences(labels: Tensor, ph: int, pw: int, nh: int, nw: int) -> Tensor:
+    """``rearrange(labels, "b (nh ph nw pw) l -> b (ph pw) (nh nw) l")``: every patch offset's sequence, in one copy: einops' reshape of the
+    permuted view dispatches a second operator after the copy (``_unsafe_view``)."""
+    b, l = int(labels.shape[0]), int(labels.shape[-1])
+    offsets = labels.view(b, nh, ph, nw, pw, l).permute(0, 2, 4, 1, 3, 5)  # splitting an axis is always a view
+    return offsets.contiguous().view(b, ph * pw, nh * nw, l)
+
+
+def _after(first: Tensor, sequences: Tensor, ph: int, pw: int, nh: int, nw: int) -> Tensor:
+    """``torch.cat([first, rearrange(sequences, "(b ph pw) (nh nw) l -> b (nh ph nw pw) l")], dim=1)``: the
+    concatenation reads the sequences through a permuted view, one copy where einops' rearrangement is a second
+    (and a third operator)."""
+    b, l = int(first.shape[0]), int(first.shape[-1])
+    back = sequences.view(b, ph, pw, nh, nw, l).permute(0, 3, 1, 4, 2, 5)  # b nh ph nw pw l
+    return torch.cat([first.view(b, 1, nh, ph, nw, pw, l), back.unsqueeze(1)], dim=1).view(b, -1, l)
 
 
 def _local(blk: Any, x: Tensor) -> Tensor:
@@ -512,14 +525,12 @@ class AdaptedByobNet(AdaptedBase):
         shortcut, t = x, _unfold_v1(_local(blk, x), ph, pw)  # (b p) m c
         for tb in blk.transformer:
             labels = tracker.labels_for(layer)
-            seq = None if labels is None else rearrange(labels[:, n:], _TO_SEQ, ph=ph, pw=pw, nh=nh)
-            seq = None if seq is None else rearrange(seq, "b p m l -> (b p) m l")
+            seq = None if labels is None else _to_sequences(labels[:, n:], ph, pw, nh, nw).flatten(0, 1)  # (b p) m l
             out, mixed, _ = _vit_attention(tb.attn, tb.norm1(t), seq)
             out, keep = branch(tb.drop_path1, tb.ls1(out))
             full = None
             if labels is not None and mixed is not None:
-                back = rearrange(mixed, "(b p) m l -> b p m l", b=b)
-                full = torch.cat([labels[:, :n], rearrange(back, _FROM_SEQ, ph=ph, pw=pw, nh=nh)], dim=1)
+                full = _after(labels[:, :n], mixed, ph, pw, nh, nw)
             tracker.residual(layer, None if keep is None else _token_keep(keep, b, ph, pw, nh, nw), mixed=full)
             t = t + out
             out, keep = branch(tb.drop_path2, tb.ls2(tb.mlp(tb.norm2(t))))
@@ -546,9 +557,11 @@ class AdaptedByobNet(AdaptedBase):
             out, keep = branch(tb.drop_path1, out)
             labels, mixed = tracker.labels_for(layer), None
             if labels is not None:
-                seq = rearrange(labels, _TO_SEQ, ph=ph, pw=pw, nh=nh)  # b p m l
-                context = torch.einsum("bpm,bpml->bpl", scores.float(), seq)
-                mixed = rearrange(context.unsqueeze(2).expand_as(seq), _FROM_SEQ, ph=ph, pw=pw, nh=nh)
+                seq = _to_sequences(labels, ph, pw, nh, nw)  # b p m l
+                context = torch.einsum("bpm,bpml->bpl", scores.float(), seq)  # b p l: every offset's context label
+                b = int(context.shape[0])
+                spread = context.view(b, 1, ph, 1, pw, -1).expand(b, nh, ph, nw, pw, -1)  # to its nh nw tokens
+                mixed = spread.contiguous().view(b, nh * ph * nw * pw, -1)
             tracker.residual(layer, keep, mixed=mixed)
             t = t + out
             out, keep = branch(tb.drop_path2, tb.mlp(tb.norm2(t)))
