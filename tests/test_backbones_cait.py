@@ -11,6 +11,7 @@ from einops import rearrange
 from test_backbones_common import C, IMG, SCHEMES, check_parity, check_preservation, check_unmixed_is_one_hot, set_fused, sharpen
 from torch.testing import assert_close
 
+from mixlabels.backbones._common import launch_routes
 from mixlabels.backbones.families.cait import label_matrix, talking_heads_label_mix
 
 CONFIGS: dict[str, dict[str, Any]] = {"fused": {}, "explicit": {}, "avg": {"global_pool": "avg"}}
@@ -63,7 +64,8 @@ def test_talking_heads_label_matrix() -> None:
 @pytest.mark.parametrize("heads, tokens, labels", [(1, 7, 4), (3, 7, 4), (4, 50, 2), (8, 17, 3), (12, 9, 10)])
 def test_talking_heads_label_mix_equals_the_matrix_product(heads: int, tokens: int, labels: int) -> None:
     """The fast path's one-product form (ones column for the row sums, the labels shared by every query row) is
-    ``label_matrix(a) @ y`` in float64, from the head-mixing linear's own layout as the step gives it."""
+    ``label_matrix(a) @ y`` in float64, from the head-mixing linear's own layout as the step gives it; the CPU's
+    product per sample and a GPU's one product give the same bits."""
     g = torch.Generator().manual_seed(heads * 100 + tokens)
     soft = torch.softmax(torch.randn(2, heads, tokens, tokens, generator=g), dim=-1)
     mix = torch.randn(heads, heads, generator=g)
@@ -72,4 +74,7 @@ def test_talking_heads_label_mix_equals_the_matrix_product(heads: int, tokens: i
     y = y / y.sum(-1, keepdim=True)
     w = a.double().abs()
     expected = (w / w.sum(-1, keepdim=True)).mean(1) @ y.double()  # Norm(|A'_h|) averaged over heads, float64
-    assert_close(talking_heads_label_mix(a, y).double(), expected, rtol=1e-6, atol=1e-7)
+    got = talking_heads_label_mix(a, y)
+    assert_close(got.double(), expected, rtol=1e-6, atol=1e-7)
+    with launch_routes():  # one product over every sample's rows (a GPU's route), not one per sample
+        assert torch.equal(talking_heads_label_mix(a, y), got)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._attention import attention_with_labels, class_attention
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import _READS_NOTHING, AdaptedBase, branch, explicit_mix, mixing_rows, stride_grid
+from mixlabels.backbones._common import _READS_NOTHING, AdaptedBase, branch, eager_cpu_routes, explicit_mix, mixing_rows, stride_grid
 from mixlabels.backbones._dense import DenseRules, drop_path_reference as _drop, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -90,18 +90,28 @@ def talking_heads_label_mix(a: Tensor, labels: Tensor) -> Tensor:
     and appending a ones column to ``Y`` makes one product give both ``|A'_h| Y`` and ``s_h``. ``|A'|``
     is written by one ``abs`` pass in the head-mixing linear's own layout ``(b, n, m, h)``, and each
     query row's product is ``[Y 1]^T |A'_n|``: ``(l + 1, m) x (m, h)``, the labels shared by every row
-    (expanded, and copied once into the batch of products: ``(l + 1) / h`` of ``|A'|``'s size). Taken the
+    (expanded: on the CPU one batch of products per sample reads them with a batch stride of 0; one batch
+    of all samples' rows, a GPU's route, copies them, ``(l + 1) / h`` of ``|A'|``'s size). Taken the
     other way round, ``|A'_n|^T [Y 1]``, the product reads the matrix transposed: 4 heads at batch 8 and
     196 tokens, 1.14 ms a layer against 1.02 this way, 8 heads 2.23 against 1.23 (2 CPU cores); in a
     TL-Align forward at batch 8, CaiT-XXS24's 24 mixes took 41.7 ms against 35.9, CaiT-S24's 75.3 against
-    42.7. The results may differ from that order's in the last bit (the head mean runs over the innermost
+    42.7 (both with one batch of products). The results may differ from that order's in the last bit (the head mean runs over the innermost
     axis here).
     """
     b, h, n, m = (int(d) for d in a.shape)
     w = torch.abs(rearrange(a.detach(), "b h n m -> b n m h").float())  # proj_w's own layout: one streaming pass
     y = torch.cat((labels.float(), labels.new_ones(b, m, 1, dtype=torch.float32)), dim=-1)  # b m (l + 1)
     shared = rearrange(y, "b m l -> b 1 l m").expand(b, n, -1, m)  # every query row's [Y 1]^T
-    both = torch.bmm(shared.flatten(0, 1), w.flatten(0, 1)).view(b, n, -1, h)  # b n (l + 1) h: |A'_h| [Y 1] per row
+    if eager_cpu_routes(a.device):
+        # a product per sample reads the labels through a batch of stride 0, where the batch of all samples' rows
+        # copies them once per query row: 0.86 against 1.04 ms at 4 heads and batch 8, 3.8 against 4.6 at batch 32
+        # (2 CPU cores; the same bits); in a TL-Align forward at batch 8, CaiT-XXS24's 24 mixes 31.3 ms against
+        # 33.0, CaiT-S24's 41.3 against 48.4. A GPU pays per launch (``launch_routes``): one product
+        both = y.new_empty(b, n, int(y.shape[-1]), h)
+        for i in range(b):
+            torch.bmm(shared[i], w[i], out=both[i])
+    else:
+        both = torch.bmm(shared.flatten(0, 1), w.flatten(0, 1)).view(b, n, -1, h)  # b n (l + 1) h: |A'_h| [Y 1] per row
     # the self tap (``mixing_rows``): a head whose row reads nothing (all of A'_h's row zero: a zeroed proj_w) leaves
     # the token its own labels, where a clamped division gave it none; any other row's bits are unchanged
     both.add_(y.unsqueeze(-1), alpha=_READS_NOTHING)
