@@ -366,8 +366,8 @@ def _patches(blk: Any, grid: tuple[int, int], images: tuple[int, int]) -> tuple[
 
 
 def _to_sequences(labels: Tensor, ph: int, pw: int, nh: int, nw: int) -> Tensor:
-    """``rearrange(labels, "b (nh ph nw pw) l -> b (ph pw) (nh nw) l")``: every patch offset's sequence, in one copy: einops' reshape of the
-    permuted view dispatches a second operator after the copy (``_unsafe_view``)."""
+    """``rearrange(labels, "b (nh ph nw pw) l -> b (ph pw) (nh nw) l")``, every patch offset's sequence, in one
+    copy: einops' reshape of the permuted view dispatches a second operator after the copy (``_unsafe_view``)."""
     b, l = int(labels.shape[0]), int(labels.shape[-1])
     offsets = labels.view(b, nh, ph, nw, pw, l).permute(0, 2, 4, 1, 3, 5)  # splitting an axis is always a view
     return offsets.contiguous().view(b, ph * pw, nh * nw, l)
@@ -375,8 +375,8 @@ def _to_sequences(labels: Tensor, ph: int, pw: int, nh: int, nw: int) -> Tensor:
 
 def _after(first: Tensor, sequences: Tensor, ph: int, pw: int, nh: int, nw: int) -> Tensor:
     """``torch.cat([first, rearrange(sequences, "(b ph pw) (nh nw) l -> b (nh ph nw pw) l")], dim=1)``: the
-    concatenation reads the sequences through a permuted view, one copy where einops' rearrangement is a second
-    (and a third operator)."""
+    concatenation reads the sequences through a permuted view, one copy in all, where einops' rearrangement copied
+    them first (and dispatched ``_unsafe_view``)."""
     b, l = int(first.shape[0]), int(first.shape[-1])
     back = sequences.view(b, ph, pw, nh, nw, l).permute(0, 3, 1, 4, 2, 5)  # b nh ph nw pw l
     return torch.cat([first.view(b, 1, nh, ph, nw, pw, l), back.unsqueeze(1)], dim=1).view(b, -1, l)
