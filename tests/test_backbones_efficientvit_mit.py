@@ -58,8 +58,10 @@ def test_unmixed_gives_one_hot() -> None:
     check_unmixed_is_one_hot(make("b"), POOLED)
 
 
-def test_linear_attention_rule() -> None:
-    """Rows are the exactly normalised relu(q).relu(k) weights, averaged over heads; a zero row keeps the token's labels."""
+@pytest.mark.parametrize("ones_column", [True, False])
+def test_linear_attention_rule(ones_column: bool) -> None:
+    """Rows are the exactly normalised relu(q).relu(k) weights, averaged over heads; a zero row keeps the token's labels.
+    Both ways of forming the row sums (a ones column on the values, eager's; the keys' sum, a compiled graph's)."""
     g = torch.Generator().manual_seed(0)
     q, k = torch.rand(2, 3, 6, 4, generator=g), torch.rand(2, 3, 6, 4, generator=g)
     q[0, 1, 2] = 0.0  # head 1 of token 2 attends to nothing
@@ -69,8 +71,11 @@ def test_linear_attention_rule() -> None:
     rows = w / w.sum(-1, keepdim=True)
     expected = rows @ values
     expected[0, 1, 2] = y[0, 2]
-    assert_close(linear_attention_labels(q, k, values, y), expected.mean(1))
-    assert_close(linear_attention_labels(q, k, values, y).sum(-1), torch.ones(2, 6))
+    got = linear_attention_labels(q, k, values, y, ones_column)
+    assert_close(got, expected.mean(1))
+    assert_close(got.sum(-1), torch.ones(2, 6))
+    if ones_column:  # eager's default
+        assert torch.equal(linear_attention_labels(q, k, values, y), got)
 
 
 def test_value_kernels_of_many_convs_equal_each_convs_own() -> None:

@@ -161,13 +161,18 @@ def _efficientvit_mit_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor) -> Tensor:
+def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor, ones_column: bool | None = None) -> Tensor:
     """``mean_g(A_g Z_g)`` for ReLU linear attention, ``A_g`` its exactly normalised weights, without ``(n, n)``.
 
     Args:
         q, k: ``(b, g, n, d)`` non-negative (after the kernel function).
         values: ``(b, g, n, l)`` each head's value labels ``Z_g``.
         labels: ``(b, n, l)`` the tokens' own labels: the row of a head whose weights are all zero.
+        ones_column: how the row sums ``relu(q_i) sum_j relu(k_j)`` are formed. ``True``: a ones column on the values,
+            so that the numerators' two products give them too (timm's own attention pads its values so; eager: one
+            operator where a sum and a third product are three). ``False``: the keys' sum and a product of their own,
+            which a compiler fuses where the column's pad is one more generated kernel a block. ``None``: the first
+            in eager mode, the second while traced.
 
     Returns:
         ``(b, n, l)`` fp32.
@@ -175,12 +180,17 @@ def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor
     with torch.no_grad(), fp32_labels(q.device):
         b, g, n, d = (int(s) for s in q.shape)
         # heads folded into the batch: ``bmm`` dispatches one operator where a 4-d ``@`` dispatches about six; no
-        # detach (no graph is recorded here). A ones column on the values makes the same two products give the row
-        # sums ``relu(q_i) sum_j relu(k_j)`` beside the numerators (timm's own attention pads its values so)
+        # detach (no graph is recorded here)
         q3, k3 = q.float().reshape(b * g, n, d), k.float().reshape(b * g, n, d)
-        padded = F.pad(values.float().reshape(b * g, n, -1), (0, 1), value=1.0)  # (b g) n (l + 1)
-        both = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), padded)).view(b, g, n, -1)  # b g n (l + 1)
-        num, den = both[..., :-1], both[..., -1:]
+        v3 = values.float().reshape(b * g, n, -1)
+        if ones_column is None:
+            ones_column = not torch.compiler.is_compiling()
+        if ones_column:
+            both = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), F.pad(v3, (0, 1), value=1.0))).view(b, g, n, -1)
+            num, den = both[..., :-1], both[..., -1:]  # b g n l, b g n 1
+        else:
+            num = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), v3)).view(b, g, n, -1)
+            den = torch.bmm(q3, k3.sum(dim=1).unsqueeze(-1)).view(b, g, n, 1)
         # a zero row's 0 / 0 is not taken; the token's own labels broadcast over the heads
         return torch.where(den > 0, num / den, labels.float().unsqueeze(1)).mean(dim=1)
 
