@@ -95,8 +95,8 @@ def talking_heads_label_mix(a: Tensor, labels: Tensor) -> Tensor:
     other way round, ``|A'_n|^T [Y 1]``, the product reads the matrix transposed: 4 heads at batch 8 and
     196 tokens, 1.14 ms a layer against 1.02 this way, 8 heads 2.23 against 1.23 (2 CPU cores); in a
     TL-Align forward at batch 8, CaiT-XXS24's 24 mixes took 41.7 ms against 35.9, CaiT-S24's 75.3 against
-    42.7 (both with one batch of products). The results may differ from that order's in the last bit (the head mean runs over the innermost
-    axis here).
+    42.7 (both with one batch of products). The results may differ from that order's in the last bit (the
+    head mean runs over the innermost axis here).
     """
     b, h, n, m = (int(d) for d in a.shape)
     w = torch.abs(rearrange(a.detach(), "b h n m -> b n m h").float())  # proj_w's own layout: one streaming pass
