@@ -19,7 +19,8 @@ _BYTE_ROUTES = [True]
 @contextmanager
 def launch_routes() -> Iterator[None]:
     """Inside, the label path takes the routes a GPU takes on every device: no CPU-only byte-saving route
-    (``_byte_route``), no folded label convs (``fold_route``), no CPU-only head mean (``_attention``).
+    (``_byte_route``), none of ``eager_cpu_routes``' (folded label convs, the head mean's chained slices, CaiT's
+    per-sample label products).
     ``benchmarks/op_count.py`` counts the operators so: what a GPU would launch, where the CPU trades launches it does
     not pay for against bytes it does."""
     before = _BYTE_ROUTES[0]
@@ -37,6 +38,7 @@ def _byte_route(device: torch.device, elements: int, threshold: int) -> bool:
 
 
 def eager_cpu_routes(device: torch.device) -> bool:
-    """Whether the label path on ``device`` may take the CPU's own layouts (``fold_route``): the CPU, in eager mode
-    (a compiled graph lays its tensors out as its compiler decides), outside ``launch_routes``."""
+    """Whether the label path on ``device`` may take the CPU's own layouts and call patterns (``fold_route``,
+    ``_attention._head_mean``, CaiT's ``talking_heads_label_mix``): the CPU, in eager mode (a compiled graph lays
+    its tensors out as its compiler decides), outside ``launch_routes``."""
     return device.type == "cpu" and _BYTE_ROUTES[0] and not torch.compiler.is_compiling()
