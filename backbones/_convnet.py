@@ -83,6 +83,7 @@ from mixlabels.backbones._windows import (
     AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, is_position_major, mix_tokens, pool_on_grid, position_major,
     same_axis_windows, window_plan,
 )
+from mixlabels.backbones._joins import JoinShape, fused_join, fused_join_route, join_masses, join_shares, window_kernels
 from mixlabels.backbones._reparam import Scales, scales_of
 
 __all__ = [
@@ -484,13 +485,43 @@ _Groups = tuple[
 """``Kernels._groups``: the convs by kernel shape, by kernel shape and geometry, and each conv's geometry."""
 
 
+def path_joins(path: Path) -> Iterator[Parallel]:
+    """The ``Parallel`` joins of ``path``, those inside branches included."""
+    for op in path:
+        if isinstance(op, Parallel):
+            yield op
+            for b in op.branches:
+                yield from path_joins(b)
+
+
+@dataclass
+class _FusedJoins:
+    """``Kernels.join``'s work for the joins of one ``JoinShape``: their centred kernels, unscaled ``(j, r, kh, kw)``
+    (the tap weights' convolution reads them) and scaled by the branches' shares, the grouped conv weights per label
+    channel count and the tap weights per grid, each made on its first ask for all the joins at once."""
+
+    joins: list[Parallel]
+    """The joins, in row order (held: ``index`` is keyed by their ids)."""
+    index: dict[int, int]
+    """``id`` of each join -> its row."""
+    unscaled: Tensor
+    scaled: Tensor
+    weights: dict[int, tuple[Tensor, ...]]
+    masses: dict[tuple[int, int], tuple[Tensor, ...]]
+
+
 class Kernels:
     """The label kernels ``(kh, kw)`` of a forward's stride-1 convs, by conv, computed together (``label_kernels``)
     on the first read: once per forward rather than a few operators per conv as each block is reached, and not at
-    all where no path is applied (``NoAlign``)."""
+    all where no path is applied (``NoAlign``). ``joins``: the forward's ``Parallel`` joins, whose fused weights
+    (``join``) are made together too."""
 
-    def __init__(self, convs: Iterable[nn.Conv2d | KernelConv]) -> None:
+    def __init__(self, convs: Iterable[nn.Conv2d | KernelConv], joins: Iterable[Parallel] = ()) -> None:
         self._convs = list(dict.fromkeys(convs))
+        self._joins = list({id(op): op for op in joins}.values())  # by identity: a join's branches may hold unhashable ops
+        self._fused: dict[Any, _FusedJoins] = {}
+        # ``id`` of a join -> the join (held, so that its id is not reused while this lives) and its ``join_shape``
+        self._shapes: dict[int, tuple[Parallel, JoinShape | None]] = {}
         self._kernels: dict[nn.Module | KernelConv, Tensor] | None = None
         self._wide: dict[tuple[nn.Module | KernelConv, int], Tensor] = {}
         self._mass: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
@@ -514,9 +545,24 @@ class Kernels:
         ``None`` where they are fewer than ``_WIDE_GROUP`` (then one operator per conv costs less)."""
         if key not in self._stacks:
             assert self._kernels is not None
-            stacked = torch.stack([self._kernels[c] for c in members]).unsqueeze(1) if len(members) >= _WIDE_GROUP else None
+            stacked = self._rows_of(members) if len(members) >= _WIDE_GROUP else None
             self._stacks[key] = (members, stacked)
         return self._stacks[key]
+
+    def _rows_of(self, members: list[nn.Module | KernelConv]) -> Tensor:
+        """The kernels of ``members`` stacked ``(g, 1, kh, kw)``: in eager mode a view of the memory they lie in where
+        they are consecutive rows of one tensor, in order (``label_kernels`` unbinds each tap count's kernels from one
+        tensor, and both keep the forward's order of a shape's convs, as a rule), else a stack of them (a copy)."""
+        assert self._kernels is not None
+        kernels = [self._kernels[c] for c in members]
+        first = kernels[0]
+        if not torch.compiler.is_compiling() and first._base is not None and all(
+            k._base is first._base and k.is_contiguous() and k.shape == first.shape
+            and k.storage_offset() == first.storage_offset() + j * first.numel() for j, k in enumerate(kernels)
+        ):  # the same memory, row after row: the rows as they lie
+            kh, kw = int(first.shape[-2]), int(first.shape[-1])
+            return first.as_strided((len(kernels), 1, kh, kw), (kh * kw, kh * kw, kw, 1))
+        return torch.stack(kernels).unsqueeze(1)
 
     def _alike(self, kernel: Tensor, conv: nn.Module | KernelConv, geometry: bool) -> tuple[tuple[Any, ...], list[nn.Module | KernelConv]]:
         """The convs whose kernels have ``kernel``'s shape (and, with ``geometry``, ``conv``'s padding and dilation),
@@ -584,6 +630,58 @@ class Kernels:
             cache.update(((c, grid), t) for c, t in zip(same, build(stacked, *_geometry(conv)), strict=True))
         return cache[(conv, grid)]
 
+    def join_shape(self, op: Parallel) -> JoinShape | None:
+        """``op``'s ``JoinShape`` where it fuses (``fused_join``): every branch the identity or one stride-1 'same' conv
+        of dilation 1 whose label kernel this holds, at least two of them convs; else ``None``."""
+        if id(op) not in self._shapes:
+            self._shapes[id(op)] = (op, self._join_shape(op))
+        return self._shapes[id(op)][1]
+
+    def _join_shape(self, op: Parallel) -> JoinShape | None:
+        shape: list[tuple[int, int] | None] = []
+        for branch in op.branches:
+            if not branch:
+                shape.append(None)
+                continue
+            conv = branch[0]
+            if len(branch) != 1 or not isinstance(conv, (nn.Conv2d, KernelConv)):
+                return None
+            kernel = self.get(conv)
+            if kernel is None or kernel.dim() != 2:
+                return None
+            kh, kw = int(kernel.shape[0]), int(kernel.shape[1])
+            if _geometry(conv) != ((kh // 2, kw // 2), (1, 1)) or kh % 2 == 0 or kw % 2 == 0:
+                return None
+            shape.append((kh, kw))
+        return tuple(shape) if sum(k is not None for k in shape) >= 2 else None
+
+    def join(self, op: Parallel, grid: tuple[int, int], channels: int) -> tuple[Tensor, Tensor] | None:
+        """``op``'s fused weight ``(channels r, 1, kh, kw)`` and tap weights ``(r, h, w)`` on ``grid``
+        (``fused_join``), made on the first ask for every join of its ``JoinShape`` this holds (``joins``): a few
+        operators a forward, not a few per join; ``None`` where ``op`` does not fuse (``join_shape``)."""
+        shape = self.join_shape(op)
+        if shape is None:
+            return None
+        held = any(p is op for p in self._joins)
+        key: Any = shape if held else (shape, id(op))  # a join not held here: made alone
+        fused = self._fused.get(key)
+        if fused is None:
+            members = [p for p in self._joins if self.join_shape(p) == shape] if held else [op]
+            branches = [None if k is None else self._rows_of([_only_conv(p.branches[i]) for p in members]).squeeze(1)
+                        for i, k in enumerate(shape)]
+            device = next(b for b in branches if b is not None).device
+            unscaled = window_kernels(shape, branches, len(members), device)  # j r kh kw
+            scaled = unscaled * join_shares(tuple(tuple(p.shares()) for p in members), device)
+            fused = self._fused[key] = _FusedJoins(members, {id(p): i for i, p in enumerate(members)}, unscaled, scaled, {}, {})
+        if channels not in fused.weights:  # every label channel's r kernels: (j, l r, 1, kh, kw), one copy
+            j, r, kh, kw = (int(s) for s in fused.scaled.shape)
+            wide = fused.scaled.unsqueeze(1).expand(j, channels, r, kh, kw).reshape(j, channels * r, 1, kh, kw)
+            fused.weights[channels] = wide.unbind(0)
+        if grid not in fused.masses:
+            fused.masses[grid] = join_masses(fused.unscaled, grid).unbind(0)
+        i = fused.index[id(op)]
+        return fused.weights[channels][i], fused.masses[grid][i]
+
     def mass(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
         """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
         fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
@@ -608,6 +706,13 @@ class Kernels:
             return tap_mixes(stacked.view(g, -1), taps, (g, n, n)).unbind(0)
 
         return self._per_grid(self._matrix, conv, grid, matrices)
+
+
+def _only_conv(branch: Path) -> nn.Module | KernelConv:
+    """The one conv of a fused join's conv branch (``Kernels.join_shape`` checked it)."""
+    (conv,) = branch
+    assert isinstance(conv, (nn.Conv2d, KernelConv))
+    return conv
 
 
 def _geometry(conv: nn.Module | KernelConv) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -641,8 +746,9 @@ def conv_weights(convs: Sequence[nn.Conv2d | KernelConv]) -> list[Tensor]:
 
 
 def path_kernels(paths: Iterable[Path]) -> Kernels:
-    """The ``Kernels`` of every stride-1 conv in ``paths``."""
-    return Kernels(conv for path in paths for conv in path_convs(path))
+    """The ``Kernels`` of every stride-1 conv and join in ``paths``."""
+    paths = list(paths)
+    return Kernels((conv for path in paths for conv in path_convs(path)), (op for path in paths for op in path_joins(path)))
 
 
 def block_kernels(tracker: LabelTracker, blocks: Sequence[tuple[Path, Path | None]], *more: Path) -> Kernels:
@@ -696,6 +802,11 @@ def _unit_convs(paths: dict[nn.Module, tuple[Path, Path | None]]) -> Iterator[nn
     return (op for pair in paths.values() for p in pair if p for op in path_convs(p))
 
 
+def _unit_joins(paths: dict[nn.Module, tuple[Path, Path | None]]) -> Iterator[Parallel]:
+    """``path_joins`` of every unit's branch and shortcut in ``paths``."""
+    return (op for pair in paths.values() for p in pair if p for op in path_joins(p))
+
+
 def _reads_statistics(paths: dict[nn.Module, tuple[Path, Path | None]]) -> bool:
     """Whether a label kernel of ``paths`` reads batch norms' running statistics (a ``KernelConv`` folding norms),
     which a training forward moves: then the kernels are read after the whole forward."""
@@ -743,6 +854,12 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
             grid = out
         elif isinstance(op, Parallel):
             out = op.out_grid(grid)
+            channels = int(labels.y.shape[1 if labels.on_grid else -1])
+            fused = kernels.join(op, grid, channels) if fused_join_route(labels.y.device) else None
+            if fused is not None:  # one grouped convolution for all the branches (``backbones._joins``)
+                labels, grid = _Labels(fused_join(labels.grid_view(grid), *fused), True), out
+                i += 1
+                continue
             if depthwise_route(grid) and not labels.on_grid:  # one layout view for all the branches' convs
                 labels = _Labels(labels.grid_view(grid), True)
             parts = _branch_labels(op.branches, labels, grid, kernels, walked)
@@ -1168,7 +1285,7 @@ class AdaptedConvNet(AdaptedBase):
             # each unit's label events right after its forward: their temporaries (labels on a pixel grid are
             # megabytes) come and go before the forward's saved activations peak, not on top of them. The label
             # kernels read weights alone, so all of them are still computed together, at the first event
-            kernels = Kernels([*path_convs(rest), *_unit_convs(paths)])
+            kernels = Kernels([*path_convs(rest), *_unit_convs(paths)], [*path_joins(rest), *_unit_joins(paths)])
             pending, layer = _Pending(tracker, kernels, by_unit=True), 0
             pending.add(rest, mid)
             for blk in blocks:
@@ -1179,8 +1296,10 @@ class AdaptedConvNet(AdaptedBase):
         # statistics, which a training forward moves in the norms' own block only, so after the whole forward they
         # are what the reference reads right after that block; all the label kernels are then computed together
         x, ran = self._run(blocks, x)
-        kernels = Kernels([*path_convs(rest), *(op for op in _unit_convs(paths or self._all_paths(blocks))
-                                                if not (self._fresh_paths and isinstance(op, KernelConv)))])  # a fresh path's KernelConv is new
+        every = paths or self._all_paths(blocks)
+        kernels = Kernels([*path_convs(rest), *(op for op in _unit_convs(every)
+                                                if not (self._fresh_paths and isinstance(op, KernelConv)))],  # a fresh path's KernelConv is new
+                          [*path_joins(rest), *([] if self._fresh_paths else _unit_joins(every))])
         pending = _Pending(tracker, kernels)
         pending.add(rest, mid)
         self._events(ran, grid, 0, tracker, kernels, pending, paths)

@@ -160,9 +160,12 @@ def kernel_table(step: Callable[[], None], device: torch.device, steps: int = 5,
     return table
 
 
-def eager_pair(steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None]) -> dict[str, Any]:
-    """CutMix + NoAlign and CutMix + TL-Align (the device's route), eager, side by side."""
-    calls = {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign")}
+def eager_pair(
+    steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], routes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """CutMix + NoAlign and CutMix + TL-Align (the device's route, then each of ``routes``), eager, side by side."""
+    calls = {"cutmix": steps.call("cutmix"), "tlalign": steps.call("tlalign"),
+             **{f"tlalign/{r}": steps.call("tlalign", r) for r in routes}}
     timed = timed_with_memory(steps, calls, args, deadline, log)
     profiled(steps, calls, timed, args, log)
     return timed

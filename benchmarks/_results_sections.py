@@ -115,9 +115,10 @@ SECTIONS: tuple[Section, ...] = (
     Section("op-count", "Operators a training step dispatches per backbone family (CPU)", "python benchmarks/op_count.py",
             "Exact on any machine: the ATen operators one forward + loss + backward dispatches (a counting dispatch "
             "mode, batch 2, each family's small model at its default size), the mixer and optimizer left out, with "
-            "the label kernels' GPU routes (the CPU's byte-saving routes, which spend operators to save memory "
-            "traffic, are off: `launch_routes`). In eager mode on a GPU each is at least one kernel launch; views "
-            "count too.", render_op_count),
+            "a GPU's label routes (the CPU's byte-saving routes, which spend operators to save memory traffic, are "
+            "off: `launch_routes`; a warm-up step on those routes first, so that their caches hold, as on a GPU after "
+            "its first step). In eager mode on a GPU each computing operator is at least one kernel launch; views "
+            "launch none, but the host dispatches them and the first ratio counts them.", render_op_count),
     Section("op-count-compiled", "Kernels a compiled training step launches per backbone family (CPU)",
             "python benchmarks/op_count.py --compiled",
             "A compiled step (`torch.compile`, inductor, on the CPU; batch 2, each family's small model at its default "

@@ -155,22 +155,28 @@ class TrainingSteps:
 
         Args:
             variant: one of the variants built.
-            route: the attention route (``backbones._attention.ROUTES``; ``tlalign-widened`` implies its own), or
+            route: the attention route (``backbones._attention.ROUTES``; ``tlalign-widened`` implies its own),
                 ``label-convs=shifted`` / ``label-convs=conv``: how a compiled graph convolves labels
-                (``backbones.compiled_label_convs``; read while tracing, so a compiled adapter traces under it).
+                (``backbones.compiled_label_convs``; read while tracing, so a compiled adapter traces under it), or
+                ``joins=fused`` / ``joins=walk``: whether a GPU's eager walk fuses a conv net's joins
+                (``backbones._joins.fused_joins``).
             adapter: run the mixed batch through this (e.g. ``torch.compile`` of ``adapted[variant]``).
         """
         from mixlabels.backbones import compiled_label_convs
         from mixlabels.backbones._attention import ROUTES, attention_route
+        from mixlabels.backbones._joins import fused_joins
 
         if route is None and variant == "tlalign-widened":
             route = "widened-autograd"
         context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if route is not None and route.startswith("label-convs="):
             context = compiled_label_convs(route.removeprefix("label-convs="))  # type: ignore[arg-type]  # it checks
+        elif route in ("joins=fused", "joins=walk"):
+            context = fused_joins(route == "joins=fused")
         elif route is not None:
             if route not in ROUTES:
-                raise ValueError(f"no attention route {route!r}; choose from {', '.join(ROUTES)} or label-convs=shifted|conv")
+                raise ValueError(f"no attention route {route!r}; choose from {', '.join(ROUTES)}, label-convs=shifted|conv "
+                                 "or joins=fused|walk")
             context = attention_route(route)  # checked above
         with context, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             if variant == "none":

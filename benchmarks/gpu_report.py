@@ -154,9 +154,16 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
         if _missing(row) or "tlalign" not in row:
             out.append(f"| {family} | {row.get('model', '-')} | {_missing(row) or 'not measured'} | | | | | |")
             continue
-        t, c = row["tlalign"], row["cutmix"]
-        out.append(f"| {family} | {row['model']} | {c['ms_median']:.2f} | {t['ms_median']:.2f} | {_ratio(t)} | "
-                   f"{t['memory_ratio']:.3f} | {t.get('graphs', '-')} | {t.get('graph_breaks', '-')} |")
+        c = row["cutmix"]
+        # the device's route, then each route timed beside it (``--family-routes``: ``tlalign/<route>`` rows)
+        for name in ["tlalign", *(k for k in row if k.startswith("tlalign/"))]:
+            t = row[name]
+            label = family if name == "tlalign" else f"{family} ({name.partition('/')[2]})"
+            if not isinstance(t, dict) or "ms_median" not in t:
+                out.append(f"| {label} | {row['model']} | {(_missing(t) if isinstance(t, dict) else None) or 'not timed'} | | | | | |")
+                continue
+            out.append(f"| {label} | {row['model']} | {c['ms_median']:.2f} | {t['ms_median']:.2f} | {_ratio(t)} | "
+                       f"{t['memory_ratio']:.3f} | {t.get('graphs', '-')} | {t.get('graph_breaks', '-')} |")
     out.append("")
     return out + _kernel_rows(deit, families)
 

@@ -132,7 +132,7 @@ def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable
         try:
             steps = Steps(model, args)
             timed = (compiled_pair(steps, args, deadline, log, routes=args.family_routes) if args.family_mode == "compiled"
-                     else eager_pair(steps, args, deadline, log))
+                     else eager_pair(steps, args, deadline, log, routes=args.family_routes))
             into[family] = {"model": model, "mode": args.family_mode, **timed}
         except OutOfTime as err:
             into[family] = {"model": model, "skipped": f"deadline: {err}"}
@@ -200,8 +200,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
     p.add_argument("--family-routes", nargs="*", default=[],
-                   help="families compiled: TL-Align by these routes too, e.g. label-convs=conv (the label convs as "
-                   "convolutions, against the default shifted sums: backbones.compiled_label_convs)")
+                   help="families: TL-Align by these routes too; compiled, e.g. label-convs=conv (the label convs as "
+                   "convolutions, against the default shifted sums: backbones.compiled_label_convs); eager, e.g. "
+                   "joins=walk (a conv net's joins branch by branch, against the default fused joins: backbones._joins)")
     p.add_argument("--test-workers", type=int, default=16)
     p.add_argument("--test-budget-s", type=float, default=150.0)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes and the registry's 32 px models: try every part anywhere")

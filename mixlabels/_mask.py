@@ -109,6 +109,13 @@ def _token_overlap_constants(cells: tuple[int, int], grid: tuple[int, int], devi
 
 
 @shape_cache(maxsize=32)
+def _f32_scalar(value: int) -> Tensor:
+    """``value`` as a 0-dim fp32 CPU tensor: the divisor that makes an integer tensor's quotients fp32 (a CPU scalar,
+    as a Python number is, so a CUDA division takes the same kernel)."""
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+@shape_cache(maxsize=32)
 def _box_window_constants(rows: Tensor, cols: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """What ``BoxMask.window_weights`` needs of the windows alone, computed once, not per step: the windows over the
     mask's cells per axis, transposed (``(gh, h)``, ``(gw, w)``, contiguous), every cell's index along its axis
@@ -270,7 +277,9 @@ class BoxMask:
         inside = (torch.minimum(hi, ends) - torch.maximum(lo, starts)).clamp_min_(0)  # b (h + w): overlap lengths
         h = grid[0]
         area = (inside[:, :h, None] * inside[:, None, h:]).view(inside.shape[0], -1)  # b (h w): the partner's
-        return torch.stack([total - area, area], dim=-1).to(torch.float32) / total  # exact integers, one division
+        # exact integers, one division: integers divided by a float32 scalar tensor are float32 quotients whatever the
+        # default dtype, the same bits as a conversion first, without that conversion's operator
+        return torch.stack([total - area, area], dim=-1) / _f32_scalar(total)
 
     def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
         """Rank one per box: the partner's weight under the windows is ``(R in_rows)(C in_cols)^T``, its own

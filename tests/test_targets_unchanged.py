@@ -55,6 +55,12 @@ bit of a float, and then this test fails although nothing is wrong. It says so, 
 to rewrite the digest from the commit before the change under test on that machine
 (``git stash; python tests/test_targets_unchanged.py --write; git stash pop``).
 
+One digest per CPU vendor (``machines``, keyed by ``/proc/cpuinfo``'s ``vendor_id``): MKL and oneDNN take their
+own code paths on an Intel and an AMD CPU even held to the same instruction set, and session 53's Intel Xeon
+computed other bits than the AMD EPYC that wrote the digest for all 572 pairs at ``489f389``, logits of NoAlign
+included, with nothing changed. ``--write`` records this machine's vendor and keeps the others'; a change that moves
+bits on purpose rewrites the vendors it can, and a vendor without a digest fails with how to record one.
+
 The kernels: the digests are computed in a child process held to AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, and
 oneDNN's and MKL's instruction sets to match, ``KERNEL_ENV``), so an AVX-512 machine computes the bits an AVX2 one
 does. Session 44 met such a machine: computed with its own kernels, 412 of the pairs differed from the digest
@@ -86,6 +92,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +180,18 @@ def digests_on_avx2() -> dict[str, dict[str, str | None]]:
     return out["digests"]  # type: ignore[no-any-return]
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor (``/proc/cpuinfo``'s ``vendor_id``: ``GenuineIntel``, ``AuthenticAMD``), else the platform's
+    processor name, else ``unknown``: the key of this machine's digest."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def test_targets_bit_identical_to_the_recorded_digest() -> None:
     recorded = json.loads(DIGEST.read_text())
     if recorded["versions"] != VERSIONS:
@@ -181,12 +200,20 @@ def test_targets_bit_identical_to_the_recorded_digest() -> None:
             "on the versions (and CPU) that wrote it; rewrite it from the commit before your change "
             "(python tests/test_targets_unchanged.py --write)"
         )
+    vendor = cpu_vendor()
+    if vendor not in recorded["machines"]:
+        pytest.fail(
+            f"no digest for a {vendor} CPU (recorded: {', '.join(recorded['machines'])}): its kernels compute other bits; "
+            "record one from the commit before your change (git stash; python tests/test_targets_unchanged.py "
+            "--write; git stash pop)"
+        )
+    mine = recorded["machines"][vendor]
     now = digests_on_avx2()
-    lost = sorted(set(recorded["digests"]) - set(now))
+    lost = sorted(set(mine) - set(now))
     assert not lost, f"family/scheme pairs supported before no longer run: {lost}"
     # a family added after the digest has no lines in it (its own tests hold its targets)
-    changed = [key for key in recorded["digests"] if now[key] != recorded["digests"][key]]
-    assert not changed, f"targets or logits changed bits on {len(changed)} pairs: {changed[:10]}"
+    changed = [key for key in mine if now[key] != mine[key]]
+    assert not changed, f"targets or logits changed bits on {len(changed)} pairs ({vendor} CPU): {changed[:10]}"
 
 
 if __name__ == "__main__":
@@ -195,5 +222,8 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/test_targets_unchanged.py --write")
-    DIGEST.write_text(json.dumps({"versions": VERSIONS, "digests": digests_on_avx2()}, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {DIGEST}")
+    earlier = json.loads(DIGEST.read_text()) if DIGEST.exists() else {}
+    machines = earlier.get("machines", {}) if earlier.get("versions") == VERSIONS else {}  # other versions: stale
+    machines[cpu_vendor()] = digests_on_avx2()
+    DIGEST.write_text(json.dumps({"versions": VERSIONS, "machines": machines}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {DIGEST} for a {cpu_vendor()} CPU (digests of {', '.join(sorted(machines))})")

@@ -1,0 +1,114 @@
+"""Fused joins: branches that are each the identity or one stride-1 conv, joined by channel shares, as one convolution.
+
+A ``Parallel`` of such branches (InceptionNeXt's token mixer: the untouched channels, a square and two band
+depthwise convs) mixes labels by ``sum_i s_i Norm(T(k_i)) Y``: walked branch by branch that is a convolution and a
+division per conv branch and a ``lerp`` per further branch, nine operators for InceptionNeXt's four. Every kernel
+centred in one common window (the identity as a delta tap), scaled by its branch's share, makes it one grouped
+convolution with a branch per output channel, one division by the branches' in-grid tap weights and one sum over
+the branches: three operators a join, the same sums (rounded in another order). The kernels of every join alike in
+a forward are centred, stacked and scaled together, and their tap weights on a grid come from one convolution of
+ones (``Kernels.join``). A GPU's route (``fused_join_route``); a CPU's eager walk keeps the branches (its folded
+depthwise convs on large grids are faster than one call over the padded window) and so does a compiled graph
+(its shifted sums fuse already).
+
+Shapes: ``b`` batch, ``l`` label channels, ``j`` joins alike, ``r`` branches, ``(kh, kw)`` the common window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mixlabels._shape_cache import shape_cache
+from mixlabels.backbones._common import _ones
+from mixlabels.backbones._routes import eager_cpu_routes
+
+__all__ = ["JoinShape", "fused_join", "fused_join_route", "fused_joins", "join_masses", "join_shares", "join_window", "window_kernels"]
+
+JoinShape = tuple[tuple[int, int] | None, ...]
+"""A fusable join's branches in order: each conv branch's kernel ``(kh, kw)`` (odd, its padding half of it less one:
+a stride-1 'same' conv), ``None`` for the identity."""
+
+
+_FUSED = [True]
+"""Whether a GPU's eager walk fuses the joins that fuse (``fused_joins``)."""
+
+
+@contextmanager
+def fused_joins(on: bool) -> Iterator[None]:
+    """Inside, a GPU's eager walk fuses the joins that fuse (``on``, the default) or walks their branches one by one
+    (the CPU's route, kept as the tested fallback): ``benchmarks/gpu_suite.py --family-mode eager --family-routes
+    joins=walk`` times both on a GPU."""
+    before = _FUSED[0]
+    _FUSED[0] = bool(on)
+    try:
+        yield
+    finally:
+        _FUSED[0] = before
+
+
+def fused_join_route(device: torch.device) -> bool:
+    """Whether fusable joins run as one convolution (``fused_join``) on ``device``: a GPU's eager route (and the CPU
+    under ``launch_routes``), not a CPU's eager walk nor a compiled graph, unless ``fused_joins(False)``."""
+    return _FUSED[0] and not eager_cpu_routes(device) and not torch.compiler.is_compiling()
+
+
+def join_window(shape: JoinShape) -> tuple[int, int]:
+    """The common padding ``(ph, pw)`` of a join's branches: the window ``(2 ph + 1, 2 pw + 1)`` holds every kernel
+    centred."""
+    kernels = [k for k in shape if k is not None]
+    return max((k[0] for k in kernels), default=1) // 2, max((k[1] for k in kernels), default=1) // 2
+
+
+def window_kernels(shape: JoinShape, branches: Sequence[Tensor | None], joins: int, device: torch.device) -> Tensor:
+    """The joins' kernels centred in the common window ``(j, r, kh, kw)`` fp32, unscaled: branch ``i``'s kernels
+    ``(j, kh_i, kw_i)`` padded with zeros, an identity branch (``None``) a delta at the centre."""
+    ph, pw = join_window(shape)
+    parts = []
+    for kernel, stacked in zip(shape, branches, strict=True):
+        if kernel is None or stacked is None:
+            parts.append(_delta((2 * ph + 1, 2 * pw + 1), device).expand(joins, -1, -1))
+        else:
+            dh, dw = ph - kernel[0] // 2, pw - kernel[1] // 2
+            parts.append(F.pad(stacked.float(), (dw, dw, dh, dh)) if dh or dw else stacked.float())
+    return torch.stack(parts, dim=1)
+
+
+@shape_cache(maxsize=32)
+def _delta(window: tuple[int, int], device: torch.device) -> Tensor:
+    """``(kh, kw)`` fp32: 1 at the centre, 0 elsewhere (the identity as a kernel: its tap weight is 1 everywhere)."""
+    delta = torch.zeros(window, device=device)
+    delta[window[0] // 2, window[1] // 2] = 1.0
+    return delta
+
+
+@shape_cache(maxsize=64)
+def join_shares(shares: tuple[tuple[float, ...], ...], device: torch.device) -> Tensor:
+    """Every join's branch shares ``(j, r, 1, 1)`` fp32 (constants of the model: cached)."""
+    return torch.tensor(shares, dtype=torch.float32, device=device)[:, :, None, None]
+
+
+def join_masses(kernels: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Every branch's in-grid tap weight ``(j, r, h, w)`` on ``grid`` (``kernels``: ``window_kernels``' unscaled):
+    one convolution of ones to every kernel (zero taps add nothing, so each is its own conv's weight)."""
+    j, r, kh, kw = (int(s) for s in kernels.shape)
+    ones = _ones((1, 1, grid[0], grid[1]), kernels.device)  # cached
+    return F.conv2d(ones, kernels.view(j * r, 1, kh, kw), padding=(kh // 2, kw // 2)).view(j, r, *grid)
+
+
+def fused_join(y: Tensor, weight: Tensor, masses: Tensor) -> Tensor:
+    """``sum_i s_i Norm(T(k_i)) Y`` of labels viewed ``(b, l, h, w)``: one grouped convolution with every branch's
+    share-scaled kernel (``weight`` ``(l r, 1, kh, kw)``: each label channel's ``r`` kernels), the division by the
+    branches' tap weights ``masses`` ``(r, h, w)`` and the sum over the branches.
+
+    Returns:
+        ``(b, l, h, w)`` fp32, rows summing to 1 where the input's do (the shares do).
+    """
+    l, kh, kw = int(y.shape[1]), int(weight.shape[-2]), int(weight.shape[-1])
+    z = F.conv2d(y, weight, padding=(kh // 2, kw // 2), groups=l)  # b (l r) h w
+    b, h, w = int(z.shape[0]), int(z.shape[2]), int(z.shape[3])
+    return z.view(b, l, -1, h, w).div_(masses).sum(dim=2)  # the channel axis split: a view in any layout
