@@ -55,9 +55,9 @@ bit of a float, and then this test fails although nothing is wrong. It says so, 
 to rewrite the digest from the commit before the change under test on that machine
 (``git stash; python tests/test_targets_unchanged.py --write; git stash pop``).
 
-One digest per CPU vendor (``machines``, keyed by ``/proc/cpuinfo``'s ``vendor_id``): MKL and oneDNN take their
-own code paths on an Intel and an AMD CPU even held to the same instruction set, and session 53's Intel Xeon
-computed other bits than the AMD EPYC that wrote the digest for all 572 pairs at ``489f389``, logits of NoAlign
+One digest per CPU vendor (``machines``, keyed by ``/proc/cpuinfo``'s ``vendor_id``): held to the same instruction
+set, an Intel and an AMD CPU still compute other bits (MKL and oneDNN dispatch by vendor too, presumably), and session 53's Intel Xeon
+computed other bits than the AMD EPYC that wrote the digest for 572 of its 610 pairs at ``489f389``, NoAlign's logits
 included, with nothing changed. ``--write`` records this machine's vendor and keeps the others'; a change that moves
 bits on purpose rewrites the vendors it can, and a vendor without a digest fails with how to record one.
 
