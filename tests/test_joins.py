@@ -16,7 +16,7 @@ import timm
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_backbones_common import B, C, IMG, POOLED, SCHEMES, check_parity, cutmix_batch
+from test_backbones_common import B, C, POOLED, SCHEMES, check_parity, cutmix_batch
 from torch import nn
 from torch.testing import assert_close
 
@@ -214,4 +214,3 @@ def test_joins_that_do_not_fuse_keep_their_walk() -> None:
     assert kernels.join_shape(Parallel.sum([(), (c3,)])) is None  # one conv: the lerp costs what the sum would
     assert kernels.join_shape(Parallel.sum([(dilated,), (c5,)])) is None
     assert kernels.join_shape(Parallel.sum([(_convnet.Window((2, 2), (2, 2), (0, 0)),), (c3,)])) is None
-    assert IMG % 8 == 0
