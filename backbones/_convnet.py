@@ -854,8 +854,8 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
             grid = out
         elif isinstance(op, Parallel):
             out = op.out_grid(grid)
-            channels = int(labels.y.shape[1 if labels.on_grid else -1])
-            fused = kernels.join(op, grid, channels) if fused_join_route(labels.y.device) else None
+            fused = (kernels.join(op, grid, int(labels.y.shape[1 if labels.on_grid else -1]))
+                     if fused_join_route(labels.y.device) else None)  # the label channels: their layout's axis
             if fused is not None:  # one grouped convolution for all the branches (``backbones._joins``)
                 labels, grid = _Labels(fused_join(labels.grid_view(grid), *fused), True), out
                 i += 1
