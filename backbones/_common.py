@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, overload
 
 import torch
@@ -38,7 +38,7 @@ from mixlabels._label_map import fp32_labels
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
-from mixlabels.backbones._routes import _byte_route, eager_cpu_routes, launch_routes
+from mixlabels.backbones._routes import _byte_route, eager_cpu_routes, launch_routes, switched
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 from mixlabels.backbones._windows import (
     AxisWindow, apply_separable, as_grid, as_tokens, axis_out, axis_windows, chain_matrices, folded, is_position_major, mix_tokens, unfolded,
@@ -496,8 +496,16 @@ def conv_label_kernel(weight: Tensor) -> Tensor:
 
 
 _DENSE_CONV_TOKENS = 64
-"""Grids up to this many positions mix labels by the explicit ``(n, n)`` matrix: on a 7x7 grid a
-depthwise conv call costs three times the small matrix products (on 14x14 the conv wins)."""
+"""Grids up to this many positions mix labels by the explicit ``(n, n)`` matrix on the CPU in eager mode
+(``eager_cpu_routes``) and in compiled graphs: on a 7x7 grid a depthwise conv call costs three times the small
+matrix products (on 14x14 the conv wins)."""
+
+_DENSE_LAUNCH_TOKENS = 196
+"""Where every operator is a kernel launch (a GPU's eager route, ``launch_routes``), grids up to this many positions
+(14x14) mix labels by the explicit ``(n, n)`` matrix: a conv there is two launches (the conv and the division by the
+in-grid tap weights) and the tap weights a third per grid, a matrix one product, and the matrices of all a forward's
+convs of one kernel shape on the grid are built together in three (``Kernels.matrix``). A 14x14 matrix is 150 KiB
+(7x7 kernels' tap matrices, cached: 7.2 MiB); at 28x28 they would be 2.3 MiB and 113 MiB."""
 
 
 @shape_cache(maxsize=256)
@@ -548,12 +556,28 @@ def conv_mix(labels: Tensor, grid: tuple[int, int], kernel: Tensor, padding: tup
     return conv_chain(labels, grid, [(kernel, padding, dilation)])
 
 
-def depthwise_route(grid: tuple[int, int]) -> bool:
-    """Whether ``conv_chain`` mixes labels on ``grid`` by depthwise convolutions (kernels ``(l, 1, kh, kw)``) rather than
-    by tap matrices (kernels ``(kh, kw)``): on grids over ``_DENSE_CONV_TOKENS`` positions, and on every grid in a
-    graph compiled with shifted label convs (``compiled_shifted``), where the convs fuse and the matrices' products
-    would be extern calls."""
-    return grid[0] * grid[1] > _DENSE_CONV_TOKENS or compiled_shifted()
+_LAUNCH_MATRICES = [True]
+"""Whether a GPU's eager walk takes the matrices up to ``_DENSE_LAUNCH_TOKENS`` (``launch_matrices``)."""
+
+
+def launch_matrices(on: bool) -> AbstractContextManager[None]:
+    """Inside, a GPU's eager walk mixes labels by matrices on grids up to ``_DENSE_LAUNCH_TOKENS`` positions (``on``,
+    the default) or only up to the CPU's ``_DENSE_CONV_TOKENS`` (the depthwise convs above: the tested fallback):
+    ``benchmarks/gpu_suite.py --family-mode eager --family-routes matrices=cpu`` times both on a GPU."""
+    return switched(_LAUNCH_MATRICES, on)
+
+
+def depthwise_route(grid: tuple[int, int], device: torch.device) -> bool:
+    """Whether ``conv_chain`` mixes labels on ``grid`` (on ``device``) by depthwise convolutions (kernels
+    ``(l, 1, kh, kw)``) rather than by tap matrices (kernels ``(kh, kw)``): on grids over ``_DENSE_CONV_TOKENS``
+    positions on the CPU's eager route and in a compiled graph, over ``_DENSE_LAUNCH_TOKENS`` on a GPU's eager route
+    (``launch_routes`` too; unless ``launch_matrices(False)``), and on every grid in a graph compiled with shifted
+    label convs (``compiled_shifted``), where the convs fuse and the matrices' products would be extern calls."""
+    if compiled_shifted():
+        return True
+    cpu = eager_cpu_routes(device) or torch.compiler.is_compiling() or not _LAUNCH_MATRICES[0]
+    dense = _DENSE_CONV_TOKENS if cpu else _DENSE_LAUNCH_TOKENS
+    return grid[0] * grid[1] > dense
 
 
 def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: torch.device) -> list[Tensor]:
@@ -595,7 +619,7 @@ def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep])
         ``(b, h*w, l)`` fp32, rows summing to 1 where the input's do.
     """
     with fp32_labels(labels.device):
-        if not depthwise_route(grid):
+        if not depthwise_route(grid, labels.device):
             y = labels.float()
             for t in _chain_matrices(grid, steps, labels.device):
                 y = mix_tokens(t, y)
@@ -721,7 +745,7 @@ def conv_mix_pair(
     """
     with fp32_labels(first.device):
         n = grid[0] * grid[1]
-        if not depthwise_route(grid):
+        if not depthwise_route(grid, first.device):
             kernel = (int(k_first.shape[0]), int(k_first.shape[1]))
             taps = _tap_matrices(grid, kernel, (padding[0], padding[1]), (dilation[0], dilation[1]), first.device)
             t1 = (k_first.to(taps).reshape(1, -1) @ taps).reshape(n, n)

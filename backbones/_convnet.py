@@ -43,6 +43,7 @@ Shapes: ``b`` batch, ``n`` positions (row-major over a grid ``h w``), ``l`` labe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,11 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
+from mixlabels._shape_cache import shape_cache
+from mixlabels._trackers import CompactTracker
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
+from mixlabels.backbones._routes import switched
 from mixlabels.backbones._common import (
     AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
     fold_route, kernel_labels, label_kernels, mix_token_space, shifted_route, start_on_windows,
@@ -526,6 +530,10 @@ class Kernels:
         self._wide: dict[tuple[nn.Module | KernelConv, int], Tensor] = {}
         self._mass: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
         self._matrix: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
+        # a stack's key and a grid -> its convs and their matrices (g, n, n) on the grid (``_matrices``)
+        self._matrices: dict[tuple[tuple[Any, ...], tuple[int, int]], tuple[list[nn.Module | KernelConv], Tensor]] = {}
+        self._residual: dict[tuple[nn.Module | KernelConv, tuple[int, int], float], Tensor] = {}
+        self._tap_rows: dict[tuple[Any, ...], Tensor] = {}  # a stack's key -> its kernels as rows (g, kh kw)
         self._stacks: dict[tuple[Any, ...], tuple[list[nn.Module | KernelConv], Tensor | None]] = {}
         self._grouped: _Groups | None = None
 
@@ -700,12 +708,109 @@ class Kernels:
         together (``tap_mixes`` of their stacked kernels: one product, one sum and one division per grid and shape,
         where ``conv_chain`` spends three operators per block). ``None``: not held here, or too few alike
         (``_WIDE_GROUP``; ``conv_chain`` then builds it)."""
-        def matrices(stacked: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Sequence[Tensor]:
-            g, kernel, n = int(stacked.shape[0]), (int(stacked.shape[-2]), int(stacked.shape[-1])), grid[0] * grid[1]
-            taps = _tap_matrices(grid, kernel, padding, dilation, stacked.device)
-            return tap_mixes(stacked.view(g, -1), taps, (g, n, n)).unbind(0)
+        if (conv, grid) not in self._matrix:
+            built = self._matrices_of(conv, grid)
+            if built is None:
+                return None
+            same, matrices = built
+            self._matrix.update(((c, grid), m) for c, m in zip(same, matrices.unbind(0), strict=True))
+        return self._matrix[(conv, grid)]
 
-        return self._per_grid(self._matrix, conv, grid, matrices)
+    def residual(self, conv: nn.Module | KernelConv, grid: tuple[int, int], share: float) -> Tensor | None:
+        """The labels' map ``lerp(I, M, share)`` ``(n, n)`` of a residual whose branch is ``conv`` alone on a small
+        ``grid`` (``M = matrix(conv, grid)``; ``share``: ``Rules.residual_share``): the branch's mix and the residual's
+        mean in one matrix, so that such a block's labels are one product (``residual_labels``), not a product and a
+        ``lerp``. Made for every conv of the shape on the grid together, from their matrices: one ``lerp`` per grid
+        and shape. ``None`` where ``matrix`` is."""
+        if (conv, grid, share) not in self._residual:
+            built = self._matrices_of(conv, grid)
+            if built is None:
+                return None
+            same, matrices = built
+            n = grid[0] * grid[1]
+            maps = torch.lerp(_identity(n, matrices.device), matrices, share)  # g n n, the identity broadcast
+            self._residual.update(((c, grid, share), m) for c, m in zip(same, maps.unbind(0), strict=True))
+        return self._residual[(conv, grid, share)]
+
+    def _matrices_of(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> tuple[list[nn.Module | KernelConv], Tensor] | None:
+        """The convs of ``conv``'s kernel shape, padding and dilation and their matrices ``Norm(T(kernel))``
+        ``(g, n, n)`` on ``grid``, built once a forward and grid; ``None``: not held here, or too few alike."""
+        kernel = self.get(conv)
+        if kernel is None:
+            return None
+        key, alike = self._alike(kernel, conv, geometry=True)
+        same, stacked = self._stack(key, alike)
+        if stacked is None:
+            return None
+        if (key, grid) not in self._matrices:
+            g, shape, n = int(stacked.shape[0]), (int(stacked.shape[-2]), int(stacked.shape[-1])), grid[0] * grid[1]
+            taps = _tap_matrices(grid, shape, *_geometry(conv), stacked.device)
+            if key not in self._tap_rows:  # the stack as rows of taps, one view for every grid it is asked on
+                self._tap_rows[key] = stacked.view(g, -1)
+            self._matrices[(key, grid)] = (same, tap_mixes(self._tap_rows[key], taps, (g, n, n)))
+        return self._matrices[(key, grid)]
+
+
+@shape_cache(maxsize=16)
+def _identity(n: int, device: torch.device) -> Tensor:
+    """``(n, n)`` fp32 identity (a constant of the grid: cached)."""
+    return torch.eye(n, device=device)
+
+
+_FOLDED = [True]
+"""Whether a GPU's eager walk folds residuals into their branch's matrices (``folded_residuals``)."""
+
+
+def folded_residuals(on: bool) -> AbstractContextManager[None]:
+    """Inside, a GPU's eager walk folds a residual's mean into its branch's conv matrices (``on``, the default:
+    ``residual_labels``) or mixes the branch's labels and takes the ``lerp`` (the CPU's route, the tested fallback):
+    ``benchmarks/gpu_suite.py --family-mode eager --family-routes residuals=lerp`` times both on a GPU."""
+    return switched(_FOLDED, on)
+
+
+def residual_route(tracker: LabelTracker, branch: Path, grid: tuple[int, int], labels: Tensor) -> bool:
+    """Whether ``residual_labels`` folds the residual's mean into the branch's matrices (``Kernels.residual``): a
+    branch of stride-1 convs alone on a small grid, on a GPU's eager route (and the CPU's under ``launch_routes``;
+    not the CPU's eager walk, nor a compiled graph, which fuses the ``lerp``), for the fast path's tracker, unless
+    ``folded_residuals(False)``. One product a block instead of a product a conv and a ``lerp``."""
+    return (_FOLDED[0] and isinstance(tracker, CompactTracker) and len(branch) > 0
+            and all(isinstance(op, (nn.Conv2d, KernelConv)) for op in branch) and not eager_cpu_routes(labels.device)
+            and not torch.compiler.is_compiling() and not depthwise_route(grid, labels.device))
+
+
+def residual_labels(
+    tracker: LabelTracker, layer: int, keep: Tensor | None, labels: Tensor | None, branch: Path, grid: tuple[int, int],
+    kernels: Kernels | None,
+) -> None:
+    """``tracker.residual`` of a block whose shortcut is the identity and whose branch's labels are ``branch``'s map of
+    ``labels`` (``labels_for(layer)``; ``None``: the layer is not aligned).
+
+    Where ``residual_route`` holds and ``kernels`` has every conv's matrix ``M_i`` on the grid, the residual's labels
+    are one product with ``lerp(I, M_k ... M_1, share)``: for one conv ``Kernels.residual`` (every such block's made
+    together, one ``lerp`` per grid and shape), for a chain its product and the mean in ``k - 1`` matrix products
+    of the block's own (an ``addmm`` last). Else the branch's labels and the residual's ``lerp``."""
+    if labels is not None and kernels is not None and residual_route(tracker, branch, grid, labels):
+        assert isinstance(tracker, CompactTracker)
+        convs = [op for op in branch if isinstance(op, (nn.Conv2d, KernelConv))]
+        with fp32_labels(labels.device):  # the matrices' products in fp32 under a caller's autocast, as apply_path's
+            matrices = [kernels.matrix(c, grid) for c in convs]
+        if all(m is not None for m in matrices):
+            def mix(y: Tensor, share: float) -> Tensor:
+                if len(convs) == 1:
+                    folded = kernels.residual(convs[0], grid, share)
+                else:  # (1 - s) I + s M_k ... M_2 M_1, the products' rows each summing to 1
+                    *rest, first = [m for m in reversed(matrices) if m is not None]
+                    later = rest[0]
+                    for m in rest[1:]:
+                        later = later @ m
+                    folded = torch.addmm(_identity(grid[0] * grid[1], y.device), later, first, beta=1.0 - share, alpha=share)
+                assert folded is not None  # ``matrix`` answered for these convs and grid
+                return mix_tokens(folded, y.float())
+
+            tracker.residual_by(layer, keep, mix)  # which calls ``mix`` in an fp32 region
+            return
+    mixed = apply_path(branch, labels, grid, kernels)[0] if labels is not None and branch else None
+    tracker.residual(layer, keep, mixed=mixed)
 
 
 def _only_conv(branch: Path) -> nn.Module | KernelConv:
@@ -860,7 +965,7 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
                 labels, grid = _Labels(fused_join(labels.grid_view(grid), *fused), True), out
                 i += 1
                 continue
-            if depthwise_route(grid) and not labels.on_grid:  # one layout view for all the branches' convs
+            if depthwise_route(grid, labels.y.device) and not labels.on_grid:  # one layout view for all the branches' convs
                 labels = _Labels(labels.grid_view(grid), True)
             parts = _branch_labels(op.branches, labels, grid, kernels, walked)
             on_grid = any(p.on_grid for p in parts)  # the sum on the grid where a branch ends there (the others: a view each)
@@ -873,7 +978,7 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
                 end += 1
             convs = [c for c in path[i:end] if isinstance(c, (nn.Conv2d, KernelConv))]  # all of them
             i = end
-            if depthwise_route(grid):  # expanded kernels, tap weights computed together where they are
+            if depthwise_route(grid, labels.y.device):  # expanded kernels, tap weights computed together where they are
                 y = labels.grid_view(grid)
                 if fold_route(y, len(convs)):
                     y = position_major(y)
@@ -1006,7 +1111,7 @@ def fold_labels(tracker: LabelTracker, layer: int, grid: tuple[int, int]) -> Ten
     branch's copy alone would not last: the residual's ``lerp`` keeps the tracker's layout, its first input's, and
     every block would copy again; the tracker's copy lasts through the blocks after it (one copy a forward)."""
     labels = tracker.labels_for(layer)
-    if labels is None or not (eager_cpu_routes(labels.device) and depthwise_route(grid)):
+    if labels is None or not (eager_cpu_routes(labels.device) and depthwise_route(grid, labels.device)):
         return labels  # no view dispatched: a GPU's count of operators, or a compiled graph, is as without the fold
     if fold_route(as_grid(labels, grid), 1, lasting=True):
         tracker.aggregate(lambda y: as_tokens(position_major(as_grid(y, grid))), normalised=True)
@@ -1029,6 +1134,9 @@ def block_labels(
         return path_grid(branch, grid)
     fork = tracker.fork() if plain else None
     labels, mixed = (fold_labels(tracker, layer, grid) if branch else tracker.labels_for(layer)), None
+    if not shortcut and fork is None:  # the identity: the residual's mean may fold into the branch's matrix
+        residual_labels(tracker, layer, keep, labels, branch, grid, kernels)
+        return grid
     if labels is not None and branch:
         mixed, _ = apply_path(branch, labels, grid, kernels)
     if shortcut:

@@ -17,7 +17,7 @@ Shapes: ``b`` batch, ``l`` label channels, ``j`` joins alike, ``r`` branches, ``
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._common import _ones
-from mixlabels.backbones._routes import eager_cpu_routes
+from mixlabels.backbones._routes import eager_cpu_routes, switched
 
 __all__ = ["JoinShape", "fused_join", "fused_join_route", "fused_joins", "join_masses", "join_shares", "join_window", "window_kernels"]
 
@@ -38,17 +38,11 @@ _FUSED = [True]
 """Whether a GPU's eager walk fuses the joins that fuse (``fused_joins``)."""
 
 
-@contextmanager
-def fused_joins(on: bool) -> Iterator[None]:
+def fused_joins(on: bool) -> AbstractContextManager[None]:
     """Inside, a GPU's eager walk fuses the joins that fuse (``on``, the default) or walks their branches one by one
     (the CPU's route, kept as the tested fallback): ``benchmarks/gpu_suite.py --family-mode eager --family-routes
     joins=walk`` times both on a GPU."""
-    before = _FUSED[0]
-    _FUSED[0] = bool(on)
-    try:
-        yield
-    finally:
-        _FUSED[0] = before
+    return switched(_FUSED, on)
 
 
 def fused_join_route(device: torch.device) -> bool:

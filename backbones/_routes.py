@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["eager_cpu_routes", "launch_routes"]
+__all__ = ["eager_cpu_routes", "launch_routes", "switched"]
 
 _BYTE_ROUTES = [True]
 """Whether the CPU takes its own routes (the byte-saving ones, ``_byte_route``; folded label convs, ``fold_route``);
@@ -42,3 +42,16 @@ def eager_cpu_routes(device: torch.device) -> bool:
     ``_attention._head_mean``, CaiT's ``talking_heads_label_mix``): the CPU, in eager mode (a compiled graph lays
     its tensors out as its compiler decides), outside ``launch_routes``."""
     return device.type == "cpu" and _BYTE_ROUTES[0] and not torch.compiler.is_compiling()
+
+
+@contextmanager
+def switched(flag: list[bool], on: bool) -> Iterator[None]:
+    """Inside, the route switch ``flag`` (a one-element list a route reads) is ``on``; as it was after. The GPU's eager
+    routes each have one (``fused_joins``, ``launch_matrices``, ``folded_residuals``), so that their fallbacks can be
+    timed beside them."""
+    before = flag[0]
+    flag[0] = bool(on)
+    try:
+        yield
+    finally:
+        flag[0] = before

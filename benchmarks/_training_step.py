@@ -159,11 +159,16 @@ class TrainingSteps:
                 ``label-convs=shifted`` / ``label-convs=conv``: how a compiled graph convolves labels
                 (``backbones.compiled_label_convs``; read while tracing, so a compiled adapter traces under it), or
                 ``joins=fused`` / ``joins=walk``: whether a GPU's eager walk fuses a conv net's joins
-                (``backbones._joins.fused_joins``).
+                (``backbones._joins.fused_joins``), ``matrices=launch`` / ``matrices=cpu``: up to which grid it mixes
+                a conv net's labels by matrices (``backbones._common.launch_matrices``), ``residuals=folded`` /
+                ``residuals=lerp``: whether it folds their residuals into the matrices
+                (``backbones._convnet.folded_residuals``).
             adapter: run the mixed batch through this (e.g. ``torch.compile`` of ``adapted[variant]``).
         """
         from mixlabels.backbones import compiled_label_convs
         from mixlabels.backbones._attention import ROUTES, attention_route
+        from mixlabels.backbones._common import launch_matrices
+        from mixlabels.backbones._convnet import folded_residuals
         from mixlabels.backbones._joins import fused_joins
 
         if route is None and variant == "tlalign-widened":
@@ -173,10 +178,14 @@ class TrainingSteps:
             context = compiled_label_convs(route.removeprefix("label-convs="))  # type: ignore[arg-type]  # it checks
         elif route in ("joins=fused", "joins=walk"):
             context = fused_joins(route == "joins=fused")
+        elif route in ("matrices=launch", "matrices=cpu"):
+            context = launch_matrices(route == "matrices=launch")
+        elif route in ("residuals=folded", "residuals=lerp"):
+            context = folded_residuals(route == "residuals=folded")
         elif route is not None:
             if route not in ROUTES:
-                raise ValueError(f"no attention route {route!r}; choose from {', '.join(ROUTES)}, label-convs=shifted|conv "
-                                 "or joins=fused|walk")
+                raise ValueError(f"no attention route {route!r}; choose from {', '.join(ROUTES)}, label-convs=shifted|conv, "
+                                 "joins=fused|walk, matrices=launch|cpu or residuals=folded|lerp")
             context = attention_route(route)  # checked above
         with context, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             if variant == "none":

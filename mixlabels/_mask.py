@@ -84,12 +84,15 @@ def _cell_windows(windows: Tensor, cells: int) -> Tensor:
 
 
 @shape_cache(maxsize=64)
-def _token_overlap_constants(cells: tuple[int, int], grid: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+def _token_overlap_constants(
+    cells: tuple[int, int], grid: tuple[int, int], device: torch.device,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
     """What ``BoxMask.token_weights`` needs of the two grids alone, computed once, not per step. Along each axis the
     mask's cells and the tokens tile a finer grid (their lcm); for every token, rows then columns (``(h + w,)``
     long): which box bounds it meets (``(2, h + w)``: the columns of ``boxes`` holding its axis' start and end), the
-    length of a cell (the scale of a bound) and the token's start and end, in that axis' fine units; and a token's
-    area in fine units squared."""
+    length of a cell (the scale of a bound) and the token's start and end, in that axis' fine units; a token's
+    area in fine units squared, and the two sources' columns from the partner's area ``p``: ``[total, 0] + p [-1, 1]``
+    (``offset``, ``sign``, long)."""
     scale: list[int] = []
     starts: list[int] = []
     ends: list[int] = []
@@ -105,7 +108,8 @@ def _token_overlap_constants(cells: tuple[int, int], grid: tuple[int, int], devi
         bounds[0].extend([2 * axis] * t)
         bounds[1].extend([2 * axis + 1] * t)
     return (torch.tensor(bounds, device=device), torch.tensor(scale, device=device), torch.tensor(starts, device=device),
-            torch.tensor(ends, device=device), total)
+            torch.tensor(ends, device=device), torch.tensor([total, 0], device=device),
+            torch.tensor([-1, 1], device=device), total)
 
 
 @shape_cache(maxsize=32)
@@ -116,22 +120,25 @@ def _f32_scalar(value: int) -> Tensor:
 
 
 @shape_cache(maxsize=32)
-def _box_window_constants(rows: Tensor, cols: Tensor, grid: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _box_window_constants(
+    rows: Tensor, cols: Tensor, grid: tuple[int, int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """What ``BoxMask.window_weights`` needs of the windows alone, computed once, not per step: the windows over the
-    mask's cells per axis, transposed (``(gh, h)``, ``(gw, w)``, contiguous), every cell's index along its axis
-    (rows then columns, ``(gh + gw,)``), which box bounds each such cell is compared with (``(2, gh + gw)``: the
+    mask's cells per axis, transposed (``(gh, h)``, ``(gw, w)``, contiguous), every cell's start and end along its
+    axis (rows then columns, ``(gh + gw,)`` fp32 each: index ``i`` spans ``[i, i + 1)``), which box bounds each such
+    cell is compared with (``(2, gh + gw)``: the
     columns of ``boxes`` holding its axis' start and end), and the ``(h w, 2)`` offset and ``(2,)`` sign that turn the
     partner's weight into both columns (``[total - partner, partner]``). ``rows`` and ``cols`` are a stem's cached
     window matrices (the same tensors every step), so the cache is keyed on the tensors themselves: an entry keeps
     them, so their identity is never reused."""
     r, c = _cell_windows(rows, grid[0]), _cell_windows(cols, grid[1])  # h gh, w gw
     device = rows.device
-    index = torch.cat([torch.arange(grid[0], device=device), torch.arange(grid[1], device=device)])
+    index = torch.cat([torch.arange(grid[0], device=device), torch.arange(grid[1], device=device)]).float()
     bounds = torch.tensor([[0] * grid[0] + [2] * grid[1], [1] * grid[0] + [3] * grid[1]], device=device)
     total = torch.outer(r.sum(dim=1), c.sum(dim=1)).reshape(-1)  # h w: every window's weight
     offset = torch.stack([total, torch.zeros_like(total)], dim=-1)  # (h w) 2
     sign = torch.tensor([-1.0, 1.0], device=device)
-    return r.T.contiguous(), c.T.contiguous(), index, bounds, offset, sign
+    return r.T.contiguous(), c.T.contiguous(), index, index + 1, bounds, offset, sign
 
 
 def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -269,29 +276,34 @@ class BoxMask:
         token's; their quotient, correctly rounded, is what averaging the 0/1 cells gives
         on the CPU (an exact sum, then one division), bit for bit.
         """
-        # both axes at once (about seventeen operators a step): every token's start and end along its axis in units of
-        # that axis' lcm grid, and which box bounds it meets. A bound past the grid needs no clamp: it moves an
-        # overlap only below zero, where the clamp to 0 takes it anyway
-        bounds, scale, starts, ends, total = _token_overlap_constants(self.grid, grid, self.boxes.device)
-        lo, hi = (self.boxes[:, bounds] * scale).unbind(1)  # b (h + w) each: the box's bounds, in lcm units
-        inside = (torch.minimum(hi, ends) - torch.maximum(lo, starts)).clamp_min_(0)  # b (h + w): overlap lengths
-        h = grid[0]
-        area = (inside[:, :h, None] * inside[:, None, h:]).view(inside.shape[0], -1)  # b (h w): the partner's
+        # both axes at once (eight operators a step, all on integers until the division): every token's start and
+        # end along its axis in units of that axis' lcm grid, and which box bounds it meets
+        bounds, scale, starts, ends, offset, sign, total = _token_overlap_constants(self.grid, grid, self.boxes.device)
+        both = (self.boxes[:, bounds] * scale).clamp(starts, ends)  # b 2 (h + w): the box's bounds, in lcm units,
+        # each clamped into the token's span: their difference is the overlap, min(hi, e) - max(lo, s), wherever the
+        # box meets the token; elsewhere (and for a box with hi < lo) it is at most 0, which the clamp to 0 takes
+        lo, hi = both.unbind(1)  # b (h + w) each: one view operator for both, where indexing takes one each
+        inside = (hi - lo).clamp_min_(0)  # b (h + w): overlap lengths
+        rows, cols = torch.split(inside, list(grid), dim=1)  # b h, b w
+        area = (rows[:, :, None] * cols[:, None]).view(inside.shape[0], -1, 1)  # b (h w) 1: the partner's
         # exact integers, one division: integers divided by a float32 scalar tensor are float32 quotients whatever the
         # default dtype, the same bits as a conversion first, without that conversion's operator
-        return torch.stack([total - area, area], dim=-1) / _f32_scalar(total)
+        return torch.addcmul(offset, area, sign) / _f32_scalar(total)  # b (h w) 2: [total - p, p] / total
 
     def window_weights(self, rows: Tensor, cols: Tensor) -> Tensor:
         """Rank one per box: the partner's weight under the windows is ``(R in_rows)(C in_cols)^T``, its own
         the windows' total minus that; ``O(b * (h + w) * cells)``, no cell or pixel mask."""
-        # sixteen operators per step: both axes' cells compared with their box bounds at once, and both
-        # columns from the partner's weight by one fused multiply-add (``total - p`` is ``total + p * -1``, bit
-        # for bit)
-        rt, ct, index, bounds, offset, sign = _box_window_constants(rows, cols, self.grid)
-        lo, hi = self.boxes[:, bounds].unbind(1)  # b (gh + gw) each: the box's start and end along each cell's axis
-        inside = ((index >= lo) & (index < hi)).float()  # b (gh + gw)
-        gh = self.grid[0]
-        partner = (inside[:, :gh] @ rt).unsqueeze(2) * (inside[:, gh:] @ ct).unsqueeze(1)  # b h w
+        # both axes' cells against their box bounds at once, and both columns from the partner's weight by one fused
+        # multiply-add (``total - p`` is ``total + p * -1``, bit for bit): nine computing operators a step
+        rt, ct, start, end, bounds, offset, sign = _box_window_constants(rows, cols, self.grid)
+        # the box's start and end along each cell's axis, clamped into the cell's span [i, i + 1): their difference is
+        # 1 for a cell inside the box, else 0 (or below 0 for a box with end < start, which the clamp to 0 takes);
+        # fp32 0/1 by the promotion to the span's dtype, without a conversion of its own
+        both = self.boxes[:, bounds].clamp(start, end)  # b 2 (gh + gw)
+        lo, hi = both.unbind(1)  # b (gh + gw) each
+        inside = (hi - lo).clamp_min_(0.0)  # b (gh + gw)
+        in_rows, in_cols = torch.split(inside, list(self.grid), dim=1)  # b gh, b gw
+        partner = (in_rows @ rt).unsqueeze(2) * (in_cols @ ct).unsqueeze(1)  # b h w
         both = torch.addcmul(offset, partner.view(partner.shape[0], -1, 1), sign)  # b (h w) 2: [total - p, p]
         return both.clamp_min_(0.0)  # rounding must not take the own weight below 0
 

@@ -97,12 +97,25 @@ class Rules:
         return layer == self.class_attention_layer
 
     # ------------------------------------------------------------------ events
+    @property
+    def residual_share(self) -> float:
+        """The branch's share ``s`` of a residual's labels where the branch was kept: ``residual`` is
+        ``lerp(y, mixed, s)``, ``(y + mixed) / 2`` normalised, ``mixed`` itself without normalisation (a ``lerp`` to
+        ``mixed`` by 1 is ``mixed`` to the bit). A branch whose labels are a matrix ``M`` of ``y`` makes the
+        residual's the matrix ``lerp(I, M, s)`` (``CompactTracker.residual_by``)."""
+        return 0.5 if self.normalize else 1.0
+
     def residual(self, y: Tensor, mixed: Tensor, keep: Tensor | None) -> Tensor:
         """Labels after a residual whose branch spatially mixed ``y`` into ``mixed``; ``keep`` ``(b,)`` bool
         per sample, or ``(b, n)`` per token (a drop-path drawn over a batch of token groups, as MobileViT's
         per-offset sequences)."""
         new = torch.lerp(y, mixed, 0.5) if self.normalize else mixed  # (y + mixed) / 2 in one operator
-        if keep is not None and self.follow_drop:  # a sample (token) whose branch was dropped keeps its labels
+        return self.kept(y, new, keep)
+
+    def kept(self, y: Tensor, new: Tensor, keep: Tensor | None) -> Tensor:
+        """A residual's labels ``new`` where its branch was kept: a sample (token) whose branch was dropped keeps its
+        labels ``y`` under ``follow_drop`` (``keep`` as ``residual``'s)."""
+        if keep is not None and self.follow_drop:
             new = torch.where(keep.reshape(keep.shape[0], -1, 1), new, y)
         return new
 
@@ -129,10 +142,11 @@ class Rules:
         return normalise_rows(merged)
 
     def readout(self, y: Tensor, how: Literal["token", "mean"], first: int) -> Tensor:
-        """The head's readout of labels ``(b, n, l) -> (b, l)``: token ``first`` or the mean of ``first:``."""
-        if how == "token":
-            return normalise_rows(y[:, first])
-        return normalise_rows((y if first == 0 else y[:, first:]).mean(dim=1))  # no slice where nothing is left out
+        """The head's readout of labels ``(b, n, l) -> (b, l)``: token ``first`` or the mean of ``first:``, its rows
+        renormalised (rounding drift removed). Every row of ``y`` is a distribution (its sum about 1, never 0), and
+        so is the readout: no clamp of the sum away from 0 (``normalise_rows``), which would change no bit of it."""
+        read = y[:, first] if how == "token" else (y if first == 0 else y[:, first:]).mean(dim=1)  # no slice where nothing is left out
+        return read / read.sum(dim=-1, keepdim=True)
 
     def class_weights(self, row: Tensor, area: Tensor, num_prefix: int) -> Tensor:
         """TransMix's ``lambda_attn``: the class token's row ``(b, n)`` over the patch tokens (renormalised)

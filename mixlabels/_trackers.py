@@ -95,6 +95,20 @@ class CompactTracker:
             mixed = mixed.detach()
         self._y = self._rules.residual(self._y, mixed.float(), keep)
 
+    def residual_by(self, layer: int, keep: Tensor | None, mix: Callable[[Tensor, float], Tensor]) -> None:
+        """``residual(layer, keep, mixed=...)`` with the branch's labels and their mean with the labels made by the
+        caller in one map: ``mix(y, share)`` returns ``lerp(y, branch(y), share)`` (``Rules.residual_share``; a
+        branch of one conv matrix ``M``: ``lerp(I, M, share) @ y``, the matrices of many blocks made together); a
+        sample whose branch was dropped keeps its labels as in ``residual`` (``Rules.kept``). Only where
+        ``labels_for(layer)`` answers: the same error as ``residual``'s otherwise."""
+        if self._y is None or not self._rules.wants_labels(layer):
+            raise ValueError(
+                f"residual_by(layer={layer}, ...) for a layer this scheme does not align (labels_for({layer}) is None); "
+                "mix labels only where labels_for answers"
+            )
+        with _fp32(self._lm.device):  # the caller's products in fp32 under any autocast, as ``aggregate``'s
+            self._y = self._rules.kept(self._y, mix(self._y, self._rules.residual_share).float(), keep)
+
     def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
         def merged(y: Tensor) -> Tensor:
             y = merge(y).float()

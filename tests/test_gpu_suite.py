@@ -175,19 +175,23 @@ def test_family_routes_reach_the_compiled_pair_and_a_step_takes_either_kind_of_r
         steps.call("tlalign", "label-convs=fused")()
 
 
-def test_eager_family_routes_are_timed_beside_the_devices_route_and_reported(tmp_path: Path) -> None:
-    """--family-mode eager --family-routes joins=walk: each family's eager pair times TL-Align by that route too (a
-    GPU's fused joins against the branch walk), and the report gives it a row of its own beside the device's."""
+@pytest.mark.parametrize(("family", "route"), [("inception_next", "joins=walk"), ("convnext", "matrices=cpu"),
+                                              ("resnet", "residuals=lerp")])
+def test_eager_family_routes_are_timed_beside_the_devices_route_and_reported(family: str, route: str, tmp_path: Path) -> None:
+    """--family-mode eager --family-routes joins=walk (and the other eager fallbacks): each family's eager pair times
+    TL-Align by that route too (a GPU's fused joins against the branch walk, its 14x14 label matrices against the
+    CPU's depthwise convs there, its folded residuals against the lerp), and the report gives it a row of its own
+    beside the device's."""
     from benchmarks.gpu_report import gpu_section
 
-    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "inception_next",
-                             "--family-mode", "eager", "--family-routes", "joins=walk", "--rounds", "1", "--steps", "1",
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", family,
+                             "--family-mode", "eager", "--family-routes", route, "--rounds", "1", "--steps", "1",
                              "--warmup", "0", "--out", str(tmp_path)])
-    row = result["parts"]["families"]["inception_next"]
-    assert row["mode"] == "eager" and row["tlalign/joins=walk"]["ms_median"] > 0 and "ratio" in row["tlalign/joins=walk"]
+    row = result["parts"]["families"][family]
+    assert row["mode"] == "eager" and row[f"tlalign/{route}"]["ms_median"] > 0 and "ratio" in row[f"tlalign/{route}"]
     text = "\n".join(gpu_section(result))
-    assert "| inception_next | example:inception_next |" in text
-    assert "| inception_next (joins=walk) | example:inception_next |" in text
+    assert f"| {family} | example:{family} |" in text
+    assert f"| {family} ({route}) | example:{family} |" in text
 
 
 def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> None:

@@ -107,3 +107,48 @@ def test_box_source_mean_on_the_gpu_matches_the_painted_pixels() -> None:
     assert_close(got.cpu(), naive_box_lambda(boxes, grid, image_size), rtol=0, atol=1e-6)
     cells = torch.softmax(torch.randn(4, 2, 2, 3, generator=torch.Generator().manual_seed(0)), dim=1)
     assert_close(CellMask(cells.cuda()).source_mean().cpu(), naive_cell_lambda(cells, (8, 9)))
+
+
+def _painted_token_weights(boxes: Tensor, grid: tuple[int, int], tokens: tuple[int, int]) -> Tensor:
+    """``(b, h*w, 2)`` float64: each token's share of own and partner cells, counted cell by cell at the lcm grid
+    (a cell lies in a half-open box or not; corners past the grid and inverted boxes take no cell)."""
+    (gh, gw), (h, w) = grid, tokens
+    fh, fw = gh * h, gw * w  # a common refinement of both tilings
+    out = torch.zeros(boxes.shape[0], h * w, 2, dtype=torch.float64)
+    for i, (y0, y1, x0, x1) in enumerate(boxes.tolist()):
+        for fy in range(fh):
+            for fx in range(fw):
+                cy, cx = fy // h, fx // w  # the mask cell of this fine cell
+                token = (fy // gh) * w + fx // gw
+                out[i, token, int(y0 <= cy < y1 and x0 <= cx < x1)] += 1.0
+    return out / (gh * gw)
+
+
+@pytest.mark.parametrize(("grid", "tokens"), [((4, 4), (2, 2)), ((3, 5), (3, 5)), ((6, 4), (4, 6)), ((8, 6), (2, 3))])
+def test_box_token_weights_match_the_painted_cells(grid: tuple[int, int], tokens: tuple[int, int]) -> None:
+    """Boxes inside, straddling and past the grid, empty and inverted: the partner's share of every token from the box
+    bounds clamped into the token's span equals the cells counted one by one, and is bit for bit the cell mask's."""
+    boxes = edge_boxes(grid, 40, seed=3 * sum(grid) + sum(tokens))
+    mask = BoxMask(boxes, grid)
+    got = mask.token_weights(tokens)
+    assert got.dtype == torch.float32 and got.shape == (boxes.shape[0], tokens[0] * tokens[1], 2)
+    assert_close(got.double(), _painted_token_weights(boxes, grid, tokens), rtol=0, atol=1e-7)
+    assert torch.equal(got, CellMask(mask.dense()).token_weights(tokens))
+    assert (got[:, :, 1] > 0).any() and (got[:, :, 1] < 1).any() and (got[:, :, 1] == 0).any()  # the cases are varied
+
+
+def test_box_window_weights_of_inverted_and_outside_boxes_are_the_cell_mask_ones() -> None:
+    """The window weights compare every cell with the box by clamping the box bounds into the cell's span: a box
+    past the grid, an empty one and an inverted one weigh exactly as their painted cells do (an inverted box: none)."""
+    from mixlabels.backbones._windows import axis_windows, chain_matrices
+
+    grid = (8, 6)
+    boxes = edge_boxes(grid, 24, seed=5)
+    wh, ww = axis_windows((3, 3), (2, 2), (1, 1)), axis_windows((3, 3), (2, 2), (1, 1))
+    rows, cols = chain_matrices((16, 12), ((wh[0], ww[0]), (wh[1], ww[1])), True, torch.device("cpu"))
+    box = BoxMask(boxes, grid)
+    got = box.window_weights(rows, cols)
+    assert_close(got, CellMask(box.dense()).window_weights(rows, cols), rtol=1e-6, atol=1e-6)
+    inverted = [i for i, (y0, y1, x0, x1) in enumerate(boxes.tolist()) if y1 < y0 or x1 < x0]
+    assert inverted and torch.equal(got[inverted, :, 1], torch.zeros_like(got[inverted, :, 1]))
+    assert (got >= 0).all()

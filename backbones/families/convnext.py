@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, mix_token_space, stride_grid
-from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels, path_grid, path_of
+from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels, path_grid, path_of, residual_labels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -136,13 +136,11 @@ class AdaptedConvNeXt(AdaptedBase):
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         conv = blk.conv_dw
-        h = conv(x)
-        labels, mixed = fold_labels(tracker, layer, grid), None  # position-major where the CPU's folded conv pays
-        if labels is not None:  # the kernel's matrix, input-independent: a cheap l-channel conv (``conv_mix``), its
-            # kernel expanded and its in-grid tap weight computed with the other blocks' (``apply_path``)
-            mixed, _ = apply_path((conv,), labels, grid, kernels)
-        out, keep = branch(blk.drop_path, _branch_tokens(blk, h))
-        tracker.residual(layer, keep, mixed=mixed)
+        out, keep = branch(blk.drop_path, _branch_tokens(blk, conv(x)))
+        # the kernel's matrix, input-independent: a cheap l-channel conv (``conv_mix``), its kernel expanded and its
+        # in-grid tap weight computed with the other blocks' (``apply_path``); on a GPU's small grids one product
+        # with the residual's mean folded in (``residual_labels``). Position-major where the CPU's folded conv pays
+        residual_labels(tracker, layer, keep, fold_labels(tracker, layer, grid), (conv,), grid, kernels)
         return out + blk.shortcut(x)  # type: ignore[no-any-return]
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

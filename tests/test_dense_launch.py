@@ -1,0 +1,216 @@
+"""The GPU's eager route mixes labels by explicit matrices on grids up to 14x14 (``_DENSE_LAUNCH_TOKENS``).
+
+On the CPU in eager mode, and in compiled graphs, label convs on grids over 64 positions run as depthwise convolutions
+(a conv, a division by the in-grid tap weights, and those weights a conv per grid); where every operator is a
+launch (a GPU, ``launch_routes``), grids up to 196 positions take the tap matrices instead: one product a conv, the
+matrices of all a forward's convs of one kernel shape on a grid built together. Here: which route each device and
+grid takes; the matrix route against the depthwise one and against float64 matrices written out tap by tap, on
+grids of 65 to 196 positions; every family on that route against its reference; and a planted fault (the matrices
+left unnormalised) that the family check must catch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_backbones_common import _fast_and_reference
+from torch import Tensor
+from torch.testing import assert_close
+
+from mixlabels import backbones
+from mixlabels._trackers import CompactTracker
+from mixlabels.backbones import _common, _convnet
+from mixlabels.backbones._common import conv_chain, depthwise_route, launch_matrices, launch_routes
+from mixlabels.backbones._dense import conv_matrix, row_normalise
+
+CPU = torch.device("cpu")
+FAMILIES = {f.name: f for f in backbones.FAMILIES if f.name != "any"}
+
+
+def test_the_route_by_device_and_grid() -> None:
+    assert depthwise_route((14, 14), CPU) and depthwise_route((9, 8), CPU)  # the CPU's eager walk: over 64, convs
+    assert not depthwise_route((8, 8), CPU)
+    with launch_routes():  # a GPU's: matrices up to 196 positions
+        assert not depthwise_route((14, 14), CPU) and not depthwise_route((9, 8), CPU) and not depthwise_route((7, 28), CPU)
+        assert depthwise_route((15, 14), CPU) and depthwise_route((28, 28), CPU)
+        with launch_matrices(False):  # the fallback a GPU can be told to take (gpu_suite --family-routes matrices=cpu)
+            assert depthwise_route((14, 14), CPU) and not depthwise_route((8, 8), CPU)
+        assert not depthwise_route((14, 14), CPU)
+    assert depthwise_route((14, 14), CPU)  # and back
+
+
+def _reference(labels: Tensor, grid: tuple[int, int], steps: list[tuple[Tensor, tuple[int, int], tuple[int, int]]]) -> Tensor:
+    y = labels.double()
+    for kernel, padding, dilation in steps:
+        m, _ = conv_matrix(grid, kernel.double(), padding=padding, dilation=dilation)
+        y = row_normalise(m) @ y
+    return y
+
+
+@pytest.mark.parametrize("grid", [(14, 14), (9, 8), (13, 11), (7, 28)])
+@pytest.mark.parametrize("shape", ["3x3", "7x7", "3x3 dilated", "1x5"])
+def test_matrices_on_a_gpus_route_equal_the_depthwise_convs_and_the_reference(grid: tuple[int, int], shape: str) -> None:
+    g = torch.Generator().manual_seed(sum(grid) + len(shape))
+    kh, kw, padding, dilation = {"3x3": (3, 3, (1, 1), (1, 1)), "7x7": (7, 7, (3, 3), (1, 1)),
+                                 "3x3 dilated": (3, 3, (2, 2), (2, 2)), "1x5": (1, 5, (0, 2), (1, 1))}[shape]
+    steps = [(torch.rand(kh, kw, generator=g) + 0.01, padding, dilation) for _ in range(3)]
+    labels = torch.rand(3, grid[0] * grid[1], 4, generator=g).softmax(dim=-1)
+    convs = conv_chain(labels, grid, steps)  # the CPU's eager route: depthwise convs
+    with launch_routes():
+        matrices = conv_chain(labels, grid, steps)
+    assert_close(matrices, convs, rtol=1e-6, atol=1e-6)
+    assert_close(matrices.double(), _reference(labels, grid, steps), rtol=1e-6, atol=1e-6)
+    assert_close(matrices.sum(-1), torch.ones(labels.shape[:2]))
+    assert not torch.equal(matrices, labels)  # the labels moved
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("every_grid", [False, True], ids=["up to 14x14", "every grid"])
+def test_every_family_on_the_matrix_route_equals_its_reference(family: str, every_grid: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The examples' grids (32 px: 16x16 and smaller) under a GPU's routes; ``every_grid``: the matrices taken on
+    every grid, the examples' 16x16 first grids included, and a forward's kernels of one shape stacked and their
+    matrices built together however few they are (``_WIDE_GROUP``: the examples have fewer than five alike), which
+    folds every residual whose branch is one conv (``residual_labels``)."""
+    if every_grid:
+        monkeypatch.setattr(_common, "_DENSE_LAUNCH_TOKENS", 10**6)
+        monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)
+    model = FAMILIES[family].example()
+    with launch_routes():
+        _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")  # targets and logits to 1e-5
+
+
+@pytest.mark.parametrize("family", ["resnet", "convnext", "mobilenetv3"])
+def test_unnormalised_matrices_fail_the_family_check(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control of the test above: matrices whose rows keep their in-grid tap weight (the border's division
+    forgotten) no longer give the reference's targets."""
+    fired: list[int] = []
+
+    def unnormalised(kernels: Tensor, taps: Tensor, shape: tuple[int, ...]) -> Tensor:
+        fired.append(1)
+        return (kernels @ taps).view(shape)
+
+    monkeypatch.setattr(_common, "tap_mixes", unnormalised)  # a chain's own matrices
+    monkeypatch.setattr(_convnet, "tap_mixes", unnormalised)  # and a forward's, built together (``Kernels.matrix``)
+    monkeypatch.setattr(_common, "_DENSE_LAUNCH_TOKENS", 10**6)
+    model = FAMILIES[family].example()
+    with launch_routes(), pytest.raises(AssertionError):
+        _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    assert fired, "the plant never fired: no matrix was built"
+
+
+class _Folds:
+    """Counts the residuals whose mean folded into the branch's matrix (``CompactTracker.residual_by``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = CompactTracker.residual_by
+
+        def counted(tracker: CompactTracker, layer: int, keep: Tensor | None, mix: Callable[[Tensor, float], Tensor]) -> None:
+            self.calls += 1
+            real(tracker, layer, keep, mix)
+
+        monkeypatch.setattr(CompactTracker, "residual_by", counted)
+
+
+FOLDING = ["convnext", "mobilenetv3", "regnet", "edgenext", "resnet", "starnet"]
+"""Families whose examples have blocks whose branch is spatial convs alone behind an identity shortcut (the fold's
+case: one conv, ConvNeXt's and the inverted residuals'; a chain of two, ResNet's basic block and StarNet's; the test
+asserts that some folded)."""
+
+
+@pytest.mark.parametrize("family", FOLDING)
+@pytest.mark.parametrize("scheme", ["tl_align", "tl_no_norm"])
+def test_a_residual_folded_into_its_conv_matrix_equals_the_product_and_lerp(family: str, scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU's route a residual whose branch is convs alone on a small grid is one product with
+    ``lerp(I, M_k ... M_1, s)`` (``s`` 1/2, or 1 without normalisation): the targets of the products and ``lerp`` to
+    rounding, and the reference's."""
+    monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)  # the examples' few convs of a shape made together, as a real model's
+    model = FAMILIES[family].example()
+    folds = _Folds(monkeypatch)
+    with launch_routes():
+        folded, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), scheme)
+    assert folds.calls > 0, "no residual folded: this test checked nothing new"
+    calls = folds.calls
+    with launch_routes(), _convnet.folded_residuals(False):  # the fallback (gpu_suite --family-routes residuals=lerp)
+        unfolded, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), scheme)
+    assert folds.calls == calls  # the route switched off: nothing folded
+    assert_close(folded.target, unfolded.target, rtol=1e-6, atol=1e-6)
+
+
+def _without_identity(self: _convnet.Kernels, conv: Any, grid: tuple[int, int], share: float) -> Tensor | None:
+    m = self.matrix(conv, grid)
+    return None if m is None else m * share
+
+
+@pytest.mark.parametrize(("family", "plant"), [("convnext", "one conv"), ("resnet", "chain")])
+def test_a_residual_map_without_its_identity_fails_the_family_check(family: str, plant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: the residual's map made as ``s M`` for one conv (the labels' own share forgotten), or as
+    ``s M_2 M_1`` for a chain (ResNet's basic blocks: the identity taken as zeros), gives other targets."""
+    if plant == "one conv":
+        monkeypatch.setattr(_convnet.Kernels, "residual", _without_identity)
+    else:
+        monkeypatch.setattr(_convnet, "_identity", lambda n, device: torch.zeros(n, n, device=device))
+    monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)
+    folds = _Folds(monkeypatch)
+    model = FAMILIES[family].example()
+    with launch_routes(), pytest.raises(AssertionError):
+        _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    assert folds.calls > 0
+
+
+def test_the_residual_maps_of_a_grid_are_the_lerps_of_its_matrices() -> None:
+    convs = [torch.nn.Conv2d(4, 4, 3, padding=1, groups=4) for _ in range(_convnet._WIDE_GROUP)]
+    convs.append(torch.nn.Conv2d(4, 4, 5, padding=2, groups=4))
+    kernels = _convnet.Kernels(convs)
+    for grid in ((7, 7), (14, 14), (5, 9)):
+        eye = torch.eye(grid[0] * grid[1])
+        for conv in convs:
+            for share in (0.5, 1.0):
+                m, r = kernels.matrix(conv, grid), kernels.residual(conv, grid, share)
+                if m is None:  # the 5x5 conv alone in its shape: too few alike, built per step by conv_chain
+                    assert r is None and conv is convs[-1]
+                    continue
+                assert r is not None
+                assert torch.equal(r, torch.lerp(eye, m, share))
+                assert_close(r.sum(-1), torch.ones(r.shape[0]))
+
+
+def test_residual_by_refuses_a_layer_the_scheme_does_not_align() -> None:
+    from test_backbones_common import cutmix_batch
+
+    from mixlabels import TLAlign, TokenLayout
+
+    _, lm = cutmix_batch()
+    tracker = TLAlign(layers=[0]).start(lm, TokenLayout(grid=(4, 4), num_prefix=0, depth=2, class_token=False))
+    assert isinstance(tracker, CompactTracker)
+    with pytest.raises(ValueError, match=r"residual_by\(layer=1.*labels_for\(1\) is None"):
+        tracker.residual_by(1, None, lambda y, share: y)
+    tracker.residual_by(0, None, lambda y, share: y * 0 + share)  # aligned: the map's answer, as the caller made it
+    assert torch.equal(tracker.labels_for(0), torch.full_like(tracker.labels_for(0), 0.5))
+
+
+@pytest.mark.parametrize("family", ["convnext", "resnet"])
+def test_folded_residuals_stay_fp32_under_autocast(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller's bf16 autocast (a training step's) does not reach the folded maps: their matrices, products and the
+    labels' product are fp32, and a conv net's targets (which read weights, not activations) the same bits as without
+    autocast."""
+    monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)
+    from test_backbones_common import SCHEMES, cutmix_batch
+
+    model = FAMILIES[family].example().train()
+    adapted = backbones.adapt(model, SCHEMES["tl_align"])
+    images, lm = cutmix_batch()
+    folds = _Folds(monkeypatch)
+    with launch_routes():
+        torch.manual_seed(3)
+        plain = adapted(images, lm)
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = adapted(images, lm)
+    assert folds.calls > 0
+    assert cast.target.dtype == torch.float32
+    assert torch.equal(cast.target, plain.target)
