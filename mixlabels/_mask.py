@@ -112,6 +112,15 @@ def _token_overlap_constants(
             torch.tensor([-1, 1], device=device), total)
 
 
+def _overlaps(bounds: Tensor, starts: Tensor, ends: Tensor) -> Tensor:
+    """The overlap of each box's span along an axis with each span ``[starts, ends)``: ``bounds`` ``(b, 2, n)`` holds
+    the box's start and end for every span. Both are clamped into the span; their difference is
+    ``min(hi, e) - max(lo, s)`` wherever the box meets the span, elsewhere (and for a box with ``hi < lo``) at most 0,
+    which the clamp to 0 takes. One ``unbind`` for both bounds, where indexing dispatches a view each."""
+    lo, hi = bounds.clamp(starts, ends).unbind(1)
+    return (hi - lo).clamp_min_(0)
+
+
 @shape_cache(maxsize=32)
 def _f32_scalar(value: int) -> Tensor:
     """``value`` as a 0-dim fp32 CPU tensor: the divisor that makes an integer tensor's quotients fp32 (a CPU scalar,
@@ -279,11 +288,7 @@ class BoxMask:
         # both axes at once (eight operators a step, all on integers until the division): every token's start and
         # end along its axis in units of that axis' lcm grid, and which box bounds it meets
         bounds, scale, starts, ends, offset, sign, total = _token_overlap_constants(self.grid, grid, self.boxes.device)
-        both = (self.boxes[:, bounds] * scale).clamp(starts, ends)  # b 2 (h + w): the box's bounds, in lcm units,
-        # each clamped into the token's span: their difference is the overlap, min(hi, e) - max(lo, s), wherever the
-        # box meets the token; elsewhere (and for a box with hi < lo) it is at most 0, which the clamp to 0 takes
-        lo, hi = both.unbind(1)  # b (h + w) each: one view operator for both, where indexing takes one each
-        inside = (hi - lo).clamp_min_(0)  # b (h + w): overlap lengths
+        inside = _overlaps(self.boxes[:, bounds] * scale, starts, ends)  # b (h + w): in lcm units
         rows, cols = torch.split(inside, list(grid), dim=1)  # b h, b w
         area = (rows[:, :, None] * cols[:, None]).view(inside.shape[0], -1, 1)  # b (h w) 1: the partner's
         # exact integers, one division: integers divided by a float32 scalar tensor are float32 quotients whatever the
@@ -296,12 +301,9 @@ class BoxMask:
         # both axes' cells against their box bounds at once, and both columns from the partner's weight by one fused
         # multiply-add (``total - p`` is ``total + p * -1``, bit for bit): nine computing operators a step
         rt, ct, start, end, bounds, offset, sign = _box_window_constants(rows, cols, self.grid)
-        # the box's start and end along each cell's axis, clamped into the cell's span [i, i + 1): their difference is
-        # 1 for a cell inside the box, else 0 (or below 0 for a box with end < start, which the clamp to 0 takes);
-        # fp32 0/1 by the promotion to the span's dtype, without a conversion of its own
-        both = self.boxes[:, bounds].clamp(start, end)  # b 2 (gh + gw)
-        lo, hi = both.unbind(1)  # b (gh + gw) each
-        inside = (hi - lo).clamp_min_(0.0)  # b (gh + gw)
+        # each cell's span is [i, i + 1): its overlap with the box is 1 inside, else 0, and fp32 by the promotion to
+        # the span's dtype, without a conversion of its own
+        inside = _overlaps(self.boxes[:, bounds], start, end)  # b (gh + gw)
         in_rows, in_cols = torch.split(inside, list(self.grid), dim=1)  # b gh, b gw
         partner = (in_rows @ rt).unsqueeze(2) * (in_cols @ ct).unsqueeze(1)  # b h w
         both = torch.addcmul(offset, partner.view(partner.shape[0], -1, 1), sign)  # b (h w) 2: [total - p, p]
