@@ -501,17 +501,26 @@ def path_joins(path: Path) -> Iterator[Parallel]:
 @dataclass
 class _FusedJoins:
     """``Kernels.join``'s work for the joins of one ``JoinShape``: their centred kernels, unscaled ``(j, r, kh, kw)``
-    (the tap weights' convolution reads them) and scaled by the branches' shares, the grouped conv weights per label
-    channel count and the tap weights per grid, each made on its first ask for all the joins at once."""
+    (the tap weights' convolution reads them) and scaled by the branches' shares (or by a residual's folded shares:
+    ``folded_shares``), the grouped conv weights per label channel count and the tap weights per grid, each made on
+    its first ask for all the joins at once."""
 
     joins: list[Parallel]
     """The joins, in row order (held: ``index`` is keyed by their ids)."""
     index: dict[int, int]
     """``id`` of each join -> its row."""
     unscaled: Tensor
-    scaled: Tensor
-    weights: dict[int, tuple[Tensor, ...]]
+    scaled: dict[float | None, Tensor]
+    """By the residual share folded in (``None``: the join alone)."""
+    weights: dict[tuple[int, float | None], tuple[Tensor, ...]]
     masses: dict[tuple[int, int], tuple[Tensor, ...]]
+
+
+def folded_shares(shares: Sequence[float], shape: JoinShape, residual: float) -> tuple[float, ...]:
+    """A join's branch shares with a residual's mean folded in: ``lerp(y, sum_i s_i M_i y, r)`` is the join with shares
+    ``r s_i``, its (first) identity branch's raised by ``1 - r``; they still sum to 1. ``shape`` must hold an identity."""
+    first = shape.index(None)
+    return tuple(residual * s + (1.0 - residual if i == first else 0.0) for i, s in enumerate(shares))
 
 
 class Kernels:
@@ -663,12 +672,16 @@ class Kernels:
             shape.append((kh, kw))
         return tuple(shape) if sum(k is not None for k in shape) >= 2 else None
 
-    def join(self, op: Parallel, grid: tuple[int, int], channels: int) -> tuple[Tensor, Tensor] | None:
+    def join(
+        self, op: Parallel, grid: tuple[int, int], channels: int, residual: float | None = None
+    ) -> tuple[Tensor, Tensor] | None:
         """``op``'s fused weight ``(channels r, 1, kh, kw)`` and tap weights ``(r, h, w)`` on ``grid``
         (``fused_join``), made on the first ask for every join of its ``JoinShape`` this holds (``joins``): a few
-        operators a forward, not a few per join; ``None`` where ``op`` does not fuse (``join_shape``)."""
+        operators a forward, not a few per join; ``None`` where ``op`` does not fuse (``join_shape``), or where
+        ``residual`` is given and ``op`` has no identity branch. ``residual``: a residual's share ``r`` folded in
+        (``folded_shares``): the weight then mixes ``lerp(y, join(y), r)``."""
         shape = self.join_shape(op)
-        if shape is None:
+        if shape is None or (residual is not None and None not in shape):
             return None
         held = any(p is op for p in self._joins)
         key: Any = shape if held else (shape, id(op))  # a join not held here: made alone
@@ -679,16 +692,19 @@ class Kernels:
                         for i, k in enumerate(shape)]
             device = next(b for b in branches if b is not None).device
             unscaled = window_kernels(shape, branches, len(members), device)  # j r kh kw
-            scaled = unscaled * join_shares(tuple(tuple(p.shares()) for p in members), device)
-            fused = self._fused[key] = _FusedJoins(members, {id(p): i for i, p in enumerate(members)}, unscaled, scaled, {}, {})
-        if channels not in fused.weights:  # every label channel's r kernels: (j, l r, 1, kh, kw), one copy
-            j, r, kh, kw = (int(s) for s in fused.scaled.shape)
-            wide = fused.scaled.unsqueeze(1).expand(j, channels, r, kh, kw).reshape(j, channels * r, 1, kh, kw)
-            fused.weights[channels] = wide.unbind(0)
+            fused = self._fused[key] = _FusedJoins(members, {id(p): i for i, p in enumerate(members)}, unscaled, {}, {}, {})
+        if residual not in fused.scaled:
+            shares = tuple(tuple(p.shares()) if residual is None else folded_shares(p.shares(), shape, residual) for p in fused.joins)
+            fused.scaled[residual] = fused.unscaled * join_shares(shares, fused.unscaled.device)
+        if (channels, residual) not in fused.weights:  # every label channel's r kernels: (j, l r, 1, kh, kw), one copy
+            scaled = fused.scaled[residual]
+            j, r, kh, kw = (int(s) for s in scaled.shape)
+            wide = scaled.unsqueeze(1).expand(j, channels, r, kh, kw).reshape(j, channels * r, 1, kh, kw)
+            fused.weights[(channels, residual)] = wide.unbind(0)
         if grid not in fused.masses:
             fused.masses[grid] = join_masses(fused.unscaled, grid).unbind(0)
         i = fused.index[id(op)]
-        return fused.weights[channels][i], fused.masses[grid][i]
+        return fused.weights[(channels, residual)][i], fused.masses[grid][i]
 
     def mass(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
         """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
@@ -715,6 +731,10 @@ class Kernels:
             same, matrices = built
             self._matrix.update(((c, grid), m) for c, m in zip(same, matrices.unbind(0), strict=True))
         return self._matrix[(conv, grid)]
+
+    def has_matrix(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> bool:
+        """Whether ``matrix`` (and ``residual``) answer for ``conv`` on ``grid``; builds the grid's matrices (cached)."""
+        return self._matrices_of(conv, grid) is not None
 
     def residual(self, conv: nn.Module | KernelConv, grid: tuple[int, int], share: float) -> Tensor | None:
         """The labels' map ``lerp(I, M, share)`` ``(n, n)`` of a residual whose branch is ``conv`` alone on a small
@@ -778,6 +798,33 @@ def residual_route(tracker: LabelTracker, branch: Path, grid: tuple[int, int], l
             and not torch.compiler.is_compiling() and not depthwise_route(grid, labels.device))
 
 
+def _residual_join(tracker: LabelTracker, branch: Path, kernels: Kernels, labels: Tensor) -> Parallel | None:
+    """The join of a branch that is one fusable ``Parallel`` with an identity branch (InceptionNeXt's token mixer), on
+    a GPU's route (``fused_join_route``) with the fast path's tracker, unless ``folded_residuals(False)``: the
+    residual's mean then folds into the join's shares (``folded_shares``), one ``lerp`` fewer a block."""
+    if not (_FOLDED[0] and isinstance(tracker, CompactTracker) and len(branch) == 1 and isinstance(branch[0], Parallel)
+            and fused_join_route(labels.device)):
+        return None
+    shape = kernels.join_shape(branch[0])
+    return branch[0] if shape is not None and None in shape else None
+
+
+def partial_branch(branch: Path) -> tuple[Path, float] | None:
+    """A branch that is one ``Parallel`` of a chain of stride-1 convs and the identity (a partial conv: FasterNet's
+    PConv convolves a quarter of the channels and passes the rest), as that chain and its share ``p``; ``None``
+    otherwise. Its labels are ``lerp(y, C y, p)``, so a residual around it is ``lerp(y, C y, s p)``: one ``lerp`` (or
+    one matrix, ``residual_labels``) where the concatenation's and the residual's took two."""
+    if len(branch) != 1 or not isinstance(branch[0], Parallel) or len(branch[0].branches) != 2:
+        return None
+    (first, second), shares = branch[0].branches, branch[0].shares()
+    if bool(first) == bool(second):
+        return None  # not exactly one empty branch
+    chain, share = (first, shares[0]) if first else (second, shares[1])
+    if not all(isinstance(op, (nn.Conv2d, KernelConv)) for op in chain):
+        return None
+    return chain, share
+
+
 def residual_labels(
     tracker: LabelTracker, layer: int, keep: Tensor | None, labels: Tensor | None, branch: Path, grid: tuple[int, int],
     kernels: Kernels | None,
@@ -788,14 +835,26 @@ def residual_labels(
     Where ``residual_route`` holds and ``kernels`` has every conv's matrix ``M_i`` on the grid, the residual's labels
     are one product with ``lerp(I, M_k ... M_1, share)``: for one conv ``Kernels.residual`` (every such block's made
     together, one ``lerp`` per grid and shape), for a chain its product and the mean in ``k - 1`` matrix products
-    of the block's own (an ``addmm`` last). Else the branch's labels and the residual's ``lerp``."""
-    if labels is not None and kernels is not None and residual_route(tracker, branch, grid, labels):
+    of the block's own (an ``addmm`` last). Else the branch's labels and the residual's ``lerp``. A partial conv's
+    branch (``partial_branch``: the chain's share ``p`` of the channels) folds its concatenation in too, off the CPU's
+    eager route: the residual's share becomes ``share * p`` of the chain's map (one ``lerp`` where the fold does not
+    apply)."""
+    # a partial conv's branch: its conv chain, by share ``p`` of the residual's (not on the CPU's eager route, whose
+    # two ``lerp``\ s keep their bits, nor under ``folded_residuals(False)``; a GPU launches one operator fewer a
+    # block, two where the fold below applies)
+    compact = isinstance(tracker, CompactTracker)  # ``residual_by``: the fast path's tracker (a dense one mixes its own way)
+    partial = partial_branch(branch) if labels is not None and compact and _FOLDED[0] and not eager_cpu_routes(labels.device) else None
+    chain, p = partial if partial is not None else (branch, 1.0)
+    if labels is not None and kernels is not None and residual_route(tracker, chain, grid, labels):
         assert isinstance(tracker, CompactTracker)
-        convs = [op for op in branch if isinstance(op, (nn.Conv2d, KernelConv))]
+        convs = [op for op in chain if isinstance(op, (nn.Conv2d, KernelConv))]
         with fp32_labels(labels.device):  # the matrices' products in fp32 under a caller's autocast, as apply_path's
-            matrices = [kernels.matrix(c, grid) for c in convs]
-        if all(m is not None for m in matrices):
-            def mix(y: Tensor, share: float) -> Tensor:
+            # one conv: its folded map alone is read (``Kernels.residual``), not its matrix (an unbind per grid)
+            matrices = [kernels.matrix(c, grid) for c in convs] if len(convs) > 1 else []
+            held = all(m is not None for m in matrices) and all(kernels.has_matrix(c, grid) for c in convs)
+        if held:
+            def mix(y: Tensor, residual_share: float) -> Tensor:
+                share = residual_share * p
                 if len(convs) == 1:
                     folded = kernels.residual(convs[0], grid, share)
                 else:  # (1 - s) I + s M_k ... M_2 M_1, the products' rows each summing to 1
@@ -809,6 +868,19 @@ def residual_labels(
 
             tracker.residual_by(layer, keep, mix)  # which calls ``mix`` in an fp32 region
             return
+    if labels is not None and partial is not None:
+        assert isinstance(tracker, CompactTracker)
+        tracker.residual_by(layer, keep, lambda y, share: torch.lerp(y, apply_path(chain, y, grid, kernels)[0], share * p))
+        return
+    if labels is not None and kernels is not None and (join := _residual_join(tracker, branch, kernels, labels)) is not None:
+        def joined(y: Tensor, share: float) -> Tensor:
+            fused = kernels.join(join, grid, int(y.shape[-1]), residual=share)
+            assert fused is not None  # _residual_join checked that it fuses with an identity branch
+            return as_tokens(fused_join(as_grid(y, grid), *fused))
+
+        assert isinstance(tracker, CompactTracker)  # _residual_join checked it
+        tracker.residual_by(layer, keep, joined)
+        return
     mixed = apply_path(branch, labels, grid, kernels)[0] if labels is not None and branch else None
     tracker.residual(layer, keep, mixed=mixed)
 

@@ -116,10 +116,12 @@ class _Folds:
         monkeypatch.setattr(CompactTracker, "residual_by", counted)
 
 
-FOLDING = ["convnext", "mobilenetv3", "regnet", "edgenext", "resnet", "starnet"]
+FOLDING = ["convnext", "mobilenetv3", "regnet", "edgenext", "resnet", "starnet", "fasternet", "mambaout", "inception_next"]
 """Families whose examples have blocks whose branch is spatial convs alone behind an identity shortcut (the fold's
-case: one conv, ConvNeXt's and the inverted residuals'; a chain of two, ResNet's basic block and StarNet's; the test
-asserts that some folded)."""
+case: one conv, ConvNeXt's and the inverted residuals'; a chain of two, ResNet's basic block and StarNet's; a partial
+conv, FasterNet's and MambaOut's, whose concatenation folds too: ``partial_branch``; a fused join with an identity
+branch, InceptionNeXt's token mixer, whose shares take the residual's mean: ``folded_shares``; the test asserts that
+some folded)."""
 
 
 @pytest.mark.parametrize("family", FOLDING)
@@ -160,6 +162,73 @@ def test_a_residual_map_without_its_identity_fails_the_family_check(family: str,
     with launch_routes(), pytest.raises(AssertionError):
         _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
     assert folds.calls > 0
+
+
+def test_a_partial_convs_branch_is_its_chain_and_share() -> None:
+    conv, other = torch.nn.Conv2d(2, 2, 3, padding=1), torch.nn.Conv2d(2, 2, 3, padding=1)
+    Parallel = _convnet.Parallel
+    assert _convnet.partial_branch((Parallel.concat([(conv,), ()], [1, 3]),)) == ((conv,), 0.25)
+    assert _convnet.partial_branch((Parallel.concat([(), (conv, other)], [3, 1]),)) == ((conv, other), 0.25)
+    assert _convnet.partial_branch((Parallel.concat([(conv,), (other,)], [1, 3]),)) is None  # no identity
+    assert _convnet.partial_branch((Parallel.concat([(conv,), (), ()], [1, 1, 2]),)) is None  # three branches
+    assert _convnet.partial_branch((Parallel.concat([(conv,), ()], [1, 3]), conv)) is None  # more after the join
+    window = _convnet.Window((2, 2), (2, 2), (0, 0))
+    assert _convnet.partial_branch((Parallel.concat([(window,), ()], [1, 3]),)) is None  # not convs alone
+    assert _convnet.partial_branch((conv,)) is None
+
+
+@pytest.mark.parametrize("family", ["fasternet", "mambaout"])
+@pytest.mark.parametrize("every_grid", [False, True], ids=["lerp", "matrix"])
+def test_a_partial_conv_folded_by_the_whole_channel_share_fails_the_family_check(
+    family: str, every_grid: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control of the partial fold: the chain's map taken by the residual's share alone (its channel share ``p``
+    forgotten: as if it convolved every channel) gives other targets, on the one-``lerp`` route and the matrix one."""
+    real = _convnet.partial_branch
+    planted: list[int] = []
+
+    def whole(branch: Any) -> Any:
+        found = real(branch)
+        if found is not None:
+            planted.append(1)
+            return found[0], 1.0
+        return None
+
+    monkeypatch.setattr(_convnet, "partial_branch", whole)
+    if every_grid:
+        monkeypatch.setattr(_common, "_DENSE_LAUNCH_TOKENS", 10**6)
+        monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)
+    model = FAMILIES[family].example()
+    with launch_routes(), pytest.raises(AssertionError):
+        _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    assert planted, "the plant never fired: no partial conv's branch was seen"
+
+
+def test_a_joins_folded_shares_are_the_residuals_lerp() -> None:
+    shape = ((3, 3), None, (1, 5), (5, 1))
+    shares = (0.125, 0.625, 0.125, 0.125)
+    folded = _convnet.folded_shares(shares, shape, 0.5)
+    assert folded == (0.0625, 0.8125, 0.0625, 0.0625)  # r s_i, the identity's raised by 1 - r
+    assert sum(folded) == 1.0
+    assert _convnet.folded_shares(shares, shape, 1.0) == shares  # without normalisation: the join itself
+    with pytest.raises(ValueError):
+        _convnet.folded_shares(shares, ((3, 3), (1, 5)), 0.5)  # no identity to take the labels' own share
+
+
+def test_a_join_folded_without_the_labels_own_share_fails_the_family_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control of the join fold: shares scaled by the residual's but the identity's not raised (the labels' own
+    half of the residual forgotten, the rows renormalised by the tap weights alone) give other targets."""
+    planted: list[int] = []
+
+    def forgetful(shares: Any, shape: Any, residual: float) -> tuple[float, ...]:
+        planted.append(1)
+        return tuple(residual * s for s in shares)
+
+    monkeypatch.setattr(_convnet, "folded_shares", forgetful)
+    model = FAMILIES["inception_next"].example()
+    with launch_routes(), pytest.raises(AssertionError):
+        _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    assert planted, "the plant never fired: no join folded its residual"
 
 
 def test_the_residual_maps_of_a_grid_are_the_lerps_of_its_matrices() -> None:

@@ -58,7 +58,7 @@ from mixlabels.backbones._common import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels.backbones.families.swin import shifted_windows, window_ids
 from mixlabels.backbones._family import Family, tiny
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, residual_labels
 from mixlabels.backbones._fsdp import is_sharded, through_hooks
 
 __all__ = ["AdaptedDaViT", "DAVIT_FAMILY"]
@@ -222,7 +222,9 @@ class AdaptedDaViT(AdaptedBase):
         if labels is not None:  # input-independent kernel: a cheap l-channel conv
             # ``apply_path``: the kernel read from ``kernels``, expanded with the others of its shape, and its in-grid
             # tap weights computed with theirs (one conv of ones per grid), not a mass conv and an expand per conv
-            tracker.residual(layer, None, mixed=apply_path((cpe.proj,), labels, grid, kernels)[0])
+            # tap weights computed with theirs (one conv of ones per grid), not a mass conv and an expand per conv; on a
+            # GPU's small grids the residual's mean folded into its matrix
+            residual_labels(tracker, layer, None, labels, (cpe.proj,), grid, kernels)
         return cpe(x)  # type: ignore[no-any-return]
 
     def _block(self, blk: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:

@@ -61,7 +61,7 @@ from mixlabels.backbones._common import (
     mixing_rows,
     start_on_convs,
 )
-from mixlabels.backbones._convnet import Kernels, apply_path
+from mixlabels.backbones._convnet import Kernels, apply_path, residual_labels
 from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._family import Family
@@ -314,10 +314,8 @@ class AdaptedEfficientFormerV2(AdaptedBase):
             x = x + out
             labels = tracker.labels_for(layer)
         out, keep = branch(blk.drop_path2, blk.ls2(blk.mlp(x)))
-        mixed = None
-        if labels is not None and not isinstance(blk.mlp.mid, nn.Identity):
-            mixed, _ = apply_path((blk.mlp.mid.conv,), labels, grid, kernels)  # kernels expanded, tap weights together
-        tracker.residual(layer, keep, mixed=mixed)
+        # kernels expanded, tap weights together; on a GPU's small grids the residual's mean folded into the matrix
+        residual_labels(tracker, layer, keep, labels, () if isinstance(blk.mlp.mid, nn.Identity) else (blk.mlp.mid.conv,), grid, kernels)
         return x + out
 
     # ------------------------------------------------------------------ reference

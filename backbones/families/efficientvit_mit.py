@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, shifted_mix, shifted_route, start_on_stem
-from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels
+from mixlabels.backbones._convnet import Kernels, fold_labels, residual_labels
 from mixlabels.backbones._windows import as_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
@@ -284,12 +284,6 @@ def _mla_values(mla: Any, labels: Tensor, grid: tuple[int, int], kernels: _Value
     return torch.cat(parts, dim=1)
 
 
-def _local_mix(block: Any, labels: Tensor, grid: tuple[int, int], kernels: Kernels) -> Tensor:
-    """A local block's stride-1 spatial convs on the labels in turn (``apply_path``: their kernels read from the
-    forward's ``kernels``, computed together)."""
-    return apply_path(tuple(_spatial_convs(block)), labels, grid, kernels)[0]
-
-
 def _local_blocks(m: Any) -> list[Any]:
     """Every block whose spatial convs mix labels (a residual local block: an EfficientVitBlock's local module, an
     MBConv or DSConv with a shortcut), in order."""
@@ -355,7 +349,8 @@ class AdaptedEfficientViTMIT(AdaptedBase):
     @staticmethod
     def _local(block: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         labels = fold_labels(tracker, layer, grid)  # position-major where the CPU's folded convs pay
-        tracker.residual(layer, None, mixed=None if labels is None else _local_mix(block, labels, grid, kernels))
+        # the residual's mean folded into the convs' matrices on a GPU's small grids (else the convs' map and a ``lerp``)
+        residual_labels(tracker, layer, None, labels, tuple(_spatial_convs(block)), grid, kernels)
         return block(x) + x  # type: ignore[no-any-return]
 
     @staticmethod

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, check_static_conv, conv_aggregate, mix_token_space, start_on_convs
-from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels
+from mixlabels.backbones._convnet import Kernels, fold_labels, residual_labels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
 from mixlabels.backbones._family import Family, tiny
@@ -262,10 +262,11 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
             out, mixed = _window_attention(mod, x, labels, grid)
         else:
             out = mod(x)
-            if type(mod) is ConvNorm and labels is not None:  # a depthwise conv; ConvMlp mixes channels only
-                mixed = apply_path((mod.conv,), labels, grid, kernels)[0]
         x, keep = _residual_drop(rd, x, out)
-        tracker.residual(layer, keep, mixed=mixed)
+        if type(mod) is ConvNorm:  # a depthwise conv (its residual folded into its matrix on a GPU's small grids)
+            residual_labels(tracker, layer, keep, labels, (mod.conv,), grid, kernels)
+        else:  # ConvMlp mixes channels only
+            tracker.residual(layer, keep, mixed=mixed)
         return x
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:

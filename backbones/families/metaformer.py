@@ -45,7 +45,7 @@ from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, pool_labels, start_on_stem
-from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
+from mixlabels.backbones._convnet import Kernels, read_kernels, residual_labels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
@@ -218,10 +218,11 @@ class AdaptedMetaFormer(AdaptedBase):
             out = mixer(h)
             if labels is not None and type(mixer) is Pooling:
                 mixed = pooling_mix(labels, grid, _pool_kernel(mixer))
-            elif labels is not None:  # SepConv: its depthwise conv, input-independent: a cheap l-channel conv
-                mixed = apply_path((mixer.dwconv,), labels, grid, kernels)[0]
         out, keep = branch(blk.drop_path1, out)
-        tracker.residual(layer, keep, mixed=mixed)
+        if type(mixer) is SepConv:  # its depthwise conv, input-independent: a cheap l-channel conv (on a GPU's small
+            residual_labels(tracker, layer, keep, labels, (mixer.dwconv,), grid, kernels)  # grids folded with the mean)
+        else:
+            tracker.residual(layer, keep, mixed=mixed)
         x = blk.res_scale1(x) + blk.layer_scale1(out)
         out, keep = branch(blk.drop_path2, blk.mlp(blk.norm2(x)))
         tracker.residual(layer, keep, mixed=None)  # channel mixing

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, explicit_mix, conv_aggregate, mix_token_space, start_on_stem
-from mixlabels.backbones._convnet import Kernels, apply_path, read_kernels
+from mixlabels.backbones._convnet import Kernels, read_kernels, residual_labels
 from mixlabels.backbones._windows import window_means
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
@@ -167,11 +167,9 @@ class AdaptedPVTv2(AdaptedBase):
         x = x + out
         mlp = blk.mlp
         t = mlp.dwconv(_mlp_in(mlp, blk.norm2(x), grid))
-        labels, mixed = tracker.labels_for(layer), None  # the labels after the attention residual
-        if labels is not None:
-            mixed = apply_path((mlp.dwconv,), labels, grid, kernels)[0]
         out, keep = branch(blk.drop_path2, _mlp_out(mlp, t))
-        tracker.residual(layer, keep, mixed=mixed)
+        # the labels after the attention residual; the conv's residual folded into its matrix on a GPU's small grids
+        residual_labels(tracker, layer, keep, tracker.labels_for(layer), (mlp.dwconv,), grid, kernels)
         return x + out
 
     def reference_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
