@@ -510,6 +510,8 @@ class _FusedJoins:
     index: dict[int, int]
     """``id`` of each join -> its row."""
     unscaled: Tensor
+    flat: Tensor
+    """``unscaled`` viewed ``(j r, 1, kh, kw)``: the tap weights' convolution's weight on every grid."""
     scaled: dict[float | None, Tensor]
     """By the residual share folded in (``None``: the join alone)."""
     weights: dict[tuple[int, float | None], tuple[Tensor, ...]]
@@ -566,20 +568,23 @@ class Kernels:
             self._stacks[key] = (members, stacked)
         return self._stacks[key]
 
-    def _rows_of(self, members: list[nn.Module | KernelConv]) -> Tensor:
-        """The kernels of ``members`` stacked ``(g, 1, kh, kw)``: in eager mode a view of the memory they lie in where
-        they are consecutive rows of one tensor, in order (``label_kernels`` unbinds each tap count's kernels from one
-        tensor, and both keep the forward's order of a shape's convs, as a rule), else a stack of them (a copy)."""
+    def _rows_of(self, members: list[nn.Module | KernelConv], channel: bool = True) -> Tensor:
+        """The kernels of ``members`` stacked ``(g, 1, kh, kw)`` (``(g, kh, kw)`` without ``channel``): in eager mode a
+        view of the memory they lie in where they are consecutive rows of one tensor, in order (``label_kernels``
+        unbinds each tap count's kernels from one tensor, and both keep the forward's order of a shape's convs, as a
+        rule), else a stack of them (a copy)."""
         assert self._kernels is not None
         kernels = [self._kernels[c] for c in members]
         first = kernels[0]
         if not torch.compiler.is_compiling() and first._base is not None and all(
             k._base is first._base and k.is_contiguous() and k.shape == first.shape
             and k.storage_offset() == first.storage_offset() + j * first.numel() for j, k in enumerate(kernels)
-        ):  # the same memory, row after row: the rows as they lie
+        ):  # the same memory, row after row: the rows as they lie (one view, whichever shape)
             kh, kw = int(first.shape[-2]), int(first.shape[-1])
+            if not channel:
+                return first.as_strided((len(kernels), kh, kw), (kh * kw, kw, 1))
             return first.as_strided((len(kernels), 1, kh, kw), (kh * kw, kh * kw, kw, 1))
-        return torch.stack(kernels).unsqueeze(1)
+        return torch.stack(kernels).unsqueeze(1) if channel else torch.stack(kernels)
 
     def _alike(self, kernel: Tensor, conv: nn.Module | KernelConv, geometry: bool) -> tuple[tuple[Any, ...], list[nn.Module | KernelConv]]:
         """The convs whose kernels have ``kernel``'s shape (and, with ``geometry``, ``conv``'s padding and dilation),
@@ -688,11 +693,13 @@ class Kernels:
         fused = self._fused.get(key)
         if fused is None:
             members = [p for p in self._joins if self.join_shape(p) == shape] if held else [op]
-            branches = [None if k is None else self._rows_of([_only_conv(p.branches[i]) for p in members]).squeeze(1)
+            branches = [None if k is None else self._rows_of([_only_conv(p.branches[i]) for p in members], channel=False)
                         for i, k in enumerate(shape)]
             device = next(b for b in branches if b is not None).device
             unscaled = window_kernels(shape, branches, len(members), device)  # j r kh kw
-            fused = self._fused[key] = _FusedJoins(members, {id(p): i for i, p in enumerate(members)}, unscaled, {}, {}, {})
+            j, r, kh, kw = (int(s) for s in unscaled.shape)
+            flat = unscaled.view(j * r, 1, kh, kw)
+            fused = self._fused[key] = _FusedJoins(members, {id(p): i for i, p in enumerate(members)}, unscaled, flat, {}, {}, {})
         if residual not in fused.scaled:
             shares = tuple(tuple(p.shares()) if residual is None else folded_shares(p.shares(), shape, residual) for p in fused.joins)
             fused.scaled[residual] = fused.unscaled * join_shares(shares, fused.unscaled.device)
@@ -702,7 +709,7 @@ class Kernels:
             wide = scaled.unsqueeze(1).expand(j, channels, r, kh, kw).reshape(j, channels * r, 1, kh, kw)
             fused.weights[(channels, residual)] = wide.unbind(0)
         if grid not in fused.masses:
-            fused.masses[grid] = join_masses(fused.unscaled, grid).unbind(0)
+            fused.masses[grid] = join_masses(fused.unscaled, grid, fused.flat).unbind(0)
         i = fused.index[id(op)]
         return fused.weights[(channels, residual)][i], fused.masses[grid][i]
 

@@ -86,12 +86,14 @@ def join_shares(shares: tuple[tuple[float, ...], ...], device: torch.device) -> 
     return torch.tensor(shares, dtype=torch.float32, device=device)[:, :, None, None]
 
 
-def join_masses(kernels: Tensor, grid: tuple[int, int]) -> Tensor:
+def join_masses(kernels: Tensor, grid: tuple[int, int], flat: Tensor | None = None) -> Tensor:
     """Every branch's in-grid tap weight ``(j, r, h, w)`` on ``grid`` (``kernels``: ``window_kernels``' unscaled):
-    one convolution of ones to every kernel (zero taps add nothing, so each is its own conv's weight)."""
+    one convolution of ones to every kernel (zero taps add nothing, so each is its own conv's weight). ``flat``:
+    ``kernels`` viewed ``(j r, 1, kh, kw)``, made once by a caller that asks on several grids (one view, not one a grid)."""
     j, r, kh, kw = (int(s) for s in kernels.shape)
     ones = _ones((1, 1, grid[0], grid[1]), kernels.device)  # cached
-    return F.conv2d(ones, kernels.view(j * r, 1, kh, kw), padding=(kh // 2, kw // 2)).view(j, r, *grid)
+    weight = kernels.view(j * r, 1, kh, kw) if flat is None else flat
+    return F.conv2d(ones, weight, padding=(kh // 2, kw // 2)).view(j, r, *grid)
 
 
 def fused_join(y: Tensor, weight: Tensor, masses: Tensor) -> Tensor:
