@@ -187,7 +187,7 @@ def linear_attention_labels(q: Tensor, k: Tensor, values: Tensor, labels: Tensor
             ones_column = not torch.compiler.is_compiling()
         if ones_column:
             both = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), F.pad(v3, (0, 1), value=1.0))).view(b, g, n, -1)
-            num, den = both[..., :-1], both[..., -1:]  # b g n l, b g n 1
+            num, den = torch.split(both, [int(v3.shape[-1]), 1], dim=-1)  # b g n l, b g n 1: one view for both
         else:
             num = torch.bmm(q3, torch.bmm(k3.transpose(1, 2), v3)).view(b, g, n, -1)
             den = torch.bmm(q3, k3.sum(dim=1).unsqueeze(-1)).view(b, g, n, 1)
@@ -212,12 +212,24 @@ def value_kernels(convs: Sequence[tuple[int, nn.Conv2d]]) -> list[Tensor]:
     out: list[Tensor | None] = [None] * len(convs)
     with torch.no_grad():  # no graph, and no detach dispatched
         for (d, _, _), members in groups.items():
-            parts = [rearrange(convs[i][1].weight, "(g three d) 1 kh kw -> g three d kh kw", three=3, d=d)[:, 2] for i in members]
+            parts = [_value_channels(convs[i][1].weight, d) for i in members]
             w = torch.cat(parts).float().abs_()  # G d kh kw: a new tensor (one conv's too), so abs in place
             means = w.div_(w.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)).mean(dim=1)
             for i, kernels in zip(members, torch.split(means, [int(p.shape[0]) for p in parts])):
                 out[i] = kernels
     return [k for k in out if k is not None]
+
+
+def _value_channels(weight: Tensor, d: int) -> Tensor:
+    """``rearrange(weight, "(g three d) 1 kh kw -> g three d kh kw")[:, 2]``: each head's ``d`` value channels of a
+    multi-scale depthwise conv's weight ``(g 3 d, 1, kh, kw)``, ``(g, d, kh, kw)``; one strided view of a contiguous
+    weight in eager mode (the rearrange and the index dispatch two; a traced graph reads no storage offset, and its
+    views cost nothing)."""
+    if torch.compiler.is_compiling() or not weight.is_contiguous():
+        return rearrange(weight, "(g three d) 1 kh kw -> g three d kh kw", three=3, d=d)[:, 2]
+    kh, kw = int(weight.shape[-2]), int(weight.shape[-1])
+    g = int(weight.shape[0]) // (3 * d)
+    return weight.as_strided((g, d, kh, kw), (3 * d * kh * kw, kh * kw, kw, 1), weight.storage_offset() + 2 * d * kh * kw)
 
 
 class _ValueKernels:
