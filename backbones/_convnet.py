@@ -857,8 +857,8 @@ def residual_labels(
         convs = [op for op in chain if isinstance(op, (nn.Conv2d, KernelConv))]
         with fp32_labels(labels.device):  # the matrices' products in fp32 under a caller's autocast, as apply_path's
             # one conv: its folded map alone is read (``Kernels.residual``), not its matrix (an unbind per grid)
-            matrices = [kernels.matrix(c, grid) for c in convs] if len(convs) > 1 else []
-            held = all(m is not None for m in matrices) and all(kernels.has_matrix(c, grid) for c in convs)
+            held = all(kernels.has_matrix(c, grid) for c in convs)  # ``matrix`` answers exactly where this holds
+            matrices = [kernels.matrix(c, grid) for c in convs] if held and len(convs) > 1 else []
         if held:
             def mix(y: Tensor, residual_share: float) -> Tensor:
                 share = residual_share * p

@@ -220,10 +220,9 @@ class AdaptedDaViT(AdaptedBase):
     def _cpe(self, cpe: Any, x: Tensor, layer: int, tracker: LabelTracker, grid: tuple[int, int], kernels: Kernels) -> Tensor:
         labels = tracker.labels_for(layer)
         if labels is not None:  # input-independent kernel: a cheap l-channel conv
-            # ``apply_path``: the kernel read from ``kernels``, expanded with the others of its shape, and its in-grid
-            # tap weights computed with theirs (one conv of ones per grid), not a mass conv and an expand per conv
-            # tap weights computed with theirs (one conv of ones per grid), not a mass conv and an expand per conv; on a
-            # GPU's small grids the residual's mean folded into its matrix
+            # the kernel read from ``kernels``, expanded with the others of its shape, and its in-grid tap weights
+            # computed with theirs (one conv of ones per grid), not a mass conv and an expand per conv; on a GPU's
+            # small grids the residual's mean folded into its matrix (``residual_labels``)
             residual_labels(tracker, layer, None, labels, (cpe.proj,), grid, kernels)
         return cpe(x)  # type: ignore[no-any-return]
 

@@ -265,7 +265,7 @@ class AdaptedEfficientViTMSRA(AdaptedBase):
         x, keep = _residual_drop(rd, x, out)
         if type(mod) is ConvNorm:  # a depthwise conv (its residual folded into its matrix on a GPU's small grids)
             residual_labels(tracker, layer, keep, labels, (mod.conv,), grid, kernels)
-        else:  # ConvMlp mixes channels only
+        else:  # the window attention's labels; ConvMlp's none (it mixes channels only)
             tracker.residual(layer, keep, mixed=mixed)
         return x
 

@@ -219,8 +219,10 @@ class AdaptedMetaFormer(AdaptedBase):
             if labels is not None and type(mixer) is Pooling:
                 mixed = pooling_mix(labels, grid, _pool_kernel(mixer))
         out, keep = branch(blk.drop_path1, out)
-        if type(mixer) is SepConv:  # its depthwise conv, input-independent: a cheap l-channel conv (on a GPU's small
-            residual_labels(tracker, layer, keep, labels, (mixer.dwconv,), grid, kernels)  # grids folded with the mean)
+        if type(mixer) is SepConv:
+            # its depthwise conv, input-independent: a cheap l-channel conv (on a GPU's small grids, the residual's
+            # mean folded into its matrix: ``residual_labels``)
+            residual_labels(tracker, layer, keep, labels, (mixer.dwconv,), grid, kernels)
         else:
             tracker.residual(layer, keep, mixed=mixed)
         x = blk.res_scale1(x) + blk.layer_scale1(out)
