@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -20,3 +21,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # share of the cores, at most 2 threads, so that the workers do not oversubscribe the machine
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers, torch.get_num_threads())))
+
+# The files of the suite's longest tests (20-120 s each on 2 cores: a torchrun launch, child processes, compiles), run
+# first: pyproject's ``--dist worksteal`` hands each worker a share and lets an idle one take the end of another's,
+# so what ends the run is short tests, not a 2-minute one that one worker started last while the other sat idle.
+# (Only the order changes; which tests run does not. A file missing here just runs in its collected place.)
+FIRST = ("test_fsdp.py", "test_targets_unchanged.py", "test_compile.py", "test_speed.py", "test_shifted.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order

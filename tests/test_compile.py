@@ -18,7 +18,7 @@ trains on batches from a mixer. For every family's registry model this file chec
   ``mixlabels._shape_cache``);
 - under CPU bf16 autocast the compiled targets stay fp32 and equal eager's;
 - a smaller last batch (a loader without ``drop_last``) compiles once more, with the batch size symbolic, and that
-  graph serves every other size, equal to eager; ``dynamic=True`` compiles whole too;
+  graph serves every other size, equal to eager; ``dynamic=True`` compiles whole too, once for every size;
 - in a fresh process the first step's compile serves the next steps (einops' per-type backend store, which dynamo
   guards, no longer grows while the first step is traced).
 """
@@ -156,20 +156,26 @@ def check_other_batch_sizes(family: Any, backend: str, tol: float, dynamic: bool
     then compiles once more, with the batch size symbolic, and that graph must serve every other size: the label path
     may not specialise on the batch (an ``int`` of it that guards, a shape-keyed cache read in the trace).
     ``dynamic=True``: every size symbolic from the first trace (the grids' sizes too, which the label path
-    specialises: constants of the trace), whole all the same."""
+    specialises: constants of the trace), whole all the same, and its first graph serves every size: no batch of 4
+    first there, which duck sizing would tie to the boxes' 4 coordinates (a guard no real batch size meets)."""
     torch._dynamo.reset()
     adapted = backbones.adapt(family.example().train(), TLAlign())
     compiled = torch.compile(adapted, backend=backend, fullgraph=True, dynamic=dynamic)
-    sizes = (B, 3, 2, 5, B)  # the full batch, the last one (compiled again), then sizes the symbolic graph serves
+    # the full batch, the last one (compiled again), then sizes the symbolic graph serves; dynamic: every size at once
+    sizes, compiles = ((5, 3, 2, B), 1) if dynamic else ((B, 3, 2, 5, B), 2)
     for i, (images, label_map) in enumerate(batches(len(sizes), sizes=sizes)):
-        with torch.compiler.set_stance("fail_on_recompile" if i >= 2 else "default"):
+        with torch.compiler.set_stance("fail_on_recompile" if i >= compiles else "default"):
             got, got_grads = step(compiled, images, label_map)  # type: ignore[arg-type]
         want, want_grads = step(adapted, images, label_map)
         assert_close(got.target, want.target, atol=tol, rtol=tol, msg=lambda m: f"batch of {sizes[i]}: {m}")
         assert_close(got.loss(), want.loss(), atol=tol, rtol=tol, msg=lambda m: f"batch of {sizes[i]}: {m}")
         assert got_grads.keys() == want_grads.keys()
         for name, grad in want_grads.items():
-            scale = max(1.0, float(grad.abs().max()))  # see check_compiles_whole
+            # see check_compiles_whole; 3x: a gradient that vanishes in exact arithmetic (MobileNetV4's dw_start
+            # BatchNorm bias: a conv and a training-mode BatchNorm follow it, which remove any constant per channel)
+            # is a cancelling sum of terms of the gradient flowing in, and rounds on their scale: 1.3e-5 measured
+            # (its eager value 6e-6, every other gradient within 2e-7) on batches of 3 and 4
+            scale = 3 * max(1.0, float(grad.abs().max()))
             assert_close(got_grads[name], grad, atol=tol * scale, rtol=tol, msg=lambda m: f"batch of {sizes[i]}, {name}: {m}")
 
 

@@ -198,7 +198,9 @@ def test_cells_variant_is_the_same_step_on_a_densified_mask(tmp_path: Path) -> N
         assert lm.mask.shape[2:] == bench.images.shape[2:]  # pixel boxes: a per-pixel grid
         losses[v] = bench.adapted[v](mixed, lm).loss()
     assert torch.equal(losses["tlalign"], losses["tlalign-cells"])
-    result = speed.main(["--only", "steps", "--pixel-boxes", "--num-classes", "10", "--batch-size", "2", "--steps", "1",
+    # the CLI's cells variant, on the same tiny model (the default model's steps: test_speed_benchmark_end_to_end)
+    result = speed.main(["--only", "steps", "--model", "example:vit", "--pixel-boxes", "--num-classes", "10",
+                         "--batch-size", "2", "--steps", "1",
                          "--warmup", "1", "--repeats", "1", "--variants", "cutmix", "tlalign", "tlalign-cells",
                          "--out", str(tmp_path)])
     assert set(result["steps"]) == {"cutmix", "tlalign", "tlalign-cells"}

@@ -85,6 +85,10 @@ Rewritten for session 51's CrossViT start (the labels start on both branches' wi
 by ``window_weights``, not on a per-pixel label map aggregated by each branch's matrices): 3 fast-path pairs of
 crossvit moved (TransMix's target, both TokenLabeling token targets), by at most 6e-8, no logits, no reference pair;
 compared tensor by tensor against ``5bcb0d0``.
+
+Split into ``SHARDS`` tests (every third family each, one child process each) in session 57: one child for all the
+families was the suite's longest test (120-150 s on 2 cores). The same digest: a family's pairs compute the same bits
+in a process of its own shard as in one of every family (each example seeds its own weights: ``backbones._family.tiny``).
 """
 
 from __future__ import annotations
@@ -129,20 +133,30 @@ THREADS = 2  # the digest's intra-op thread count: another count sums in another
 # an in-process ablation run, may have set one)
 
 
-def digests() -> dict[str, dict[str, str | None]]:
-    """``{"family/scheme/path": {"target": sha, "token_target": sha, "logits": sha}}`` for every supported pair."""
+SHARDS = 3  # the families are digested in this many child processes, one test each, that xdist spreads over its
+# workers (one process for all took 120-150 s, the suite's longest test, often its last)
+
+
+def shard(index: int | None) -> list[backbones.Family]:
+    """The families of shard ``index`` (every ``SHARDS``-th, from ``index``); every family for ``None``."""
+    return list(backbones.FAMILIES) if index is None else list(backbones.FAMILIES)[index::SHARDS]
+
+
+def digests(index: int | None = None) -> dict[str, dict[str, str | None]]:
+    """``{"family/scheme/path": {"target": sha, "token_target": sha, "logits": sha}}`` for every supported pair of
+    shard ``index``'s families (every family for ``None``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        return _digests()
+        return _digests(shard(index))
     finally:
         torch.set_num_threads(before)
 
 
-def _digests() -> dict[str, dict[str, str | None]]:
+def _digests(families: list[backbones.Family]) -> dict[str, dict[str, str | None]]:
     images, lm = _batch()
     out: dict[str, dict[str, str | None]] = {}
-    for family in backbones.FAMILIES:
+    for family in families:
         for scheme_name, scheme in SCHEMES.items():
             for reference in (False, True):
                 model = family.example().train()
@@ -164,11 +178,12 @@ KERNEL_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_
 """The kernels the digests are computed with, whatever the machine offers above them (set before torch loads)."""
 
 
-def digests_on_avx2() -> dict[str, dict[str, str | None]]:
-    """``digests()`` computed in a child process held to ``KERNEL_ENV``'s kernels."""
+def digests_on_avx2(index: int | None = None) -> dict[str, dict[str, str | None]]:
+    """``digests(index)`` computed in a child process held to ``KERNEL_ENV``'s kernels."""
     env = {**os.environ, **KERNEL_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, __file__, "--print"], env=env, capture_output=True, text=True, timeout=1800)
+    args = ["--print"] if index is None else ["--print", str(index)]
+    run = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"computing the digests in a child process failed:\n{run.stderr[-4000:]}")
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -192,7 +207,8 @@ def cpu_vendor() -> str:
     return platform.processor() or "unknown"
 
 
-def test_targets_bit_identical_to_the_recorded_digest() -> None:
+@pytest.mark.parametrize("index", range(SHARDS))
+def test_targets_bit_identical_to_the_recorded_digest(index: int) -> None:
     recorded = json.loads(DIGEST.read_text())
     if recorded["versions"] != VERSIONS:
         pytest.fail(
@@ -207,8 +223,10 @@ def test_targets_bit_identical_to_the_recorded_digest() -> None:
             "record one from the commit before your change (git stash; python tests/test_targets_unchanged.py "
             "--write; git stash pop)"
         )
-    mine = recorded["machines"][vendor]
-    now = digests_on_avx2()
+    names = {family.name for family in shard(index)}
+    mine = {key: value for key, value in recorded["machines"][vendor].items() if key.split("/")[0] in names}
+    assert mine, f"the digest holds no pair of shard {index}'s families {sorted(names)}"
+    now = digests_on_avx2(index)
     lost = sorted(set(mine) - set(now))
     assert not lost, f"family/scheme pairs supported before no longer run: {lost}"
     # a family added after the digest has no lines in it (its own tests hold its targets)
@@ -217,8 +235,9 @@ def test_targets_bit_identical_to_the_recorded_digest() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--print"]:  # the child process of digests_on_avx2: one JSON line
-        print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "digests": digests()}))
+    if sys.argv[1:2] == ["--print"]:  # the child process of digests_on_avx2 (of one shard): one JSON line
+        index = int(sys.argv[2]) if sys.argv[2:] else None
+        print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "digests": digests(index)}))
         sys.exit(0)
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/test_targets_unchanged.py --write")
