@@ -142,9 +142,18 @@ def apply_separable(labels: Tensor, grid: tuple[int, int], rows: Tensor, cols: T
         return rearrange(y, "(b l) i j -> b (i j) l", b=b)
 
 
+_GRID_SOURCE = "_mixlabels_grid_source"
+"""The attribute by which ``as_tokens``' strided view of a grid holds that grid view (eager mode)."""
+
+
 def as_grid(labels: Tensor, grid: tuple[int, int]) -> Tensor:
     """``rearrange(labels, "b (h w) l -> b l h w")`` as one strided view (einops' view and permute are two operators):
-    channels-last memory where ``labels`` are contiguous."""
+    channels-last memory where ``labels`` are contiguous. Of ``as_tokens``' view of a ``grid`` view, that view itself
+    (the same storage, strides and offset): a pool or conv's output read on its grid again dispatches nothing."""
+    if not torch.compiler.is_compiling():  # a traced view costs nothing, and dynamo need not see the attribute
+        source = getattr(labels, _GRID_SOURCE, None)
+        if source is not None and (int(source.shape[-2]), int(source.shape[-1])) == tuple(grid):
+            return source  # type: ignore[no-any-return]
     b, n, l = labels.shape
     sb, sn, sl = labels.stride()
     return labels.as_strided((b, l, grid[0], grid[1]), (sb, sl, sn * grid[1], sn))  # the storage offset: the input's
@@ -157,7 +166,10 @@ def as_tokens(y: Tensor) -> Tensor:
     sb, sl, sh, sw = y.stride()
     if sh != sw * w:
         return rearrange(y, "b l h w -> b (h w) l")
-    return y.as_strided((b, h * w, l), (sb, sw, sl))
+    tokens = y.as_strided((b, h * w, l), (sb, sw, sl))
+    if not torch.compiler.is_compiling():
+        setattr(tokens, _GRID_SOURCE, y)  # as_grid(tokens, (h, w)) is y: the same view
+    return tokens
 
 
 def folded(y: Tensor) -> Tensor | None:
@@ -276,12 +288,13 @@ def _window_kron(grid: tuple[int, int], axes: tuple[tuple[AxisWindow, AxisWindow
 
 
 def mix_tokens(matrix: Tensor, labels: Tensor) -> Tensor:
-    """``matrix @ labels`` for one ``(n, m)`` matrix shared by the batch and labels ``(b, m, l)``: ``(b, n, l)``.
+    """``matrix @ labels`` for one ``(n, m)`` matrix shared by the batch (or that matrix expanded ``(b, n, m)``
+    already: ``Kernels.residual``'s) and labels ``(b, m, l)``: ``(b, n, l)``.
 
     ``@`` broadcasts a matrix over a batch in seven operators (views, an expand, a transpose, the product);
     an expanded ``bmm`` is two, and multiplies the same rows.
     """
-    return torch.bmm(matrix.expand(labels.shape[0], -1, -1), labels)
+    return torch.bmm(matrix if matrix.dim() == 3 else matrix.expand(labels.shape[0], -1, -1), labels)
 
 
 WindowPlan = tuple[str, tuple[bool, ...] | None, tuple[int, int]]

@@ -95,17 +95,17 @@ def test_value_kernels_of_many_convs_equal_each_convs_own() -> None:
     got = value_kernels(convs)
     assert len(got) == len(specs)
     for (d, conv), kernels, (_, k, heads) in zip(convs, got, specs):
-        assert kernels.shape == (heads, k, k)
-        assert torch.equal(kernels, _v_kernels(SimpleNamespace(dim=d), conv, torch.float32))
+        assert kernels.shape == (heads, 1, k, k)  # the layout F.conv2d reads
+        assert torch.equal(kernels[:, 0], _v_kernels(SimpleNamespace(dim=d), conv, torch.float32))
 
 
 def test_head_conv_mix_is_conv_mix_per_head() -> None:
     g = torch.Generator().manual_seed(0)
     y = torch.rand(2, 20, 3, generator=g).softmax(-1)
-    kernels = torch.rand(4, 5, 5, generator=g)
+    kernels = torch.rand(4, 1, 5, 5, generator=g)
     got = head_conv_mix(y, (4, 5), kernels, (2, 2), (1, 1))
     for h in range(4):
-        assert_close(got[:, h], conv_mix(y, (4, 5), kernels[h], (2, 2), (1, 1)))
+        assert_close(got[:, h], conv_mix(y, (4, 5), kernels[h, 0], (2, 2), (1, 1)))
 
 
 def test_timm_names_adapt_and_refusals() -> None:

@@ -143,9 +143,9 @@ def test_a_residual_folded_into_its_conv_matrix_equals_the_product_and_lerp(fami
     assert_close(folded.target, unfolded.target, rtol=1e-6, atol=1e-6)
 
 
-def _without_identity(self: _convnet.Kernels, conv: Any, grid: tuple[int, int], share: float) -> Tensor | None:
+def _without_identity(self: _convnet.Kernels, conv: Any, grid: tuple[int, int], share: float, batch: int | None = None) -> Tensor | None:
     m = self.matrix(conv, grid)
-    return None if m is None else m * share
+    return None if m is None else (m * share).expand(*(() if batch is None else (batch,)), -1, -1)
 
 
 @pytest.mark.parametrize(("family", "plant"), [("convnext", "one conv"), ("resnet", "chain")])
@@ -246,6 +246,9 @@ def test_the_residual_maps_of_a_grid_are_the_lerps_of_its_matrices() -> None:
                 assert r is not None
                 assert torch.equal(r, torch.lerp(eye, m, share))
                 assert_close(r.sum(-1), torch.ones(r.shape[0]))
+                expanded = kernels.residual(conv, grid, share, batch=3)  # mix_tokens' batched product reads it so
+                assert expanded is not None and expanded.shape == (3, *r.shape)
+                assert all(torch.equal(e, r) for e in expanded)
 
 
 def test_residual_by_refuses_a_layer_the_scheme_does_not_align() -> None:

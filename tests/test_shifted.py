@@ -138,8 +138,8 @@ def test_compiled_head_conv_mix_and_conv_mix_pair_are_shifted_sums_equal_to_eage
     grid, n = (10, 9), 90
     labels = _rand(2, n, 3, seed=9)
     labels = labels / labels.sum(-1, keepdim=True)
-    heads = _rand(4, 5, 5, seed=10)
-    args = (labels, grid, heads / heads.sum((1, 2), keepdim=True), (2, 2), (1, 1))
+    heads = _rand(4, 1, 5, 5, seed=10)
+    args = (labels, grid, heads / heads.sum((2, 3), keepdim=True), (2, 2), (1, 1))
     got, graphs = _compiled(head_conv_mix, *args)
     assert graphs.convs() == 0
     assert_close(got, head_conv_mix(*args), rtol=0, atol=1e-6)

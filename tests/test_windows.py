@@ -508,3 +508,20 @@ def test_label_kernels_of_large_cpu_weights_go_weight_by_weight_with_the_same_bi
         assert_close(same, got, rtol=0.0, atol=1e-6)  # the concatenated rows' means: up to 6e-7 here
     for got, want in zip(small, kernels[:3], strict=True):
         assert_close(got, want, rtol=0.0, atol=1e-6)
+
+
+def test_as_grid_of_as_tokens_is_the_grid_view_itself() -> None:
+    """``as_grid(as_tokens(y), grid)`` returns ``y`` (no view dispatched): the same values, strides and storage as the
+    view it would take; another grid of as many positions, or tokens not made from a grid, take their own view."""
+    from mixlabels.backbones._windows import as_grid, as_tokens
+
+    labels = torch.rand(2, 12, 5, generator=torch.Generator().manual_seed(0))
+    y = F.avg_pool2d(as_grid(labels, (3, 4)), 1)  # a pool's output, as the walk's ops leave it
+    tokens = as_tokens(y)
+    assert torch.equal(tokens, rearrange(y, "b l h w -> b (h w) l"))
+    assert as_grid(tokens, (3, 4)) is y
+    fresh = tokens.as_strided(tokens.shape, tokens.stride())  # the same view, without the link: what it would take
+    viewed = as_grid(fresh, (3, 4))
+    assert viewed is not y and viewed.stride() == y.stride() and viewed.data_ptr() == y.data_ptr() and torch.equal(viewed, y)
+    other = as_grid(tokens, (4, 3))  # as many positions on another grid: a view of its own
+    assert other.shape == (2, 5, 4, 3) and torch.equal(other, rearrange(tokens, "b (h w) l -> b l h w", h=4))

@@ -203,9 +203,10 @@ def _v_kernels(mla: Any, conv: nn.Conv2d, dtype: torch.dtype) -> Tensor:
 
 
 def value_kernels(convs: Sequence[tuple[int, nn.Conv2d]]) -> list[Tensor]:
-    """``_v_kernels`` of many multi-scale depthwise convs ``(head dim, conv)`` at once, fp32 ``(g, kh, kw)`` each, in
-    order: the value channels of every conv of one head dim and kernel size in one stack, reduced together (about
-    six operators a stack where ``_v_kernels`` takes five a conv), the same bits as conv by conv."""
+    """``_v_kernels`` of many multi-scale depthwise convs ``(head dim, conv)`` at once, fp32 ``(g, 1, kh, kw)`` each
+    (the weight layout ``F.conv2d`` reads, so that ``head_conv_mix`` views none), in order: the value channels of
+    every conv of one head dim and kernel size in one stack, reduced together (about six operators a stack where
+    ``_v_kernels`` takes five a conv), the same bits as conv by conv."""
     groups: dict[tuple[int, int, int], list[int]] = {}
     for i, (d, conv) in enumerate(convs):
         groups.setdefault((d, int(conv.weight.shape[-2]), int(conv.weight.shape[-1])), []).append(i)
@@ -214,7 +215,7 @@ def value_kernels(convs: Sequence[tuple[int, nn.Conv2d]]) -> list[Tensor]:
         for (d, _, _), members in groups.items():
             parts = [_value_channels(convs[i][1].weight, d) for i in members]
             w = torch.cat(parts).float().abs_()  # G d kh kw: a new tensor (one conv's too), so abs in place
-            means = w.div_(w.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)).mean(dim=1)
+            means = w.div_(w.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)).mean(dim=1, keepdim=True)
             for i, kernels in zip(members, torch.split(means, [int(p.shape[0]) for p in parts])):
                 out[i] = kernels
     return [k for k in out if k is not None]
@@ -247,15 +248,16 @@ class _ValueKernels:
 
 
 def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
-    """``Norm(T(K_g)) Y`` for every head's kernel ``(g, kh, kw)``: ``(b, n, l) -> (b, g, n, l)`` fp32, border-renormalised."""
+    """``Norm(T(K_g)) Y`` for every head's kernel ``(g, 1, kh, kw)`` (``value_kernels``'): ``(b, n, l) -> (b, g, n, l)``
+    fp32, border-renormalised."""
     with fp32_labels(labels.device):
         b, l = int(labels.shape[0]), int(labels.shape[-1])
         # the labels as ``b l`` one-channel maps: one copy (einops' reshape of the permuted view dispatches a second
         # operator, ``_unsafe_view``, after it)
         y = as_grid(labels.float(), grid).contiguous().view(b * l, 1, grid[0], grid[1])
-        if shifted_route(kernels):  # compiled: shifted sums, fused (see ``shifted_conv``)
-            return _by_head(shifted_mix(y, kernels.float(), padding, dilation), b)
-        k = rearrange(kernels.float(), "g kh kw -> g 1 kh kw")
+        k = kernels.float()
+        if shifted_route(k):  # compiled: shifted sums, fused (see ``shifted_conv``); a traced view costs nothing
+            return _by_head(shifted_mix(y, rearrange(k, "g 1 kh kw -> g kh kw"), padding, dilation), b)
         mass = F.conv2d(_ones((1, 1, grid[0], grid[1]), y.device), k, padding=padding, dilation=dilation)  # 1 g h w
         return _by_head(F.conv2d(y, k, padding=padding, dilation=dilation).div_(mass), b)  # in place: see conv_steps_on_grid
 
@@ -289,11 +291,19 @@ def _mla_values(mla: Any, labels: Tensor, grid: tuple[int, int], kernels: _Value
     """Every head's value labels ``(b, g, n, l)``: ``Y`` for the original heads, then each scale's conv of it
     (``kernels``: the forward's value kernels)."""
     heads = mla.qkv.conv.out_channels // (3 * mla.dim)
-    parts = [labels.float().unsqueeze(1).expand(-1, heads, -1, -1)]
+    parts = [_repeat_heads(labels.float(), heads)]
     for op in mla.aggreg:
         conv = op[0]
         parts.append(head_conv_mix(labels, grid, kernels.get(conv), conv.padding, conv.dilation))
     return torch.cat(parts, dim=1)
+
+
+def _repeat_heads(labels: Tensor, heads: int) -> Tensor:
+    """``labels.unsqueeze(1).expand(-1, heads, -1, -1)``: ``(b, n, l) -> (b, heads, n, l)`` as one strided view (the
+    unsqueeze and the expand dispatch two)."""
+    b, n, l = (int(s) for s in labels.shape)
+    sb, sn, sl = labels.stride()
+    return labels.as_strided((b, heads, n, l), (sb, 0, sn, sl))  # the storage offset: the input's
 
 
 def _local_blocks(m: Any) -> list[Any]:
