@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Waiting OpenMP threads sleep instead of spinning: set before torch loads its OpenMP runtime (which reads it then),
+# and inherited by the child processes tests start (the digest's 2-thread children, torchrun's, the benchmarks'). On
+# 2 cores beside the other xdist worker a spinning thread holds the core its peer needs: a digest shard took 47 s
+# so, 31 s sleeping (same bits). A caller's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

@@ -21,10 +21,14 @@ trains on batches from a mixer. For every family's registry model this file chec
   graph serves every other size, equal to eager; ``dynamic=True`` compiles whole too, once for every size;
 - in a fresh process the first step's compile serves the next steps (einops' per-type backend store, which dynamo
   guards, no longer grows while the first step is traced).
+
+The autocast, batch-size and fresh-process tests take ConvNeXt with 3x3 kernels (``LIGHT``: its 7x7 label convs'
+shifted sums are most of its trace); the one-graph test traces the 7x7 example.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -41,6 +45,7 @@ import mixlabels
 from mixlabels import TLAlign, backbones
 from mixlabels.backbones import FAMILIES
 from mixlabels.backbones._attention import attention_route
+from mixlabels.backbones._family import tiny
 from mixlabels.strategies import CutMix
 
 B, IMG, C = 4, 32, 10
@@ -117,19 +122,33 @@ KINDS = ["vit", "swin", "resnet", "convnext", "pvt_v2", "maxxvit", "efficientvit
          "volo", "metaformer"]
 
 
-def _every(kinds: list[str]) -> list[Any]:
-    """Every family, those outside ``kinds`` marked slow."""
-    return [pytest.param(f, id=f.name, marks=() if f.name in kinds else pytest.mark.slow) for f in ALIGNING]
+def _every(kinds: list[str], light: bool = False) -> list[Any]:
+    """Every family, those outside ``kinds`` marked slow; ``light``: ConvNeXt's example with 3x3 kernels (``LIGHT``)."""
+    return [pytest.param(LIGHT.get(f.name, f) if light else f, id=f.name, marks=() if f.name in kinds else pytest.mark.slow)
+            for f in ALIGNING]
+
+
+LIGHT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "convnext": ("convnext_atto", {"depths": (1, 1, 1, 1), "dims": (8, 16, 24, 32), "kernel_sizes": 3}),
+}
+LIGHT = {f.name: dataclasses.replace(f, example=tiny(LIGHT_MODELS[f.name][0], **LIGHT_MODELS[f.name][1]))
+         for f in ALIGNING if f.name in LIGHT_MODELS}
+"""ConvNeXt's example with 3x3 depthwise convs, for the tests whose subject is not its kernel (autocast, other batch
+sizes, ``dynamic=True``, a fresh process): its 7x7 label convs, traced as 49-tap shifted sums, are most of its graph
+(1536 of 1865 nodes) and of its trace time; a 3x3's 9 taps run the same code. The one-graph test and
+``test_shifted`` trace the 7x7 example itself."""
 
 
 _FRESH = """
 import torch
 import mixlabels
 from mixlabels import backbones
+from mixlabels.backbones._family import tiny
 from mixlabels.strategies import CutMix
 
 torch.manual_seed(0)
-model = next(f for f in backbones.FAMILIES if f.name == {name!r}).example().train()
+light = {light!r}  # LIGHT_MODELS' entry: the timm name and its arguments
+model = (tiny(light[0], **light[1])() if light else next(f for f in backbones.FAMILIES if f.name == {name!r}).example()).train()
 compiled = torch.compile(backbones.adapt(model, mixlabels.TLAlign()), backend="eager", fullgraph=True)
 mixer = CutMix(10)
 for step in range(3):  # the first step compiles; the others, other boxes, must not trace again
@@ -141,7 +160,8 @@ for step in range(3):  # the first step compiles; the others, other boxes, must 
 @pytest.mark.parametrize("name", ["convnext"])  # it rearranges a parameter (its layer scale)
 def test_a_fresh_process_compiles_its_first_step_once(name: str) -> None:
     """No eager step first (the other tests' eager step warmed every cache a trace reads): what a user's script does."""
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(_FRESH.format(name=name))], capture_output=True,
+    script = textwrap.dedent(_FRESH.format(name=name, light=LIGHT_MODELS.get(name)))  # see LIGHT
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
 
@@ -179,19 +199,19 @@ def check_other_batch_sizes(family: Any, backend: str, tol: float, dynamic: bool
             assert_close(got_grads[name], grad, atol=tol * scale, rtol=tol, msg=lambda m: f"batch of {sizes[i]}, {name}: {m}")
 
 
-@pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"]))
+@pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"], light=True))
 def test_a_smaller_last_batch_compiles_once_more_and_serves_every_size(family: Any) -> None:
     check_other_batch_sizes(family, "eager", tol=1e-5)
 
 
-@pytest.mark.parametrize("family", _every(["vit", "convnext", "swin"]))
+@pytest.mark.parametrize("family", _every(["vit", "convnext", "swin"], light=True))
 def test_dynamic_true_compiles_whole_and_equals_eager(family: Any) -> None:
     """``torch.compile(dynamic=True)``: sizes arrive symbolic, the mask's grid and the token grid among them (a graph
     break at ``math.lcm`` of them in 23 families, before ``_mask._lcm``)."""
     check_other_batch_sizes(family, "eager", tol=1e-5, dynamic=True)
 
 
-@pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"]))
+@pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"], light=True))
 def test_compiled_under_bf16_autocast_keeps_fp32_labels_and_equals_eager(family: Any) -> None:
     """timm's ``--amp --amp-dtype bfloat16`` with ``--torchcompile``: the label path turns autocast off inside the
     graph as it does eagerly (``fp32_labels``), so the targets stay fp32 and equal eager's under the same autocast."""
