@@ -6,13 +6,14 @@ batch; a scheme that refuses the family (``ValueError``/``TypeError``) is report
 with its message.
 
 Example:
-    >>> rows = support_matrix()
+    >>> rows = support_matrix(["swin"])  # every family: support_matrix()
     >>> [r.scheme for r in rows if r.family == "swin" and not r.supported]
     ['TransMix']
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,11 +56,16 @@ def _batch() -> tuple[torch.Tensor, TokenLabelMap]:
     return lm.mix_pixels(images), lm
 
 
-def support_matrix() -> list[SupportRow]:
-    """Run every scheme on every registered family's example; one row per pair."""
+def support_matrix(families: Sequence[str] | None = None) -> list[SupportRow]:
+    """Run every scheme on every registered family's example (``families``: those, by name, in the registry's order);
+    one row per pair."""
+    known = [f.name for f in FAMILIES]
+    unknown = [name for name in families or () if name not in known]
+    if unknown:
+        raise ValueError(f"no registered family {', '.join(map(repr, unknown))}; the families: {', '.join(known)}")
     images, lm = _batch()
     rows = []
-    for family in FAMILIES:
+    for family in FAMILIES if families is None else [f for f in FAMILIES if f.name in families]:
         model = family.example()
         for name, scheme in SCHEMES.items():
             try:

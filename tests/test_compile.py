@@ -166,7 +166,13 @@ def test_a_fresh_process_compiles_its_first_step_once(name: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("family", _every(KINDS))
+AOT_KINDS = ["vit", "swin", "resnet"]
+"""The kinds whose AOT test (``test_aot_traces_forward_and_backward_and_equals_eager``) runs in the default suite: it
+makes dynamo's same whole-graph trace and the same checks before AOT autograd traces the backward, so their dynamo-only
+test runs in the slow suite alone."""
+
+
+@pytest.mark.parametrize("family", _every([k for k in KINDS if k not in AOT_KINDS]))
 def test_training_step_compiles_as_one_graph_once_and_equals_eager(family: Any) -> None:
     check_compiles_whole(family, "eager", tol=1e-5)  # dynamo's trace: the whole forward and loss
 
@@ -227,7 +233,7 @@ def test_compiled_under_bf16_autocast_keeps_fp32_labels_and_equals_eager(family:
         assert_close(got.loss(), want.loss(), atol=1e-2, rtol=1e-2)  # bf16 logits: the graph may fuse their casts
 
 
-@pytest.mark.parametrize("family", _every(["vit", "swin", "resnet"]))
+@pytest.mark.parametrize("family", _every(AOT_KINDS))
 def test_aot_traces_forward_and_backward_and_equals_eager(family: Any) -> None:
     """AOT autograd's trace of forward and backward, what inductor compiles (all 38: 13 minutes on 2 cores)."""
     check_compiles_whole(family, "aot_eager", tol=1e-5)

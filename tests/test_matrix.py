@@ -130,3 +130,11 @@ def test_support_matrix_is_generated_from_the_registry() -> None:
     assert replace_section(readme, support_summary(rows)) == readme, f"README.md's support summary is {stale}"
     docs = (REPO / "docs" / "families.md").read_text()
     assert replace_section(docs, md) == docs, f"docs/families.md's support matrix is {stale}"
+
+
+def test_support_matrix_of_named_families_is_their_rows_and_refuses_an_unknown_name() -> None:
+    rows = backbones.support_matrix(["swin", "resnet"])
+    assert [(r.family, r.scheme) for r in rows] == [(f, s) for f in FAMILY if f in ("swin", "resnet") for s in SCHEMES]
+    assert {(r.family, r.scheme) for r in rows if not r.supported} == {("resnet", "TransMix"), ("swin", "TransMix")}
+    with pytest.raises(ValueError, match="no registered family 'swim'; the families: beit, "):
+        backbones.support_matrix(["swim"])
