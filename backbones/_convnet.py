@@ -543,7 +543,7 @@ class Kernels:
         self._matrix: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor] = {}
         # a stack's key and a grid -> its convs and their matrices (g, n, n) on the grid (``_matrices``)
         self._matrices: dict[tuple[tuple[Any, ...], tuple[int, int]], tuple[list[nn.Module | KernelConv], Tensor]] = {}
-        self._residual: dict[tuple[nn.Module | KernelConv, tuple[int, int], float, int | None], Tensor] = {}
+        self._residual: dict[tuple[nn.Module | KernelConv, tuple[int, int], float, int], Tensor] = {}
         self._stacked_residual: dict[tuple[nn.Module | KernelConv, tuple[int, int], float], Tensor] = {}  # (g, n, n)
         self._tap_rows: dict[tuple[Any, ...], Tensor] = {}  # a stack's key -> its kernels as rows (g, kh kw)
         self._stacks: dict[tuple[Any, ...], tuple[list[nn.Module | KernelConv], Tensor | None]] = {}
@@ -744,13 +744,13 @@ class Kernels:
         """Whether ``matrix`` (and ``residual``) answer for ``conv`` on ``grid``; builds the grid's matrices (cached)."""
         return self._matrices_of(conv, grid) is not None
 
-    def residual(self, conv: nn.Module | KernelConv, grid: tuple[int, int], share: float, batch: int | None = None) -> Tensor | None:
-        """The labels' map ``lerp(I, M, share)`` ``(n, n)`` of a residual whose branch is ``conv`` alone on a small
-        ``grid`` (``M = matrix(conv, grid)``; ``share``: ``Rules.residual_share``): the branch's mix and the residual's
-        mean in one matrix, so that such a block's labels are one product (``residual_labels``), not a product and a
-        ``lerp``. Made for every conv of the shape on the grid together, from their matrices: one ``lerp`` per grid
-        and shape. ``batch``: the same map expanded ``(batch, n, n)``, as ``mix_tokens``' batched product reads it
-        (one strided view and an unbind per grid, shape and batch, where an expand per block dispatches one each).
+    def residual(self, conv: nn.Module | KernelConv, grid: tuple[int, int], share: float, batch: int) -> Tensor | None:
+        """The labels' map ``lerp(I, M, share)`` ``(n, n)``, expanded ``(batch, n, n)``, of a residual whose branch is
+        ``conv`` alone on a small ``grid`` (``M = matrix(conv, grid)``; ``share``: ``Rules.residual_share``): the
+        branch's mix and the residual's mean in one matrix, so that such a block's labels are one product
+        (``residual_labels``), not a product and a ``lerp``. Made for every conv of the shape on the grid together,
+        from their matrices: one ``lerp`` per grid and shape. Expanded as ``mix_tokens``' batched product reads it:
+        one strided view and an unbind per grid, shape and batch, where an expand per block dispatches one each.
         ``None`` where ``matrix`` is."""
         if (conv, grid, share, batch) not in self._residual:
             built = self._matrices_of(conv, grid)
@@ -762,8 +762,7 @@ class Kernels:
                 maps = torch.lerp(_identity(n, matrices.device), matrices, share)  # g n n, the identity broadcast
                 self._stacked_residual.update(((c, grid, share), maps) for c in same)
             maps = self._stacked_residual[(conv, grid, share)]  # a fresh lerp's: contiguous
-            if batch is not None:
-                maps = maps.as_strided((len(same), batch, n, n), (n * n, 0, n, 1))
+            maps = maps.as_strided((len(same), batch, n, n), (n * n, 0, n, 1))
             self._residual.update(((c, grid, share, batch), m) for c, m in zip(same, maps.unbind(0), strict=True))
         return self._residual[(conv, grid, share, batch)]
 
@@ -871,7 +870,7 @@ def residual_labels(
             def mix(y: Tensor, residual_share: float) -> Tensor:
                 share = residual_share * p
                 if len(convs) == 1:
-                    folded = kernels.residual(convs[0], grid, share, int(y.shape[0]))  # expanded over the batch
+                    folded = kernels.residual(convs[0], grid, share, int(y.shape[0]))
                 else:  # (1 - s) I + s M_k ... M_2 M_1, the products' rows each summing to 1
                     *rest, first = [m for m in reversed(matrices) if m is not None]
                     later = rest[0]

@@ -143,9 +143,9 @@ def test_a_residual_folded_into_its_conv_matrix_equals_the_product_and_lerp(fami
     assert_close(folded.target, unfolded.target, rtol=1e-6, atol=1e-6)
 
 
-def _without_identity(self: _convnet.Kernels, conv: Any, grid: tuple[int, int], share: float, batch: int | None = None) -> Tensor | None:
+def _without_identity(self: _convnet.Kernels, conv: Any, grid: tuple[int, int], share: float, batch: int) -> Tensor | None:
     m = self.matrix(conv, grid)
-    return None if m is None else (m * share).expand(*(() if batch is None else (batch,)), -1, -1)
+    return None if m is None else (m * share).expand(batch, -1, -1)
 
 
 @pytest.mark.parametrize(("family", "plant"), [("convnext", "one conv"), ("resnet", "chain")])
@@ -239,16 +239,14 @@ def test_the_residual_maps_of_a_grid_are_the_lerps_of_its_matrices() -> None:
         eye = torch.eye(grid[0] * grid[1])
         for conv in convs:
             for share in (0.5, 1.0):
-                m, r = kernels.matrix(conv, grid), kernels.residual(conv, grid, share)
+                m, expanded = kernels.matrix(conv, grid), kernels.residual(conv, grid, share, batch=3)
                 if m is None:  # the 5x5 conv alone in its shape: too few alike, built per step by conv_chain
-                    assert r is None and conv is convs[-1]
+                    assert expanded is None and conv is convs[-1]
                     continue
-                assert r is not None
-                assert torch.equal(r, torch.lerp(eye, m, share))
-                assert_close(r.sum(-1), torch.ones(r.shape[0]))
-                expanded = kernels.residual(conv, grid, share, batch=3)  # mix_tokens' batched product reads it so
-                assert expanded is not None and expanded.shape == (3, *r.shape)
+                assert expanded is not None and expanded.shape == (3, *m.shape)  # mix_tokens' batched product reads it so
+                r = torch.lerp(eye, m, share)
                 assert all(torch.equal(e, r) for e in expanded)
+                assert_close(expanded[0].sum(-1), torch.ones(r.shape[0]))
 
 
 def test_residual_by_refuses_a_layer_the_scheme_does_not_align() -> None:
