@@ -157,11 +157,19 @@ def _field_names(params: MixParams) -> tuple[str, ...]:
 
 
 def _draw_names(params: MixParams) -> tuple[str, ...]:
-    """The fields of ``params`` that are draws: not derived from them (``DERIVED``), not their record."""
-    return tuple(n for n in _field_names(params) if n not in (*params.DERIVED, "drawn_from"))
+    """The fields of ``params`` that are draws: not derived from them (``DERIVED``), not their record; read once per
+    class, as ``_field_names`` (asked four times a call)."""
+    kind = type(params)
+    names = None if torch.compiler.is_compiling() else _DRAWS.get(kind)
+    if names is None:
+        names = tuple(n for n in _field_names(params) if n not in (*params.DERIVED, "drawn_from"))
+        if not torch.compiler.is_compiling():
+            _DRAWS[kind] = names
+    return names
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+_DRAWS: dict[type, tuple[str, ...]] = {}
 
 
 def host_params(params: MixParams) -> bool:
@@ -204,7 +212,7 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor, *, unmixed: bool
     # Where a weight is exactly 1 (0) the pixel is the image's own (the partner's), selected, not
     # computed: ``1 * x + 0 * y`` is NaN when y holds NaN or inf, and an unmixed sample must come
     # back bit-identical whatever its partner holds.
-    w1 = (1.0 - w0).to(compute)  # in fp32 first, as TokenLabelMap does, so both paths agree bit for bit
+    w1 = torch.rsub(w0, 1.0).to(compute)  # 1 - w0 in fp32 first, as TokenLabelMap does, so both paths agree bit for bit
     w0 = w0.to(compute)
     mh, mw = int(weight.shape[1]), int(weight.shape[2])
     # Gather the partners on the contiguous 4-d batch: gathering a 6-d cell view is ~10x slower on CPU.
@@ -215,8 +223,8 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor, *, unmixed: bool
         # so the products are formed in place (fresh CPU allocations cost page faults).
         if other is images:
             other = other.clone()
-        out = own * rearrange(w0, "b 1 1 -> b 1 1 1")
-        out.add_(other.mul_(rearrange(w1, "b 1 1 -> b 1 1 1")))
+        out = own * w0.view(-1, 1, 1, 1)  # b 1 1 1 (views, not einops patterns: this path is all host time on a GPU)
+        out.add_(other.mul_(w1.view(-1, 1, 1, 1)))
         # Unmixed samples (lam = 1) are their own pixels, selected (no host sync: no branch on values).
         # A sample with lam = 0 is a full mix: 0 * its own NaN stays NaN, as in timm.
         if unmixed is False:
@@ -570,12 +578,26 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
         return TokenLabelMap.unmixed(labels, self.num_classes, image_size, self.label_smoothing)
 
     def _kornia_params(self, params: P | None, b: int, shape: Sequence[int]) -> dict[str, Any]:
-        return {
-            # kornia reads it, never writes it: built from bytes, it runs no host operator per call
-            "batch_prob": torch.frombuffer(bytearray(b"\x01") * b, dtype=torch.bool) if b else torch.ones(0, dtype=torch.bool),
-            "forward_input_shape": torch.tensor(tuple(shape), dtype=torch.long),
-            PARAMS_KEY: params,
-        }
+        key = (b, tuple(int(s) for s in shape))
+        cached = self.__dict__.get("_kornia_record")
+        if cached is None or cached[0] != key or torch.compiler.is_compiling():
+            # kornia reads both, never writes them: built from bytes (no host operator), and kept for the next call of
+            # this batch shape (a call's record is then a dict, not two new tensors)
+            prob = torch.frombuffer(bytearray(b"\x01") * b, dtype=torch.bool) if b else torch.ones(0, dtype=torch.bool)
+            cached = (key, prob, torch.tensor(key[1], dtype=torch.long))
+            if not torch.compiler.is_compiling():
+                self.__dict__["_kornia_record"] = cached
+        return {"batch_prob": cached[1], "forward_input_shape": cached[2], PARAMS_KEY: params}
+
+    def _record(self, last: P | None, unmixed_size: tuple[int, int] | None, record: dict[str, Any]) -> None:
+        """A call's state: its params (``last_params``), the image size of a call made while mixing is off, kornia's
+        record (``_params``). Written as plain attributes in eager mode: ``nn.Module.__setattr__`` looks every value up
+        among the parameters, buffers and submodules first (three writes, about 5 us each, on every call)."""
+        if torch.compiler.is_compiling():
+            self.last_params, self._unmixed_size, self._params = last, unmixed_size, record
+            return
+        state = self.__dict__
+        state["last_params"], state["_unmixed_size"], state["_params"] = last, unmixed_size, record
 
     def _unwrap(self, params: P | dict[str, Any]) -> P | None:
         """Typed params, or ``None`` for kornia params recorded while ``mixup_enabled`` was off."""
@@ -718,13 +740,11 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             typed = self._unwrap(params)
         if typed is None:  # mixing switched off (now, or when kornia recorded these params)
             size = (int(images.shape[2]), int(images.shape[3]))
-            self.last_params, self._unmixed_size = None, size
-            self._params = self._kornia_params(None, int(images.shape[0]), tuple(images.shape))
+            self._record(None, size, self._kornia_params(None, int(images.shape[0]), tuple(images.shape)))
             if labels is None:
                 return images
             self._check_labels(labels, int(images.shape[0]))
             return images, self.unmixed_map(labels.to(images.device), size)
-        self._unmixed_size = None
         self._check_batch(images, typed)
         b, _ = self.params_batch_size(typed)
         typed = self.place(typed, images)
@@ -732,8 +752,7 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             params[PARAMS_KEY] = typed
         if labels is not None:
             self._check_labels(labels, b)
-        self.last_params = typed
-        self._params = self._kornia_params(typed, b, tuple(images.shape))
+        self._record(typed, None, self._kornia_params(typed, b, tuple(images.shape)))
         mixed = self.apply_images(images, typed)
         if labels is None:
             return mixed

@@ -579,3 +579,24 @@ def test_fmix_keeps_round_lambda_n_cells(alpha: float) -> None:
     f = beta_cdf(alpha)
     law = {k: float(f(min((k + 0.5) / m, 1.0)) - f(max((k - 0.5) / m, 0.0))) for k in range(m + 1)}
     assert chi_square_fit(tally(kept), law, n_draws) > ALPHA_FALSE
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kornia_record_follows_the_batch_shape(kind: str) -> None:
+    """A call's kornia record (``_params``) keeps its shape tensors between calls of one batch shape, and is built
+    again for another: its batch gate and input shape always describe the call that made it, and so do
+    ``last_params`` and the map of a call made while mixing is off."""
+    mixer = make(kind)
+    for b in (4, 4, 3, 5):
+        x, y = batch(b)
+        mixer(x, y)
+        record = mixer._params
+        assert record["batch_prob"].tolist() == [True] * b
+        assert record["forward_input_shape"].tolist() == list(x.shape)
+        assert record["mix_params"] is mixer.last_params and mixer.params_batch_size(mixer.last_params)[0] == b
+    mixer.mixup_enabled = False
+    x, y = batch(2)
+    out, lm = mixer(x, y)
+    assert out is x and mixer.last_params is None and mixer._params["mix_params"] is None
+    assert mixer._params["forward_input_shape"].tolist() == list(x.shape)
+    assert maps_equal(mixer.label_map(y), lm)
