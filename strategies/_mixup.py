@@ -6,7 +6,6 @@ import random
 from dataclasses import dataclass
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
