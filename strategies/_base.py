@@ -145,31 +145,31 @@ class MixParams:
         return dataclasses.replace(params, **moved, drawn_from=None)  # the moved draws and their derived values
 
 
-def _field_names(params: MixParams) -> tuple[str, ...]:
-    """The dataclass fields of ``params``, read once per class (``dataclasses.fields`` walks them per call); dynamo
-    traces ``fields`` of an instance only."""
-    if torch.compiler.is_compiling():
-        return tuple(f.name for f in dataclasses.fields(params))
+def _names(params: MixParams) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The dataclass fields of ``params`` and those of them that are draws (not derived from them, ``DERIVED``, nor
+    their record), read once per class: ``dataclasses.fields`` walks them per call, and a mixer's call asks for both
+    several times. While dynamo traces, read from the instance (it traces ``fields`` of an instance only)."""
     kind = type(params)
-    if kind not in _FIELDS:
-        _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
-    return _FIELDS[kind]
-
-
-def _draw_names(params: MixParams) -> tuple[str, ...]:
-    """The fields of ``params`` that are draws: not derived from them (``DERIVED``), not their record; read once per
-    class, as ``_field_names`` (asked four times a call)."""
-    kind = type(params)
-    names = None if torch.compiler.is_compiling() else _DRAWS.get(kind)
+    names = None if torch.compiler.is_compiling() else _NAMES.get(kind)
     if names is None:
-        names = tuple(n for n in _field_names(params) if n not in (*params.DERIVED, "drawn_from"))
+        fields = tuple(f.name for f in dataclasses.fields(params))
+        names = (fields, tuple(n for n in fields if n not in (*params.DERIVED, "drawn_from")))
         if not torch.compiler.is_compiling():
-            _DRAWS[kind] = names
+            _NAMES[kind] = names
     return names
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
-_DRAWS: dict[type, tuple[str, ...]] = {}
+def _field_names(params: MixParams) -> tuple[str, ...]:
+    """The dataclass fields of ``params`` (``_names``)."""
+    return _names(params)[0]
+
+
+def _draw_names(params: MixParams) -> tuple[str, ...]:
+    """The fields of ``params`` that are draws (``_names``)."""
+    return _names(params)[1]
+
+
+_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
 
 def host_params(params: MixParams) -> bool:
