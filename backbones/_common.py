@@ -272,14 +272,15 @@ def _chunked_pair_mean(weight: Tensor) -> Tensor:
     enough to stay in a core's cache between the passes over it: a chunk's ``|K|`` is written there straight from
     the weight (the one pass over the weight in memory), its ``(o, i)`` rows summed, and ``sum_oi |K_oi| / s_oi`` taken
     by one batched product with the reciprocal tap sums instead of a division in place and a second sum. VGG-11's
-    head conv on 2 cores: 115 ms, where 32 MB chunks divided in place took 173 (1 core: 186 against 320), and within
-    6e-8 of the largest tap of float64 (1.2e-7 before), the chunks' sums added in float64. Six operators a chunk
-    (410 chunks for that conv): the CPU pays per byte here, a GPU per launch, so a GPU keeps the whole-weight pass.
+    head conv, timed alternately in one process: 122 ms on 2 cores where 32 MB chunks divided in place took 215 (1
+    core: 172 against 345), and within 6e-8 of the largest tap of float64 (1.2e-7 before), the chunks' sums added in
+    float64. Seven operators a chunk (410 chunks for that conv): the CPU pays per byte here, a GPU per launch, so a
+    GPU keeps the whole-weight pass.
     """
     o, i = int(weight.shape[0]), int(weight.shape[1])
     kh, kw = int(weight.shape[-2]), int(weight.shape[-1])
-    taps, pairs = kh * kw, i * kh * kw
-    rows = max(1, _CHUNK // max(1, pairs))  # output channels a chunk
+    taps = kh * kw
+    rows = max(1, _CHUNK // max(1, i * taps))  # output channels a chunk
     buf = torch.empty((min(rows, o) * i, taps), dtype=torch.float32)
     total = torch.zeros(taps, dtype=torch.float64)  # 49 sums of up to 410 chunks' products: float64 costs nothing
     for start in range(0, o, rows):
@@ -342,7 +343,8 @@ _meet_einops_types()
 
 _CHUNK = 1 << 18
 """Elements of a large CPU weight ``_chunked_pair_mean`` takes at a time (1 MB in fp32: a core's L2 holds the chunk
-between its passes; chunks of 4 MB and 32 MB took longer, of 256 KB too: 1568 chunks' operators for VGG-11's head)."""
+between its passes). VGG-11's head conv on 2 cores, in one process: 122 ms in chunks of 1 MB, 123 of 4 MB, 162 of
+32 MB, 239 of 256 KB (1568 chunks' operators)."""
 
 
 def _checkpointing(model: nn.Module) -> bool:

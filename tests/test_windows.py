@@ -463,7 +463,7 @@ def test_kernel_labels_of_a_large_cpu_weight_in_chunks_equal_float64(dtype: torc
     """On the CPU a large weight is read in chunks of output channels through one reused buffer
     (``_chunked_pair_mean``: fresh memory for the whole ``|K|`` every step costs more in page faults than its
     arithmetic). Chunks of 100 output channels, the last one short (1338 = 13 x 100 + 38), a bf16 weight too: each
-    equals its float64 ``mean_{o,i}(|K_oi| / sum|K_oi|)`` to fp32 rounding, and so does ``_CHUNK``'s own split (two
+    equals its float64 ``mean_{o,i}(|K_oi| / sum|K_oi|)`` to fp32 rounding, and so does ``_CHUNK``'s own split (83
     output channels a chunk)."""
     from mixlabels.backbones import _common
 
@@ -472,7 +472,7 @@ def test_kernel_labels_of_a_large_cpu_weight_in_chunks_equal_float64(dtype: torc
     assert w.shape[0] == 1338
     k = w.double().abs()
     want = (k / k.sum(dim=(-2, -1), keepdim=True)).mean(dim=(0, 1))
-    whole = _common.kernel_labels(w)  # chunks of _CHUNK elements: 2 output channels each (64 x 49 taps a channel)
+    whole = _common.kernel_labels(w)  # chunks of _CHUNK elements: 83 output channels each (64 x 49 taps a channel)
     monkeypatch.setattr(_common, "_CHUNK", 100 * 64 * 49)
     got = _common.kernel_labels(w)
     assert got.dtype == torch.float32 and got.shape == (7, 7)
