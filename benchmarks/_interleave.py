@@ -22,24 +22,35 @@ def interleaved_times(
     sync: Callable[[], None],
     progress: Callable[[str], None],
     label: str,
+    counter: Callable[[], int | None] | None = None,
+    counts: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of every entry, per round: each round runs every entry's block of
     ``per_block`` calls back to back, in an order rotated by one each round, so that load
-    that comes and goes hits every entry alike (pair the rounds for ratios)."""
+    that comes and goes hits every entry alike (pair the rounds for ratios).
+
+    With ``counter`` (a running total, e.g. ``_malloc.minor_faults``) and ``counts``, ``counts[name]`` gets what
+    the counter rose by per call in each round, beside the times (left empty where the counter says ``None``)."""
     for call in calls.values():  # warm-up: kernels, allocator, autotuning
         for _ in range(warmup):
             call()
     sync()
     times: dict[str, list[float]] = {name: [] for name in calls}
+    if counts is not None:
+        counts.update({name: [] for name in calls})
     order = list(calls)
     for r in range(rounds):
         progress(f"{label} {r + 1}/{rounds}")
         for name in order:
+            before = counter() if counter is not None else None
             t0 = time.perf_counter()
             for _ in range(per_block):
                 calls[name]()
             sync()
             times[name].append((time.perf_counter() - t0) / per_block)
+            after = counter() if counter is not None else None
+            if counts is not None and before is not None and after is not None:
+                counts[name].append((after - before) / per_block)
         order = order[1:] + order[:1]
     return times
 

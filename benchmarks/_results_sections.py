@@ -72,6 +72,13 @@ SECTIONS: tuple[Section, ...] = (
             "--variants cutmix tlalign --threads 2",
             "Every aligning family's own small model (`family_models()` in `benchmarks/_families.py`), variants interleaved "
             "in one process, memory measured in a fresh process per variant.", render_families),
+    Section("speed-control-cpu", "Training-step cost per backbone family against the run's own noise floor (CPU)",
+            "python benchmarks/speed.py --families FAMILY ... --batch-size 8 --steps 2 --warmup 3 --repeats 10 "
+            "--variants cutmix cutmix-again tlalign --malloc keep --threads 2",
+            "The table above again for the families it puts over the target, with an A/A control: `cutmix-again` is "
+            "CutMix + NoAlign's own step through a second adapter, so its ratio is 1 but for the run's noise, and a "
+            "TL-Align ratio within the control's spread is not a cost this run can tell. The timing process keeps "
+            "glibc's heap (`--malloc keep`), and the page faults a step are counted beside the times.", render_families),
     Section("speed-labels-cpu", "Where the label work goes per backbone family (CPU)",
             "python benchmarks/speed.py --families --label-profile --batch-size 8 --steps 2 --warmup 1 --repeats 5 "
             "--threads 2",
@@ -149,7 +156,8 @@ def _section_body(section: Section, found: dict[str, dict[str, Any]]) -> str:
     add = ("--add-op-count runs/op_count/op_count.json" if section.name == "op-count" else
            "--add-op-count runs/op_count/op_count_compiled.json" if section.name == "op-count-compiled" else
            "--add-gpu-suite runs/gpu/gpu_suite.json" if section.name == "gpu-suite" else
-           "--add-speed runs/speed/speed-families-cpu-<stamp>.json" if section.name.startswith("speed-families") else
+           "--add-speed runs/speed/speed-families-cpu-<stamp>.json" if section.name.startswith(("speed-families",
+                                                                                               "speed-control")) else
            "--add-speed runs/speed/<file>.json" if section.name.startswith("speed") else
            "--add-rmse LABEL=<its out dir>/analysis.json ..." if section.name == "analysis-finetune"
            else "--add-analysis <its out dir>/analysis.json" if section.name.startswith("analysis")

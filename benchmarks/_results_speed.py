@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._provenance import provenance_line
-from benchmarks._speed_tables import LABEL_WORK_HEADER, fmt, label_work_row
-from benchmarks._variants import BASELINE, LABELS
+from benchmarks._speed_tables import FAULTS_NOTE, LABEL_WORK_HEADER, fault_cell, fmt, label_work_row, malloc_note
+from benchmarks._variants import BASELINE, CONTROL, LABELS
 
 __all__ = ["merge_speed", "render_families", "render_label_work", "render_mixers", "render_steps",
            "steps_or_missing", "mixers_or_missing", "summarize_speed"]
@@ -46,13 +46,15 @@ def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[
     names = {name for name, _ in parts}
     if len(parts) == 1:
         return parts[0]
-    if len(names) != 1 or not next(iter(names)).startswith(("speed-families", "speed-labels")):
+    if len(names) != 1 or not next(iter(names)).startswith(("speed-families", "speed-control", "speed-labels")):
         raise ValueError(f"--add-speed combines several speed.py --families runs of one device only, got {sorted(names)}")
     name, first = parts[0]
     families: dict[str, Any] = {}
     for _, summary in parts:
-        if summary["config"].get("variants") != first["config"].get("variants") and name.startswith("speed-families"):
+        if summary["config"].get("variants") != first["config"].get("variants") and not name.startswith("speed-labels"):
             raise ValueError("--add-speed: the runs measured different --variants; combine runs of the same variants")
+        if summary["config"].get("malloc", "default") != first["config"].get("malloc", "default"):
+            raise ValueError("--add-speed: the runs timed under different --malloc settings; combine runs of one setting")
         # a row keeps the provenance it already carries (the committed summary passed again, to add a family)
         families.update({f: {"provenance": summary["provenance"], **row} for f, row in summary["families"].items()})
     return name, {**first, "families": families}
@@ -62,6 +64,8 @@ def render_families(summary: dict[str, Any]) -> str:
     """``speed.py --families``: per family, TL-Align's step time and allocator peaks as ratios to CutMix + NoAlign."""
     cfg = summary["config"]
     variants = [v for v in cfg["variants"] if v != BASELINE]
+    # runs since the faults were counted have them (a table of older rows shows no column for them)
+    faults = any("faults_per_step" in s for row in summary["families"].values() for s in row["steps"].values())
     lines = [provenance_line(summary["provenance"]), "",
              f"One small timm model per family at its default input size, batch {cfg['batch_size']}, "
              f"{cfg['repeats']} interleaved rounds of {cfg['steps']} steps; time: the paired per-round ratio to "
@@ -69,8 +73,9 @@ def render_families(summary: dict[str, Any]) -> str:
              "optimizer state, batch and step); alloc step: ratio of what the step adds on top. Target: time <= 1.03, "
              "alloc <= 1.01.", "",
              "| family | model (CutMix step ms) | " + " | ".join(
-                 f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + " |",
-             "| --- | --- |" + " ---: | ---: | ---: |" * len(variants)]
+                 f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + (" | page faults a step" if faults else "")
+             + " |",
+             "| --- | --- |" + " ---: | ---: | ---: |" * len(variants) + (" ---: |" if faults else "")]
     later, mark_of = _later_runs(summary)
     for family, row in summary["families"].items():
         cells = []
@@ -79,10 +84,13 @@ def render_families(summary: dict[str, Any]) -> str:
             cells.append("refused | - | -" if s is None else
                          f"{fmt(s['time_ratio'], 3)} [{fmt(s['time_ratio_min'], 3)}, {fmt(s['time_ratio_max'], 3)}] | "
                          f"{fmt(s.get('alloc_ratio'), 4)} | {fmt(s.get('alloc_step_ratio'), 4)}")
+        if faults:
+            cells.append(fault_cell(row, [BASELINE, *variants]))
         base = row["steps"][BASELINE]
         lines.append(f"| {family}{mark_of(row)} | `{row['model']}` ({fmt(base['step_ms_median'], 0)}) | "
                      + " | ".join(cells) + " |")
-    return "\n".join(lines + _later_notes(later))
+    notes = ["", FAULTS_NOTE, malloc_note(cfg)] if faults else []
+    return "\n".join(lines + notes + _later_notes(later))
 
 
 def _later_runs(summary: dict[str, Any]) -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], str]]:
@@ -145,7 +153,9 @@ def summarize_speed(path: Path) -> tuple[str, dict[str, Any]]:
                                           "config": result["config"], "families": result["families"]}
     if "families" in result:  # speed.py --families: one row per family, its own section
         families = {name: {**row, "steps": trim(row["steps"])} for name, row in result["families"].items()}
-        return f"speed-families-{device}", {"kind": "speed-families", "provenance": result["provenance"],
+        # a run with the A/A control measured the noise floor beside the cost: a section of its own
+        kind = "speed-control" if CONTROL in result["config"].get("variants", ()) else "speed-families"
+        return f"{kind}-{device}", {"kind": kind, "provenance": result["provenance"],
                                             "config": result["config"], "families": families}
     summary = {"kind": "speed", "provenance": result["provenance"], "config": result["config"],
                **{part: trim(result[part]) for part in ("steps", "mixers") if part in result}}

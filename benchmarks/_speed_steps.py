@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from benchmarks import _families
 from benchmarks._interleave import interleaved_times, paired
+from benchmarks._malloc import minor_faults
 from benchmarks._speed_tables import format_families, result_head
 from benchmarks._step_memory import measure_memory
 from benchmarks._training_step import TrainingSteps
@@ -43,9 +44,11 @@ def measure_steps(
         progress(f"{LABELS[v]}: refused: {reason}")
     if refused is not None:
         refused.update(why)
+    faults: dict[str, list[float]] = {}  # minor page faults per step, per round (glibc's malloc handing pages back)
     times = interleaved_times(
         {v: partial(bench.step, v) for v in variants}, rounds=args.repeats, per_block=args.steps,
         warmup=args.warmup, sync=bench.sync, progress=progress, label="steps: round",
+        counter=minor_faults, counts=faults,
     )  # fmt: skip
     memory = {v: measure_memory(v, args, progress) for v in variants}
     summary: dict[str, Any] = {}
@@ -58,6 +61,9 @@ def measure_steps(
             **memory[v],
             "step_s_per_round": ts,
         }
+        if faults.get(v):  # where getrusage exists: the faults' median and max over the rounds
+            summary[v]["faults_per_step"] = statistics.median(faults[v])
+            summary[v]["faults_per_step_max"] = max(faults[v])
     if BASELINE in summary:
         base = summary[BASELINE]
         for v, s in summary.items():

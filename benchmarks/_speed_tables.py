@@ -12,8 +12,8 @@ from typing import Any
 
 from benchmarks._variants import BASELINE, LABELS
 
-__all__ = ["LABEL_WORK_HEADER", "describe_device", "fmt", "format_families", "format_label_families",
-           "format_report", "label_work_row", "result_head"]
+__all__ = ["FAULTS_NOTE", "LABEL_WORK_HEADER", "describe_device", "fault_cell", "fmt", "format_families",
+           "format_label_families", "format_report", "label_work_row", "malloc_note", "result_head"]
 
 
 def describe_device(device: str) -> str:
@@ -67,7 +67,34 @@ def format_label_families(result: dict[str, Any]) -> str:
 def result_head(args: argparse.Namespace) -> dict[str, Any]:
     """What ``format_families`` reads besides the rows."""
     return {"device": describe_device(args.device), "command": "", "config": {"variants": args.variants,
-            "batch_size": args.batch_size, "repeats": args.repeats, "steps": args.steps}}
+            "batch_size": args.batch_size, "repeats": args.repeats, "steps": args.steps,
+            "malloc": getattr(args, "malloc", "default")}}
+
+
+FAULTS_NOTE = ("page faults a step: minor page faults per training step (median over the rounds; getrusage), in the "
+               "order of the variants, baseline first: memory glibc's malloc handed back to the kernel and the step "
+               "faulted in again, one 4 KiB page at a time, a cost of the allocator's state, not of the work.")
+
+
+def malloc_note(cfg: dict[str, Any]) -> str:
+    """How the timing process's malloc was set (``speed.py --malloc``)."""
+    if cfg.get("malloc") == "keep":
+        return ("malloc: kept heap (`--malloc keep`: glibc serves every size from its heap and never trims it, so "
+                "after warm-up a step reuses pages already faulted in).")
+    return "malloc: glibc's default (blocks over its threshold mapped and unmapped, heap top trimmed)."
+
+
+def fault_cell(row: dict[str, Any], variants: list[str]) -> str:
+    """A family's faults a step, one figure per variant in ``variants`` (``-``: refused, or not recorded)."""
+    figures = []
+    for v in variants:
+        s = row["steps"].get(v)
+        figures.append("-" if s is None or "faults_per_step" not in s else _count(s["faults_per_step"]))
+    return " / ".join(figures)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:.0f}"
 
 
 def format_families(result: dict[str, Any]) -> str:
@@ -81,8 +108,9 @@ def format_families(result: dict[str, Any]) -> str:
         "alloc peak = ratio of the allocator's peak live bytes (model, optimizer state, batch and step); "
         "alloc step = ratio of what the step adds on top",
         "",
-        "| family | model | " + " | ".join(f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + " |",
-        "| --- | --- |" + " ---: | ---: | ---: |" * len(variants),
+        "| family | model | " + " | ".join(f"{LABELS[v]} time | alloc peak | alloc step" for v in variants)
+        + " | page faults a step |",
+        "| --- | --- |" + " ---: | ---: | ---: |" * len(variants) + " ---: |",
     ]
     for family, row in result["families"].items():
         cells = []
@@ -96,8 +124,9 @@ def format_families(result: dict[str, Any]) -> str:
                 f"{s['alloc_ratio']:.4f} | {s['alloc_step_ratio']:.4f}"
             )
         base = row["steps"][BASELINE]
-        lines.append(f"| {family} | {row['model']} ({base['step_ms_median']:.0f} ms) | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(f"| {family} | {row['model']} ({base['step_ms_median']:.0f} ms) | " + " | ".join(cells)
+                     + f" | {fault_cell(row, [BASELINE, *variants])} |")
+    return "\n".join(lines + ["", FAULTS_NOTE, malloc_note(cfg)])
 
 
 def format_report(result: dict[str, Any]) -> str:

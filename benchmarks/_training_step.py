@@ -68,7 +68,7 @@ def _scheme(variant: str) -> Any:
     """The scheme a mixing variant adapts the model with (``speed``'s ``STEP_VARIANTS`` but ``none``)."""
     import mixlabels
 
-    if variant == "cutmix":
+    if variant in ("cutmix", "cutmix-again"):  # the control: the same step through a second adapter
         return mixlabels.NoAlign()
     if variant == "transmix":
         return mixlabels.TransMix()
@@ -82,7 +82,8 @@ class TrainingSteps:
 
     Variants: ``none`` (no mixing), ``cutmix`` (CutMix + NoAlign), ``transmix``, ``tlalign`` (the fast
     path), ``tlalign-widened`` (autograd through the widened attention call), ``tlalign-reference``
-    (explicit attention matrices), ``tlalign-cells`` (the box mask densified to cells).
+    (explicit attention matrices), ``tlalign-cells`` (the box mask densified to cells), ``cutmix-again``
+    (``cutmix``'s step through its own NoAlign adapter: the A/A control).
 
     Args:
         model_name: what ``build_model`` takes.

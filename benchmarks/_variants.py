@@ -6,10 +6,14 @@ importing the benchmark.
 
 from __future__ import annotations
 
-__all__ = ["BASELINE", "DEFAULT_VARIANTS", "LABELS", "STEP_VARIANTS"]
+__all__ = ["BASELINE", "CONTROL", "DEFAULT_VARIANTS", "LABELS", "STEP_VARIANTS"]
 
-STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference", "tlalign-cells")
-DEFAULT_VARIANTS = STEP_VARIANTS[:-1]  # tlalign-cells measures a past route: asked for by name
+STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference", "tlalign-cells",
+                 "cutmix-again")
+# Asked for by name only: tlalign-cells measures a past route; cutmix-again is the baseline's step again through its
+# own adapter (an A/A control: its ratio to the baseline is the run's noise floor, 1 but for noise).
+DEFAULT_VARIANTS = STEP_VARIANTS[:-2]
+CONTROL = "cutmix-again"
 BASELINE = "cutmix"
 LABELS = {
     "none": "no mixing",
@@ -19,4 +23,5 @@ LABELS = {
     "tlalign-widened": "CutMix + TL-Align (widened autograd)",
     "tlalign-reference": "CutMix + TL-Align (reference)",
     "tlalign-cells": "CutMix + TL-Align (box mask densified to cells)",
+    "cutmix-again": "CutMix + NoAlign again (A/A control)",
 }

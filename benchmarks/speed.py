@@ -43,6 +43,8 @@ Usage::
     python benchmarks/speed.py --device cuda --model deit_small_patch16_224 --batch-size 128
     python benchmarks/speed.py --only mixers --mixers "ours CutMix" --mixer-batch 64   # one pair, more repeats
     python benchmarks/speed.py --families --label-profile --batch-size 8 --threads 2  # where the label time goes
+    python benchmarks/speed.py --families vgg eva --variants cutmix cutmix-again tlalign --malloc keep --threads 2
+                                                     # against the run's own noise floor (an A/A control), no trims
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks._label_work import measure_label_families
+from benchmarks._malloc import keep_heap
 from benchmarks._mixer_timing import measure_mixers
 from benchmarks._provenance import finish, provenance
 from benchmarks._speed_steps import measure_families, measure_steps
@@ -107,12 +110,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="with --families: where the label work goes (forward TL-Align - NoAlign, top operators)")
     p.add_argument("--out", type=Path, default=Path("runs/speed"))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--malloc", choices=["default", "keep"], default="default",
+                   help="keep: glibc's malloc serves every size from its heap and never trims it, in the timing "
+                   "process (page faults a step pays to glibc's trims move CPU ratios by several percent either way; "
+                   "the per-step faults are reported beside the times). Memory workers run with the default")
     p.add_argument("--worker", choices=STEP_VARIANTS, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.malloc == "keep" and args.worker is None:
+        keep_heap()  # before any tensor: every block the steps use comes from the kept heap
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.worker is not None:
