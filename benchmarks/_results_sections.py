@@ -72,19 +72,19 @@ SECTIONS: tuple[Section, ...] = (
             "--variants cutmix tlalign --threads 2",
             "Every aligning family's own small model (`family_models()` in `benchmarks/_families.py`), variants interleaved "
             "in one process, memory measured in a fresh process per variant.", render_families),
-    Section("speed-control-cpu", "Training-step cost per backbone family against the run's own noise floor (CPU)",
-            "python benchmarks/speed.py --families FAMILY ... --batch-size 8 --steps 2 --warmup 3 --repeats 10 "
-            "--variants cutmix cutmix-again tlalign --malloc keep --threads 2",
-            "The table above again for the families it puts over the target, with an A/A control: `cutmix-again` is "
-            "CutMix + NoAlign's own step through a second adapter, so its ratio is 1 but for the run's noise, and a "
-            "TL-Align ratio within the control's spread is not a cost this run can tell. The timing process keeps "
-            "glibc's heap (`--malloc keep`), and the page faults a step are counted beside the times.", render_families),
     Section("speed-labels-cpu", "Where the label work goes per backbone family (CPU)",
             "python benchmarks/speed.py --families --label-profile --batch-size 8 --steps 2 --warmup 1 --repeats 5 "
             "--threads 2",
             "The account of the table above: per family, how long TL-Align's label work takes in the forward and "
             "which operators it adds. A family over the time target there spends its extra time here.",
             render_label_work),
+    Section("speed-control-cpu", "Training-step cost per backbone family against the run's own noise floor (CPU)",
+            "python benchmarks/speed.py --families FAMILY ... --batch-size 8 --steps 2 --warmup 3 --repeats 10 "
+            "--variants cutmix cutmix-again tlalign --malloc keep --threads 2",
+            "The per-family table two sections up, again for the families it put over the target, with an A/A control: `cutmix-again` is "
+            "CutMix + NoAlign's own step through a second adapter, so its ratio is 1 but for the run's noise, and a "
+            "TL-Align ratio within the control's spread is not a cost this run can tell. The timing process keeps "
+            "glibc's heap (`--malloc keep`), and the page faults a step are counted beside the times.", render_families),
     Section("speed-cpu", "Mixer cost (CPU)", _SPEED_CPU,
             "Every mixer builds its `TokenLabelMap` and image targets; timm, kornia and torchvision mixers for "
             "comparison.", mixers_or_missing),

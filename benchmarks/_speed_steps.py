@@ -88,7 +88,8 @@ def measure_families(args: argparse.Namespace, progress: Callable[[str], None],
         refused: dict[str, str] = {}
         rows[family] = {"model": models[family], "steps": measure_steps(fam_args, progress, refused), "refused": refused}
         # Each family's row as soon as it is measured: a long run cut short still says something.
-        progress(format_families({**result_head(args), "families": {family: rows[family]}}).splitlines()[-1])
+        table = format_families({**result_head(args), "families": {family: rows[family]}})
+        progress(next(line for line in table.splitlines() if line.startswith(f"| {family} |")))
         if save is not None:
             save(rows)
     return rows

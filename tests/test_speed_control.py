@@ -43,7 +43,7 @@ if sys.argv[1] == "keep":
 def work():  # 40 MB tensors: over glibc's largest mmap threshold (32 MB), so mapped afresh by default
     x = torch.empty(10_000_000); x.fill_(1.0); y = x * 2; del x; z = y + 1; del y, z
 rises = []
-for _ in range(8):
+for _ in range(12):
     before = minor_faults(); work(); rises.append(minor_faults() - before)
 print(rises)
 """
@@ -52,15 +52,15 @@ print(rises)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux)")
 def test_keep_heap_stops_the_faults_a_step_pays_to_glibc() -> None:
     """The default malloc maps each 40 MB block afresh (about 9.8 thousand faults a block, every call); with the heap
-    kept, the calls after the first two reuse pages already faulted in. Measured: about 29 thousand a call, against
-    0 after the second call."""
+    kept, once the heap has grown to what a call needs, the calls reuse pages already faulted in. Measured: about 29
+    thousand a call by default; kept, 0 from the third or fourth call (the heap's layout decides when)."""
     script = textwrap.dedent(_WORK.format(repo=str(REPO)))
     rises = {}
     for mode in ("default", "keep"):
         out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True).stdout
         rises[mode] = [int(n) for n in out.strip().strip("[]").split(",")]
     assert min(rises["default"][2:]) > 2 * 9_765  # at least two of the three blocks faulted in, every call
-    assert max(rises["keep"][2:]) < 200, rises["keep"]  # Python's own small objects at most
+    assert max(rises["keep"][-6:]) < 200, rises["keep"]  # warmed up: Python's own small objects at most
 
 
 def test_keep_heap_refuses_loudly_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
