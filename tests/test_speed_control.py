@@ -53,14 +53,18 @@ print(rises)
 def test_keep_heap_stops_the_faults_a_step_pays_to_glibc() -> None:
     """The default malloc maps each 40 MB block afresh (about 9.8 thousand faults a block, every call); with the heap
     kept, once the heap has grown to what a call needs, the calls reuse pages already faulted in. Measured: about 29
-    thousand a call by default; kept, 0 from the third or fourth call (the heap's layout decides when)."""
+    thousand a call by default; kept, 0 from the third to fifth call in most runs (the heap's layout decides when, and now and then a later call
+    still grows it by a block)."""
     script = textwrap.dedent(_WORK.format(repo=str(REPO)))
     rises = {}
     for mode in ("default", "keep"):
         out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True).stdout
         rises[mode] = [int(n) for n in out.strip().strip("[]").split(",")]
     assert min(rises["default"][2:]) > 2 * 9_765  # at least two of the three blocks faulted in, every call
-    assert max(rises["keep"][-6:]) < 200, rises["keep"]  # warmed up: Python's own small objects at most
+    warm = sorted(rises["keep"][-6:])
+    # Warmed up, most calls fault nothing (Python's own small objects at most); a call that finds the heap's free
+    # blocks split where it needs one whole extends the heap once more (seen once in CI: one block, 9766 faults).
+    assert warm[3] < 200 and sum(warm) < sum(rises["default"][-6:]) / 3, rises["keep"]
 
 
 def test_keep_heap_refuses_loudly_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
