@@ -87,7 +87,8 @@ def measure_label_families(args: argparse.Namespace, progress: Callable[[str], N
         progress(f"family {family}: {models[family]}")
         fam_args = argparse.Namespace(**{**vars(args), "model": models[family]})
         rows[family] = {"model": models[family], "labels": measure_label_work(fam_args, progress)}
-        progress(format_label_families({**result_head(args), "families": {family: rows[family]}}).splitlines()[-1])
+        table = format_label_families({**result_head(args), "families": {family: rows[family]}})
+        progress(next(line for line in table.splitlines() if line.startswith(f"| {family} |")))
         if save is not None:
             save(rows)
     return rows

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._provenance import provenance_line
-from benchmarks._speed_tables import FAULTS_NOTE, LABEL_WORK_HEADER, fault_cell, fmt, label_work_row, malloc_note
+from benchmarks._speed_tables import (
+    FAULTS_NOTE, LABEL_WORK_HEADER, family_cells, family_header, fmt, label_work_row, recorded_malloc_note,
+)
 from benchmarks._variants import BASELINE, CONTROL, LABELS
 
 __all__ = ["merge_speed", "render_families", "render_label_work", "render_mixers", "render_steps",
@@ -35,7 +37,7 @@ def render_steps(summary: dict[str, Any]) -> str:
             f"| {fmt(s['alloc_step_mb'], 1)} | {fmt(s.get('alloc_step_ratio'), 4)} | {fmt(s['peak_mb'], 0)} "
             f"| {fmt(s.get('memory_ratio'), 3)} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + recorded_malloc_note(cfg))
 
 
 def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
@@ -72,24 +74,13 @@ def render_families(summary: dict[str, Any]) -> str:
              f"{LABELS[BASELINE]} (median [min, max]); alloc peak: ratio of the allocator's peak live bytes (model, "
              "optimizer state, batch and step); alloc step: ratio of what the step adds on top. Target: time <= 1.03, "
              "alloc <= 1.01.", "",
-             "| family | model (CutMix step ms) | " + " | ".join(
-                 f"{LABELS[v]} time | alloc peak | alloc step" for v in variants) + (" | page faults a step" if faults else "")
-             + " |",
-             "| --- | --- |" + " ---: | ---: | ---: |" * len(variants) + (" ---: |" if faults else "")]
+             *family_header(variants, "model (CutMix step ms)", faults)]
     later, mark_of = _later_runs(summary)
     for family, row in summary["families"].items():
-        cells = []
-        for v in variants:
-            s = row["steps"].get(v)
-            cells.append("refused | - | -" if s is None else
-                         f"{fmt(s['time_ratio'], 3)} [{fmt(s['time_ratio_min'], 3)}, {fmt(s['time_ratio_max'], 3)}] | "
-                         f"{fmt(s.get('alloc_ratio'), 4)} | {fmt(s.get('alloc_step_ratio'), 4)}")
-        if faults:
-            cells.append(fault_cell(row, [BASELINE, *variants]))
         base = row["steps"][BASELINE]
         lines.append(f"| {family}{mark_of(row)} | `{row['model']}` ({fmt(base['step_ms_median'], 0)}) | "
-                     + " | ".join(cells) + " |")
-    notes = ["", FAULTS_NOTE, malloc_note(cfg)] if faults else []
+                     + " | ".join(family_cells(row, variants, faults)) + " |")
+    notes = (["", FAULTS_NOTE] if faults else []) + recorded_malloc_note(cfg)
     return "\n".join(lines + notes + _later_notes(later))
 
 
@@ -121,7 +112,7 @@ def render_label_work(summary: dict[str, Any]) -> str:
              "TL-Align's profile minus NoAlign's (median over paired profiles), with the calls each adds.", "",
              *LABEL_WORK_HEADER]
     lines += [label_work_row(family, row, mark_of(row)) for family, row in summary["families"].items()]
-    return "\n".join(lines + _later_notes(later))
+    return "\n".join(lines + recorded_malloc_note(cfg) + _later_notes(later))
 
 
 def render_mixers(summary: dict[str, Any]) -> str:
@@ -135,7 +126,7 @@ def render_mixers(summary: dict[str, Any]) -> str:
     for name, s in summary["mixers"].items():
         lines.append(f"| {name} | {fmt(s['ms_median'], 2)} [{fmt(s['ms_min'], 2)}, {fmt(s['ms_max'], 2)}] "
                      f"| {fmt(s['paired_ratio'], 2)} [{fmt(s['paired_ratio_min'], 2)}, {fmt(s['paired_ratio_max'], 2)}] |")
-    return "\n".join(lines)
+    return "\n".join(lines + recorded_malloc_note(cfg))
 
 
 def summarize_speed(path: Path) -> tuple[str, dict[str, Any]]:

@@ -12,8 +12,9 @@ from typing import Any
 
 from benchmarks._variants import BASELINE, LABELS
 
-__all__ = ["FAULTS_NOTE", "LABEL_WORK_HEADER", "describe_device", "fault_cell", "fmt", "format_families",
-           "format_label_families", "format_report", "label_work_row", "malloc_note", "result_head"]
+__all__ = ["FAULTS_NOTE", "LABEL_WORK_HEADER", "describe_device", "family_cells", "family_header", "fault_cell", "fmt",
+           "format_families", "format_label_families", "format_report", "label_work_row", "malloc_note",
+           "recorded_malloc_note", "result_head"]
 
 
 def describe_device(device: str) -> str:
@@ -61,7 +62,7 @@ def format_label_families(result: dict[str, Any]) -> str:
         *LABEL_WORK_HEADER,
     ]
     lines += [label_work_row(family, row) for family, row in result["families"].items()]
-    return "\n".join(lines)
+    return "\n".join(lines + recorded_malloc_note(cfg))
 
 
 def result_head(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,6 +85,12 @@ def malloc_note(cfg: dict[str, Any]) -> str:
     return "malloc: glibc's default (blocks over its threshold mapped and unmapped, heap top trimmed)."
 
 
+def recorded_malloc_note(cfg: dict[str, Any]) -> list[str]:
+    """``malloc_note`` as a paragraph of a table's notes for a run that recorded its ``--malloc`` setting; none for a
+    run from before the option (which ran on glibc's default and did not say so)."""
+    return ["", malloc_note(cfg)] if "malloc" in cfg else []
+
+
 def fault_cell(row: dict[str, Any], variants: list[str]) -> str:
     """A family's faults a step, one figure per variant in ``variants`` (``-``: refused, or not recorded)."""
     figures = []
@@ -97,6 +104,29 @@ def _count(n: float) -> str:
     return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:.0f}"
 
 
+def family_header(variants: list[str], model: str, faults: bool) -> list[str]:
+    """The per-family table's header and rule: family, ``model``'s column title, each variant's time and allocator
+    ratios, and the faults a step where ``faults`` (the printed report and RESULTS share it)."""
+    return ["| family | " + model + " | " + " | ".join(f"{LABELS[v]} time | alloc peak | alloc step" for v in variants)
+            + (" | page faults a step" if faults else "") + " |",
+            "| --- | --- |" + " ---: | ---: | ---: |" * len(variants) + (" ---: |" if faults else "")]
+
+
+def family_cells(row: dict[str, Any], variants: list[str], faults: bool) -> list[str]:
+    """A family's cells after its model cell: per variant its paired time ratio (median [min, max]) and its alloc
+    peak and alloc step ratios (``refused`` where the scheme refused the model), then the faults a step of the
+    baseline and every variant where ``faults`` (the printed report and RESULTS share it)."""
+    cells = []
+    for v in variants:
+        s = row["steps"].get(v)
+        cells.append("refused | - | -" if s is None else
+                     f"{fmt(s['time_ratio'], 3)} [{fmt(s['time_ratio_min'], 3)}, {fmt(s['time_ratio_max'], 3)}] | "
+                     f"{fmt(s.get('alloc_ratio'), 4)} | {fmt(s.get('alloc_step_ratio'), 4)}")
+    if faults:
+        cells.append(fault_cell(row, [BASELINE, *variants]))
+    return cells
+
+
 def format_families(result: dict[str, Any]) -> str:
     """The ``--families`` report: per family, each variant's time and allocator peaks as ratios to the baseline."""
     cfg = result["config"]
@@ -108,24 +138,12 @@ def format_families(result: dict[str, Any]) -> str:
         "alloc peak = ratio of the allocator's peak live bytes (model, optimizer state, batch and step); "
         "alloc step = ratio of what the step adds on top",
         "",
-        "| family | model | " + " | ".join(f"{LABELS[v]} time | alloc peak | alloc step" for v in variants)
-        + " | page faults a step |",
-        "| --- | --- |" + " ---: | ---: | ---: |" * len(variants) + " ---: |",
+        *family_header(variants, "model", faults=True),
     ]
     for family, row in result["families"].items():
-        cells = []
-        for v in variants:
-            s = row["steps"].get(v)
-            if s is None:
-                cells.append("refused | - | -")
-                continue
-            cells.append(
-                f"{s['time_ratio']:.3f} [{s['time_ratio_min']:.3f}, {s['time_ratio_max']:.3f}] | "
-                f"{s['alloc_ratio']:.4f} | {s['alloc_step_ratio']:.4f}"
-            )
         base = row["steps"][BASELINE]
-        lines.append(f"| {family} | {row['model']} ({base['step_ms_median']:.0f} ms) | " + " | ".join(cells)
-                     + f" | {fault_cell(row, [BASELINE, *variants])} |")
+        lines.append(f"| {family} | {row['model']} ({fmt(base['step_ms_median'], 0)} ms) | "
+                     + " | ".join(family_cells(row, variants, faults=True)) + " |")
     return "\n".join(lines + ["", FAULTS_NOTE, malloc_note(cfg)])
 
 
@@ -182,5 +200,5 @@ def format_report(result: dict[str, Any]) -> str:
                 f"| {name} | {s['ms_median']:.2f} [{s['ms_min']:.2f}, {s['ms_max']:.2f}] | {s['paired_ratio']:.2f} "
                 f"[{s['paired_ratio_min']:.2f}, {s['paired_ratio_max']:.2f}] | {s['ratio_to_timm_batch']:.2f} |"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + recorded_malloc_note(result["config"]))
 

@@ -119,3 +119,52 @@ def test_a_table_of_rows_without_faults_shows_no_fault_column() -> None:
         for s in row["steps"].values():
             s.pop("faults_per_step", None)
     assert "page faults" not in report.render_families(summary)
+
+
+def test_every_report_of_a_run_says_how_its_malloc_was_set() -> None:
+    """A single-model run, a label profile and its mixers time in a process ``--malloc keep`` changes too: their
+    printed reports and RESULTS tables state the setting the run recorded; the committed summaries of runs from
+    before the option (no setting recorded, glibc's default) render as they did."""
+    import json
+
+    from benchmarks import report
+    from benchmarks._results_speed import render_mixers
+    from benchmarks._speed_tables import format_label_families, format_report
+
+    kept = "malloc: kept heap (`--malloc keep`"
+    steps = json.loads((report.RESULTS_DIR / "speed-cpu.json").read_text())
+    labels = json.loads((report.RESULTS_DIR / "speed-labels-cpu.json").read_text())
+    renders = [report.render_steps, render_mixers]
+    for summary, render in [(steps, r) for r in renders] + [(labels, report.render_label_work)]:
+        assert "malloc" not in summary["config"] and "malloc:" not in render(summary)
+        keep = {**summary, "config": {**summary["config"], "malloc": "keep"}}
+        assert kept in render(keep)
+        default = {**summary, "config": {**summary["config"], "malloc": "default"}}
+        assert "malloc: glibc's default" in render(default)
+    head = {"device": "cpu", "command": "speed.py"}
+    assert kept in format_report({**head, **steps, "config": {**steps["config"], "malloc": "keep"}})
+    printed = format_label_families({**head, **labels, "config": {**labels["config"], "malloc": "keep"}})
+    assert kept in printed
+    family = next(iter(labels["families"]))
+    assert any(line.startswith(f"| {family} |") for line in printed.splitlines())  # the progress line's row
+
+
+def test_printed_and_results_family_rows_hold_the_same_cells() -> None:
+    """``format_families`` (printed) and ``render_families`` (RESULTS) build a family's cells with one function:
+    the same figures after the model cell, a refused variant and the faults included."""
+    import json
+
+    from benchmarks import report
+    from benchmarks._speed_tables import format_families
+
+    summary = json.loads((report.RESULTS_DIR / "speed-control-cpu.json").read_text())
+    family, row = next(iter(summary["families"].items()))
+    variants = [v for v in summary["config"]["variants"] if v != "cutmix"]
+    refused = {**row, "steps": {k: v for k, v in row["steps"].items() if k != variants[-1]}}
+    for r in (row, refused):
+        one = {**summary, "families": {family: r}}
+        printed = next(line for line in format_families({**one, "device": "cpu", "command": ""}).splitlines()
+                       if line.startswith(f"| {family} |"))
+        committed = next(line for line in report.render_families(one).splitlines() if line.startswith(f"| {family}"))
+        assert printed.split(" | ")[2:] == committed.split(" | ")[2:], (printed, committed)
+    assert "refused | - | -" in printed and printed.count(" / ") == 2
