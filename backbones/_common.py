@@ -21,6 +21,7 @@ convolutional or MLP token mix here:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal, overload
@@ -50,6 +51,7 @@ __all__ = [
     "REFERENCE_LIMIT",
     "check_reference_size",
     "stride_grid",
+    "tap_matrices_for",
     "tap_mixes",
     "branch",
     "conv_label_kernel",
@@ -400,10 +402,12 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
     """``kernel_labels`` of many conv weights at once: weights of one tap count are reduced together.
 
     Weights of one shape are stacked; where a tap count has several shapes, the stacks' ``(o, i)`` tap rows
-    are concatenated ``(sum o*i, kh*kw)``, normalised together, split by shape (one operator) and averaged per
-    weight by a view and a mean per shape, then the self tap (``_self_tap``) added to all. About eight operators
-    per tap count and three per further shape, instead of six per weight: a ResNet-18's thirteen stride-1 3x3 convs have four shapes, a DenseNet-121's 58
-    one. The concatenation is one copy of those weights, made once per step; on the CPU a tap count's weights of
+    are concatenated ``(sum o*i, kh*kw)``, normalised together and averaged per weight: by one product with the
+    per-weight mean matrix where it is small (``_MEAN_MATRIX_ENTRIES``), else by the mean of each run of ``gcd``
+    rows (every weight's rows are whole runs) and that product over the runs, else (rows sharing no long run)
+    split by shape and a view and a mean per shape; then the self tap (``_self_tap``) added to all. About eight
+    operators per tap count and two per further shape, instead of six per weight: a ResNet-18's thirteen stride-1
+    3x3 convs have four shapes (1.5M rows in runs of 4096), a DenseNet-121's 58 one. The concatenation is one copy of those weights, made once per step; on the CPU a tap count's weights of
     ``_SEPARATE_WEIGHTS`` elements or more go weight by weight instead (``_byte_route``).
 
     Returns:
@@ -438,13 +442,25 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 # Not segment_reduce: its CUDA kernel loops over a segment in one thread per output (a 512x512
                 # conv's 262144 rows in sequence), tens of milliseconds a step where this takes microseconds
                 counts = tuple(shape[0] * shape[1] for shape, same in shapes.items() for _ in same)  # rows per weight
+                chunk = math.gcd(*counts)  # every weight's rows are whole runs of this many
+                # the products add the self tap (``_self_tap``) as they go: ``addmm``'s bias, one operator fewer
+                tap = _self_tap(kh, kw, rows.device).view(1, -1)
                 if len(counts) * int(rows.shape[0]) <= _MEAN_MATRIX_ENTRIES:  # one product: depthwise convs, as a rule
-                    means = (_mean_matrix(counts, rows.device) @ rows.div_(sums)).view(-1, kh, kw)
+                    means = torch.addmm(tap, _mean_matrix(counts, rows.device), rows.div_(sums)).view(-1, kh, kw)
+                elif len(counts) * (int(rows.shape[0]) // chunk) <= _MEAN_MATRIX_ENTRIES and not torch.compiler.is_compiling():
+                    # the mean of each run of ``chunk`` rows (one reduction, a ResNet's 1.5M rows to a few hundred),
+                    # then each weight's mean of its runs by one product: four operators where the means per shape
+                    # and the self tap took two a shape and four more (ResNet-18's four shapes: 12). Eager only: a
+                    # compiler fuses the means per shape into its kernels, and the product would be one more extern
+                    # call (compiled resnet18: 72 launches a step on the shifted route, 74 this way)
+                    run_means = rows.div_(sums).view(-1, chunk, kh * kw).mean(dim=1)
+                    means = torch.addmm(tap, _mean_matrix(tuple(c // chunk for c in counts), rows.device), run_means).view(-1, kh, kw)
                 else:
                     runs = torch.split(rows.div_(sums), [len(same) * shape[0] * shape[1] for shape, same in shapes.items()])
                     per_shape = [run.view(len(same), -1, kh * kw).mean(dim=1) for run, same in zip(runs, shapes.values())]
-                    means = torch.cat(per_shape).view(-1, kh, kw)
-            means.add_(_self_tap(kh, kw, means.device))  # a weight of zeros reads nothing: see _self_tap
+                    means = torch.cat(per_shape).view(-1, kh, kw).add_(tap.view(kh, kw))
+            if len(shapes) == 1:
+                means.add_(_self_tap(kh, kw, means.device))  # a weight of zeros reads nothing: see _self_tap
             for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]
@@ -540,6 +556,43 @@ def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple
     return (reads & inside.unsqueeze(-1)).to(torch.float32).reshape(kernel[0] * kernel[1], -1)
 
 
+@shape_cache(maxsize=32)
+def _weighted_tap_matrices(
+    grid: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], device: torch.device,
+) -> Tensor:
+    """``(kh*kw, n*n + n)`` fp32 0/1: ``_tap_matrices``, then every tap's in-grid indicator per output position (its
+    row's sum, exact), so that one product with label kernels makes a matrix's entries and every row's in-grid tap
+    weight together (``tap_mixes``: no reduction of its own; shapes only: cached)."""
+    taps = _tap_matrices(grid, kernel, padding, dilation, device)
+    n = grid[0] * grid[1]
+    return torch.cat([taps, taps.view(-1, n, n).sum(dim=-1)], dim=1)
+
+
+def tap_matrices_for(
+    grid: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], device: torch.device,
+) -> Tensor:
+    """The tap matrices ``tap_mixes`` reads on ``device``'s route: ``_weighted_tap_matrices`` where every operator is
+    a launch (a GPU's eager route, ``launch_routes``: the rows' sums come with the product, one kernel fewer a grid),
+    the plain ``_tap_matrices`` on the CPU's eager route, which sums the rows (its bits, which the targets digest
+    holds, are those of that sum), and in a compiled graph, whose compiler fuses the sum into the division (and
+    whose trace would break at the strided views' storage offset)."""
+    if eager_cpu_routes(device) or torch.compiler.is_compiling():
+        return _tap_matrices(grid, kernel, padding, dilation, device)
+    return _weighted_tap_matrices(grid, kernel, padding, dilation, device)
+
+
+def _tap_parts(product: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """A product of label kernels with ``_weighted_tap_matrices`` ``(g, n*n + n)`` as its two parts, each one strided
+    view: the matrices' entries as ``shape`` (``(g, n, n)``, or ``(n, n)`` for one kernel) and every row's in-grid tap
+    weight ``shape[:-1] + (1,)``."""
+    n, width = int(shape[-1]), int(product.shape[-1])
+    lead = (width,) if len(shape) == 3 else ()
+    start = product.storage_offset()
+    entries = product.as_strided(shape, (*lead, n, 1), start)
+    weights = product.as_strided((*shape[:-1], 1), (*lead, 1, 1), start + n * n)
+    return entries, weights
+
+
 @shape_cache(maxsize=64)
 def _ones(shape: tuple[int, int, int, int], device: torch.device) -> Tensor:
     """``(1, 1, h, w)`` fp32 ones: the map whose convolution is every position's in-grid tap weight (cached, as
@@ -605,21 +658,26 @@ def _chain_matrices(grid: tuple[int, int], steps: Sequence[ConvStep], device: to
     shapes = {(tuple(k.shape), tuple(p), tuple(d)) for k, (_, p, d) in zip(kernels, steps)}
     if len(shapes) == 1 and len(steps) > 1:
         ((kh, kw), padding, dilation), = shapes
-        taps = _tap_matrices(grid, (kh, kw), (padding[0], padding[1]), (dilation[0], dilation[1]), device)
+        taps = tap_matrices_for(grid, (kh, kw), (padding[0], padding[1]), (dilation[0], dilation[1]), device)
         return list(tap_mixes(torch.stack(kernels).to(taps).view(len(steps), -1), taps, (len(steps), n, n)).unbind(0))
     out = []
     for kernel, (_, padding, dilation) in zip(kernels, steps):
-        taps = _tap_matrices(grid, (int(kernel.shape[0]), int(kernel.shape[1])), (padding[0], padding[1]), (dilation[0], dilation[1]), device)
+        taps = tap_matrices_for(grid, (int(kernel.shape[0]), int(kernel.shape[1])), (padding[0], padding[1]), (dilation[0], dilation[1]), device)
         out.append(tap_mixes(kernel.to(taps).reshape(1, -1), taps, (n, n)))
     return out
 
 
 def tap_mixes(kernels: Tensor, taps: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``Norm(T(kernel))`` of label kernels given as rows ``(g, kh*kw)``, from a grid's tap matrices ``(kh*kw, n*n)``
-    (``_tap_matrices``): one product viewed as ``shape`` (``(g, n, n)``, or ``(n, n)`` for one kernel), every row
-    divided by its in-grid tap weight."""
-    t = (kernels @ taps).view(shape)
-    return t / t.sum(dim=-1, keepdim=True)
+    """``Norm(T(kernel))`` of label kernels given as rows ``(g, kh*kw)``, from a grid's tap matrices
+    (``tap_matrices_for``): one product viewed as ``shape`` (``(g, n, n)``, or ``(n, n)`` for one kernel), every row
+    divided by its in-grid tap weight: the product's own last ``n`` columns with ``_weighted_tap_matrices`` (two
+    computing operators), the rows' sums with the plain ``(kh*kw, n*n)`` ones (three)."""
+    n = int(shape[-1])
+    if int(taps.shape[-1]) == n * n:
+        t = (kernels @ taps).view(shape)
+        return t / t.sum(dim=-1, keepdim=True)
+    entries, weights = _tap_parts(kernels @ taps, shape)
+    return entries / weights
 
 
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:
@@ -761,10 +819,14 @@ def conv_mix_pair(
         n = grid[0] * grid[1]
         if not depthwise_route(grid, first.device):
             kernel = (int(k_first.shape[0]), int(k_first.shape[1]))
-            taps = _tap_matrices(grid, kernel, (padding[0], padding[1]), (dilation[0], dilation[1]), first.device)
-            t1 = (k_first.to(taps).reshape(1, -1) @ taps).reshape(n, n)
-            t2 = (k_second.to(taps).reshape(1, -1) @ taps).reshape(n, n)
-            mass = (t1.sum(dim=-1) + t2.sum(dim=-1)).unsqueeze(-1)  # the in-grid tap weight of every row
+            taps = tap_matrices_for(grid, kernel, (padding[0], padding[1]), (dilation[0], dilation[1]), first.device)
+            if int(taps.shape[-1]) == n * n:  # the CPU's eager route: the rows' sums
+                t1 = (k_first.to(taps).reshape(1, -1) @ taps).reshape(n, n)
+                t2 = (k_second.to(taps).reshape(1, -1) @ taps).reshape(n, n)
+                mass = (t1.sum(dim=-1) + t2.sum(dim=-1)).unsqueeze(-1)  # the in-grid tap weight of every row
+            else:  # each product makes its rows' in-grid tap weights too (``_weighted_tap_matrices``)
+                (t1, m1), (t2, m2) = (_tap_parts(k.to(taps).reshape(1, -1) @ taps, (n, n)) for k in (k_first, k_second))
+                mass = m1 + m2
             return (t1 @ first.float() + t2 @ second.float()) / mass
         if shifted_route(k_first, k_second):  # compiled: both halves' shifted sums, fused (see ``shifted_conv``)
             ones = _ones((1, 1, grid[0], grid[1]), first.device)

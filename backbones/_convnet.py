@@ -79,7 +79,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._routes import switched
 from mixlabels.backbones._common import (
-    AdaptedBase, _ones, _tap_matrices, conv_chain, conv_steps_on_grid, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
+    AdaptedBase, _ones, conv_chain, conv_steps_on_grid, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
     fold_route, kernel_labels, label_kernels, mix_token_space, shifted_route, start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
@@ -778,7 +778,7 @@ class Kernels:
             return None
         if (key, grid) not in self._matrices:
             g, shape, n = int(stacked.shape[0]), (int(stacked.shape[-2]), int(stacked.shape[-1])), grid[0] * grid[1]
-            taps = _tap_matrices(grid, shape, *_geometry(conv), stacked.device)
+            taps = tap_matrices_for(grid, shape, *_geometry(conv), stacked.device)
             if key not in self._tap_rows:  # the stack as rows of taps, one view for every grid it is asked on
                 self._tap_rows[key] = stacked.view(g, -1)
             self._matrices[(key, grid)] = (same, tap_mixes(self._tap_rows[key], taps, (g, n, n)))

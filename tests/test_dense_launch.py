@@ -68,6 +68,39 @@ def test_matrices_on_a_gpus_route_equal_the_depthwise_convs_and_the_reference(gr
     assert not torch.equal(matrices, labels)  # the labels moved
 
 
+@pytest.mark.parametrize("shape", ["3x3", "5x5 dilated", "1x5"])
+def test_a_gpus_tap_matrices_carry_their_rows_tap_weights(shape: str) -> None:
+    """Where every operator is a launch, the tap matrices carry each tap's in-grid indicator after their entries
+    (``_weighted_tap_matrices``), so that one product makes a conv's matrix and every row's in-grid tap weight: no
+    sum is dispatched, and the matrices equal the CPU's (the plain matrices' row sums) to rounding, for a stack of
+    kernels, one kernel, and a conv over two label states (``conv_mix_pair``)."""
+    from benchmarks._op_counter import OpCounter
+    from mixlabels.backbones._common import _tap_matrices, conv_mix_pair, tap_matrices_for, tap_mixes
+
+    kh, kw, padding, dilation = {"3x3": (3, 3, (1, 1), (1, 1)), "5x5 dilated": (5, 5, (4, 4), (2, 2)),
+                                 "1x5": (1, 5, (0, 2), (1, 1))}[shape]
+    grid = (7, 9)
+    n = grid[0] * grid[1]
+    g = torch.Generator().manual_seed(kh * 10 + kw)
+    kernels = torch.rand(4, kh * kw, generator=g) + 0.01
+    plain = tap_matrices_for(grid, (kh, kw), padding, dilation, CPU)
+    assert plain.shape == (kh * kw, n * n) and torch.equal(plain, _tap_matrices(grid, (kh, kw), padding, dilation, CPU))
+    with launch_routes():
+        weighted = tap_matrices_for(grid, (kh, kw), padding, dilation, CPU)
+        assert weighted.shape == (kh * kw, n * n + n) and torch.equal(weighted[:, : n * n], plain)
+        with OpCounter() as ops:
+            many, one = tap_mixes(kernels, weighted, (4, n, n)), tap_mixes(kernels[1:2], weighted, (n, n))
+        assert "sum" not in ops.ops and ops.ops["mm"] == 2, ops.ops
+        labels = torch.rand(2, n, 3, generator=g).softmax(-1), torch.rand(2, n, 3, generator=g).softmax(-1)
+        halves = kernels[2].view(kh, kw) * 0.3, kernels[3].view(kh, kw) * 0.7
+        pair = conv_mix_pair(*labels, grid, *halves, padding, dilation)
+    assert_close(many, tap_mixes(kernels, plain, (4, n, n)), rtol=1e-6, atol=1e-7)
+    assert_close(one, tap_mixes(kernels[1:2], plain, (n, n)), rtol=1e-6, atol=1e-7)
+    assert_close(many.sum(-1), torch.ones(4, n))
+    assert_close(pair, conv_mix_pair(*labels, grid, *halves, padding, dilation), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(pair, labels[0])
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("every_grid", [False, True], ids=["up to 14x14", "every grid"])
 def test_every_family_on_the_matrix_route_equals_its_reference(family: str, every_grid: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +124,7 @@ def test_unnormalised_matrices_fail_the_family_check(family: str, monkeypatch: p
 
     def unnormalised(kernels: Tensor, taps: Tensor, shape: tuple[int, ...]) -> Tensor:
         fired.append(1)
-        return (kernels @ taps).view(shape)
+        return (kernels @ taps)[..., : shape[-1] * shape[-1]].reshape(shape)  # the entries; any tap weights after them unread
 
     monkeypatch.setattr(_common, "tap_mixes", unnormalised)  # a chain's own matrices
     monkeypatch.setattr(_convnet, "tap_mixes", unnormalised)  # and a forward's, built together (``Kernels.matrix``)

@@ -10,6 +10,7 @@ convolution, and that a new batch does not retrace.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from torch.testing import assert_close
 import mixlabels
 from mixlabels import TLAlign, TokenLabelMap, backbones
 from mixlabels.backbones._common import (
-    _SHIFTED_TAPS, compiled_label_convs, conv_chain, conv_mix_pair, conv_steps_on_grid, shifted_conv,
+    _SHIFTED_TAPS, compiled_label_convs, conv_chain, conv_mix_pair, conv_steps_on_grid, launch_routes, shifted_conv,
 )
 from mixlabels.backbones._windows import as_grid
 from mixlabels.backbones.families.efficientvit_mit import head_conv_mix
@@ -109,6 +110,25 @@ def test_small_grids_compiled_take_the_shifted_sums_not_the_tap_matrices() -> No
                    and any(name in str(n.target) for name in ("mm", "matmul", "bmm")))
     assert graphs.convs() == 0 and products == 0
     assert_close(got, conv_chain(labels, grid, steps), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("launch", [False, True], ids=["cpu routes", "launch routes"])
+def test_small_grids_compiled_with_label_convs_as_convolutions_take_the_tap_matrices_in_one_graph(launch: bool) -> None:
+    """``compiled_label_convs("conv")`` (``op_count.py --compiled``'s ``tlalign/conv``): a small grid's chain compiles
+    to one graph of tap-matrix products, under a GPU's routes too (whose eager walk reads the tap matrices' own
+    in-grid tap weights through strided views: a storage offset read while tracing broke the graph), with eager's
+    targets."""
+    grid = (7, 7)
+    labels = _rand(2, 49, 3, seed=15)
+    labels = labels / labels.sum(-1, keepdim=True)
+    k = _rand(3, 3, seed=16)
+    steps = [(k / k.sum(), (1, 1), (1, 1)), (k.T / k.sum(), (1, 1), (1, 1))]
+    with (launch_routes() if launch else contextlib.nullcontext()), compiled_label_convs("conv"):
+        got = torch.compile(conv_chain, fullgraph=True, backend="eager")(labels, grid, steps)
+        eager = conv_chain(labels, grid, steps)
+    torch._dynamo.reset()
+    assert_close(got, eager, rtol=0, atol=1e-6)
+    assert not torch.equal(got, labels)
 
 
 def test_kernels_over_the_tap_limit_stay_convolutions() -> None:

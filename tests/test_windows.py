@@ -512,6 +512,36 @@ def test_label_kernels_of_large_cpu_weights_go_weight_by_weight_with_the_same_bi
         assert_close(got, want, rtol=0.0, atol=1e-6)
 
 
+def test_label_kernels_of_many_long_shapes_average_runs_of_rows_then_weights() -> None:
+    """Weights of one tap count whose rows are too many for one product with the per-weight mean matrix (a ResNet's
+    3x3 convs on a GPU's route: 1.5M rows, 13 weights) average runs of ``gcd`` rows first, then each weight its runs
+    by one product: no mean per shape, four operators where those took eleven (four shapes here), and each result
+    within float rounding of its weight's own float64 kernel. Weights whose rows share no long run keep the means per
+    shape."""
+    from benchmarks._op_counter import OpCounter
+    from mixlabels.backbones._common import _MEAN_MATRIX_ENTRIES, label_kernels, launch_routes
+    from mixlabels.backbones._dense import kernel_reference
+
+    g = torch.Generator().manual_seed(6)
+    shapes = [(64, 64, 3, 3), (128, 128, 3, 3), (256, 128, 3, 3), (256, 256, 3, 3), (64, 64, 3, 3), (256, 256, 3, 3)]
+    weights = [torch.randn(*shape, generator=g) for shape in shapes]
+    weights[3][7, 5] = 0.0  # an all-zero (o, i) slice: its taps add nothing
+    rows = sum(w.shape[0] * w.shape[1] for w in weights)
+    assert len(weights) * rows > _MEAN_MATRIX_ENTRIES  # the per-weight mean matrix would be too large
+    with launch_routes(), OpCounter() as ops:
+        kernels = label_kernels(weights)
+    assert ops.ops.get("mean", 0) == 1 and "split_with_sizes" not in ops.ops, ops.ops
+    for got, w in zip(kernels, weights, strict=True):
+        assert_close(got.double(), kernel_reference(w), rtol=0.0, atol=1e-7)  # 2e-8 at most seen, as per shape
+    odd = [torch.randn(*shape, generator=g) for shape in [(97, 89, 3, 3), (101, 83, 3, 3)] * 6]  # rows: coprime
+    assert len(odd) * sum(w.shape[0] * w.shape[1] for w in odd) > _MEAN_MATRIX_ENTRIES
+    with launch_routes(), OpCounter() as per_shape:
+        odd_kernels = label_kernels(odd)
+    assert per_shape.ops.get("mean", 0) == 2 and "split_with_sizes" in per_shape.ops  # gcd 1: a mean per shape
+    for got, w in zip(odd_kernels, odd, strict=True):
+        assert_close(got.double(), kernel_reference(w), rtol=0.0, atol=1e-7)  # 2e-8 at most seen, as per shape
+
+
 def test_as_grid_of_as_tokens_is_the_grid_view_itself() -> None:
     """``as_grid(as_tokens(y), grid)`` returns ``y`` (no view dispatched): the same values, strides and storage as the
     view it would take; another grid of as many positions, or tokens not made from a grid, take their own view."""
