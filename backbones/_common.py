@@ -443,10 +443,9 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 # conv's 262144 rows in sequence), tens of milliseconds a step where this takes microseconds
                 counts = tuple(shape[0] * shape[1] for shape, same in shapes.items() for _ in same)  # rows per weight
                 chunk = math.gcd(*counts)  # every weight's rows are whole runs of this many
-                # the products add the self tap (``_self_tap``) as they go: ``addmm``'s bias, one operator fewer
                 tap = _self_tap(kh, kw, rows.device).view(1, -1)
                 if len(counts) * int(rows.shape[0]) <= _MEAN_MATRIX_ENTRIES:  # one product: depthwise convs, as a rule
-                    means = torch.addmm(tap, _mean_matrix(counts, rows.device), rows.div_(sums)).view(-1, kh, kw)
+                    means = _means_by_product(tap, _mean_matrix(counts, rows.device), rows.div_(sums)).view(-1, kh, kw)
                 elif len(counts) * (int(rows.shape[0]) // chunk) <= _MEAN_MATRIX_ENTRIES and not torch.compiler.is_compiling():
                     # the mean of each run of ``chunk`` rows (one reduction, a ResNet's 1.5M rows to a few hundred),
                     # then each weight's mean of its runs by one product: four operators where the means per shape
@@ -454,7 +453,7 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                     # compiler fuses the means per shape into its kernels, and the product would be one more extern
                     # call (compiled resnet18: 72 launches a step on the shifted route, 74 this way)
                     run_means = rows.div_(sums).view(-1, chunk, kh * kw).mean(dim=1)
-                    means = torch.addmm(tap, _mean_matrix(tuple(c // chunk for c in counts), rows.device), run_means).view(-1, kh, kw)
+                    means = _means_by_product(tap, _mean_matrix(tuple(c // chunk for c in counts), rows.device), run_means).view(-1, kh, kw)
                 else:
                     runs = torch.split(rows.div_(sums), [len(same) * shape[0] * shape[1] for shape, same in shapes.items()])
                     per_shape = [run.view(len(same), -1, kh * kw).mean(dim=1) for run, same in zip(runs, shapes.values())]
@@ -464,6 +463,15 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
             for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]
+
+
+def _means_by_product(tap: Tensor, matrix: Tensor, rows: Tensor) -> Tensor:
+    """``matrix @ rows`` plus the self tap ``tap`` ``(1, t)`` on every row: by ``addmm``'s bias (one operator) where
+    every operator is a launch, by a product and an addition on the CPU's eager route (the bits the targets digest
+    holds: a BLAS that accumulates onto the bias would round a near-zero tap otherwise)."""
+    if eager_cpu_routes(rows.device):
+        return (matrix @ rows).add_(tap)
+    return torch.addmm(tap, matrix, rows)
 
 
 _SEPARATE_WEIGHTS = 1 << 20
