@@ -3,6 +3,7 @@ that are timm's own, the two-state fusion rule, every timm name, refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from functools import partial
@@ -388,3 +389,52 @@ def test_rep_drop_path_is_refused() -> None:
     """timm's experimental drop path around a RepVGG block's conv branches keeps the identity norm: refused."""
     why = byobnet_refusal(tiny_repvgg(drop=0.2))
     assert why is not None and "drop path" in why and "drop_path_rate=0" in why
+
+
+def _two_fusions() -> nn.Module:
+    """A MobileViT with two v1 blocks (16 and 24 channels), each with its fusion conv, on 8x8 and 4x4 maps."""
+    torch.manual_seed(0)
+    inverted = dict(bottle_in=True, linear_out=True)
+    mobile = dict(transformer_dim=16, transformer_depth=1, patch_size=2)
+    blocks = (ByoBlockCfg(type="bottle", d=1, c=8, s=2, gs=1, br=2.0, block_kwargs=inverted),
+              (ByoBlockCfg(type="bottle", d=1, c=16, s=2, gs=1, br=2.0, block_kwargs=inverted),
+               ByoBlockCfg(type="mobilevit", d=1, c=16, s=1, block_kwargs=mobile)),
+              (ByoBlockCfg(type="bottle", d=1, c=24, s=2, gs=1, br=2.0, block_kwargs=inverted),
+               ByoBlockCfg(type="mobilevit", d=1, c=24, s=1, block_kwargs=mobile)))
+    cfg = ByoModelCfg(blocks=blocks, stem_chs=8, stem_type="3x3", stem_pool="", downsample="", act_layer="silu",
+                      num_features=32)
+    return sharpen(ByobNet(cfg, num_classes=10))
+
+
+def test_fusion_kernels_are_read_once_a_forward_and_only_for_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every operator is a launch, the forward reads both v1 blocks' fusion kernels in one ``label_kernels``
+    call (four halves) and its labels equal the reference's and the CPU route's (which reads each block's own); a
+    scheme that tracks no labels (NoAlign) reads no fusion kernel at all."""
+    from test_backbones_common import _fast_and_reference
+
+    from mixlabels import NoAlign
+    from mixlabels.backbones._common import launch_routes
+    from mixlabels.backbones.families import byobnet
+
+    calls: list[int] = []
+    original = byobnet.label_kernels
+    monkeypatch.setattr(byobnet, "label_kernels", lambda ws: calls.append(len(ws)) or original(ws))
+    model = _two_fusions()
+    with launch_routes():
+        fast, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    assert calls == [4]
+    images, lm = cutmix_batch()
+    torch.manual_seed(11)
+    cpu = backbones.adapt(copy.deepcopy(model).train(), TLAlign())(images, lm)
+    assert calls == [4]  # the CPU's route: each block's own kernel_labels
+    assert_close(cpu.target, fast.target, rtol=1e-6, atol=1e-7)
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("a fusion kernel read for a scheme that tracks no labels")
+
+    monkeypatch.setattr(byobnet, "label_kernels", refuse)
+    monkeypatch.setattr(byobnet, "_fusion_kernels", refuse)
+    for routes in (launch_routes(), contextlib.nullcontext()):
+        with routes:
+            out = backbones.adapt(copy.deepcopy(model), NoAlign())(images, lm)
+        assert_close(out.target.sum(-1), torch.ones(len(images)))

@@ -80,7 +80,8 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
 from mixlabels.backbones._attention import attention_with_labels, explicit_mix
-from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels
+from mixlabels._shape_cache import shape_cache
+from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels, label_kernels
 from mixlabels.backbones._convnet import (
     KernelConv,
     Path,
@@ -98,6 +99,7 @@ from mixlabels.backbones._convnet import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family
 from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
+from mixlabels.backbones._routes import eager_cpu_routes
 from mixlabels.backbones.families.convnext import _token_logits as _head_on_positions
 
 __all__ = ["AdaptedByobNet", "BYOBNET_FAMILY", "byobnet_refusal", "rep_kernel", "tiny_mobilevit"]
@@ -396,6 +398,55 @@ def _fusion_kernels(blk: Any) -> tuple[Tensor, Tensor]:
     return k_x, k_p
 
 
+class FusionKernels:
+    """Each MobileViT v1 block's fusion ``(k_x, k_p)`` (``_fusion_kernels``) for one forward, read when a block's labels
+    first need them: a scheme that tracks no labels (NoAlign) reads none, and a tracker's two label sets share them.
+
+    On a GPU's eager route (``launch_routes``), where every operator is a launch, the halves of all blocks' fusion
+    weights are read in one ``label_kernels`` call and scaled by their shares in one product: about a dozen operators
+    for the forward, where each block's two ``kernel_labels`` and two scalings took fourteen (MobileViT-XXS: 42). The
+    CPU's eager route reads each block's own (its bits, which the targets digest holds), and so does a compiled graph,
+    whose compiler fuses each block's reductions (read together, compiled MobileViT-XXS launched 2 kernels more)."""
+
+    def __init__(self, blocks: list[Any], device: torch.device) -> None:
+        self._blocks: list[Any] = [blk for blk in blocks if type(blk) is MobileVitBlock and blk.conv_fusion is not None]
+        self._together = not (eager_cpu_routes(device) or torch.compiler.is_compiling())
+        self._device = device
+        self._kernels: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def of(self, blk: Any) -> tuple[Tensor, Tensor]:
+        if id(blk) not in self._kernels:
+            if self._together:
+                self._kernels.update(self._all())
+            else:
+                self._kernels[id(blk)] = _fusion_kernels(blk)
+        return self._kernels[id(blk)]
+
+    def _all(self) -> dict[int, tuple[Tensor, Tensor]]:
+        halves, shares = [], []
+        for blk in self._blocks:
+            weight = blk.conv_fusion.conv.weight
+            c_in, total = int(blk.conv_kxk.conv.in_channels), int(weight.shape[1])
+            halves += [weight[:, :c_in], weight[:, c_in:]]
+            shares += [c_in / total, (total - c_in) / total]
+        scaled = (torch.stack(label_kernels(halves)) * _shares(tuple(shares), self._device)).unbind()
+        return {id(blk): (scaled[2 * i], scaled[2 * i + 1]) for i, blk in enumerate(self._blocks)}
+
+
+@shape_cache(maxsize=16)
+def _shares(shares: tuple[float, ...], device: torch.device) -> Tensor:
+    """``(g, 1, 1)`` fp32: each fusion half's share of its conv's input channels (constants of the model: cached)."""
+    return torch.tensor(shares, dtype=torch.float32, device=device).view(-1, 1, 1)
+
+
+def _rows_sum_to_one(device: torch.device) -> bool:
+    """Whether a MobileViT block's aggregations, whose rows sum to 1 already (the input beside its local path, the
+    path's half, the fusion conv's mix, renormalised over both halves), skip the tracker's renormalisation: where
+    every operator is a launch (three a call); the CPU's eager route keeps it (its bits, which the targets digest
+    holds)."""
+    return not eager_cpu_routes(device)
+
+
 def _pad(conv: Any) -> tuple[tuple[int, int], tuple[int, int]]:
     return (int(conv.padding[0]), int(conv.padding[1])), (int(conv.dilation[0]), int(conv.dilation[1]))
 
@@ -499,9 +550,10 @@ class AdaptedByobNet(AdaptedBase):
         x, grid, start = run_stem(m.stem, stem, images, label_map)
         tracker = start_on_path(self.scheme, label_map, start, grid, _depth(m), stem)
         size, layer = (int(images.shape[2]), int(images.shape[3])), 0
+        fusion = FusionKernels(_blocks(m), x.device)
         for blk in _blocks(m):
             if type(blk) is MobileVitBlock:
-                x, layer = self._v1(blk, x, tracker, layer, grid, size)
+                x, layer = self._v1(blk, x, tracker, layer, grid, size, fusion)
             elif type(blk) is MobileVitV2Block:
                 x, layer = self._v2(blk, x, tracker, layer, grid, size)
             else:
@@ -516,12 +568,16 @@ class AdaptedByobNet(AdaptedBase):
         return AlignedOutput(output, output, t.target, t.weights, token_logits, t.token_target, t.token_loss_weight)
 
     @staticmethod
-    def _v1(blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int]) -> tuple[Tensor, int]:
+    def _v1(
+        blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int],
+        fusion: FusionKernels | None = None,
+    ) -> tuple[Tensor, int]:
         ph, pw, nh, nw = _patches(blk, grid, size)
         n, b = grid[0] * grid[1], int(x.shape[0])
         local = path_of(_flat(blk.conv_kxk))
+        whole = _rows_sum_to_one(x.device)
         # both states side by side: the block's input, then its path (the local conv aggregates: no shortcut)
-        tracker.aggregate(lambda y: torch.cat([y, apply_path(local, y, grid)[0]], dim=1))
+        tracker.aggregate(lambda y: torch.cat([y, apply_path(local, y, grid)[0]], dim=1), normalised=whole)
         shortcut, t = x, _unfold_v1(_local(blk, x), ph, pw)  # (b p) m c
         for tb in blk.transformer:
             labels = tracker.labels_for(layer)
@@ -539,11 +595,11 @@ class AdaptedByobNet(AdaptedBase):
             layer += 1
         x = blk.conv_proj(_fold_v1(blk.norm(t), b, ph, pw, nh))
         if blk.conv_fusion is None:
-            tracker.aggregate(lambda y: y[:, n:])
+            tracker.aggregate(lambda y: y[:, n:], normalised=whole)
             return x, layer
-        k_x, k_p = _fusion_kernels(blk)
+        kernels = fusion or FusionKernels([blk], x.device)
         padding, dilation = _pad(blk.conv_fusion.conv)
-        tracker.aggregate(lambda y: conv_mix_pair(y[:, :n], y[:, n:], grid, k_x, k_p, padding, dilation))
+        tracker.aggregate(lambda y: conv_mix_pair(y[:, :n], y[:, n:], grid, *kernels.of(blk), padding, dilation), normalised=whole)
         return blk.conv_fusion(torch.cat((shortcut, x), dim=1)), layer
 
     @staticmethod
