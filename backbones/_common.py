@@ -429,10 +429,11 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 for i in members:  # weight by weight: no stack or concatenation (see _SEPARATE_WEIGHTS)
                     out[i] = kernel_labels(weights[i])
                 continue
+            tap = _self_tap(kh, kw, weights[members[0]].device)  # a weight of zeros reads nothing: see _self_tap
             if len(shapes) == 1:  # one shape: the stack's mean over (o, i)
                 k = torch.stack([weights[i] for i in members]).abs_().to(torch.float32)  # g o i kh kw
                 sums = k.sum(dim=(-2, -1), keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
-                means = k.div_(sums).mean(dim=(1, 2))  # g kh kw
+                means = k.div_(sums).mean(dim=(1, 2)).add_(tap)  # g kh kw
             else:
                 per_tail = [sum(len(by_shape[shape]) for shape in same_tail) for same_tail in tails.values()]
                 rows = _tap_rows([weights[i] for i in members], [len(same) for same in shapes.values()], per_tail, kh * kw)
@@ -443,9 +444,8 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                 # conv's 262144 rows in sequence), tens of milliseconds a step where this takes microseconds
                 counts = tuple(shape[0] * shape[1] for shape, same in shapes.items() for _ in same)  # rows per weight
                 chunk = math.gcd(*counts)  # every weight's rows are whole runs of this many
-                tap = _self_tap(kh, kw, rows.device).view(1, -1)
                 if len(counts) * int(rows.shape[0]) <= _MEAN_MATRIX_ENTRIES:  # one product: depthwise convs, as a rule
-                    means = _means_by_product(tap, _mean_matrix(counts, rows.device), rows.div_(sums)).view(-1, kh, kw)
+                    means = _means_by_product(tap.view(1, -1), _mean_matrix(counts, rows.device), rows.div_(sums)).view(-1, kh, kw)
                 elif len(counts) * (int(rows.shape[0]) // chunk) <= _MEAN_MATRIX_ENTRIES and not torch.compiler.is_compiling():
                     # the mean of each run of ``chunk`` rows (one reduction, a ResNet's 1.5M rows to a few hundred),
                     # then each weight's mean of its runs by one product: four operators where the means per shape
@@ -453,13 +453,11 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
                     # compiler fuses the means per shape into its kernels, and the product would be one more extern
                     # call (compiled resnet18: 72 launches a step on the shifted route, 74 this way)
                     run_means = rows.div_(sums).view(-1, chunk, kh * kw).mean(dim=1)
-                    means = _means_by_product(tap, _mean_matrix(tuple(c // chunk for c in counts), rows.device), run_means).view(-1, kh, kw)
+                    means = _means_by_product(tap.view(1, -1), _mean_matrix(tuple(c // chunk for c in counts), rows.device), run_means).view(-1, kh, kw)
                 else:
                     runs = torch.split(rows.div_(sums), [len(same) * shape[0] * shape[1] for shape, same in shapes.items()])
                     per_shape = [run.view(len(same), -1, kh * kw).mean(dim=1) for run, same in zip(runs, shapes.values())]
-                    means = torch.cat(per_shape).view(-1, kh, kw).add_(tap.view(kh, kw))
-            if len(shapes) == 1:
-                means.add_(_self_tap(kh, kw, means.device))  # a weight of zeros reads nothing: see _self_tap
+                    means = torch.cat(per_shape).view(-1, kh, kw).add_(tap)
             for i, kernel in zip(members, means.unbind()):
                 out[i] = kernel
     return [k for k in out if k is not None]
@@ -590,10 +588,14 @@ def tap_matrices_for(
 
 
 def _tap_parts(product: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """A product of label kernels with ``_weighted_tap_matrices`` ``(g, n*n + n)`` as its two parts, each one strided
-    view: the matrices' entries as ``shape`` (``(g, n, n)``, or ``(n, n)`` for one kernel) and every row's in-grid tap
-    weight ``shape[:-1] + (1,)``."""
+    """A product of label kernels with a grid's tap matrices (``tap_matrices_for``) as its two parts: the matrices'
+    entries as ``shape`` (``(g, n, n)``, or ``(n, n)`` for one kernel) and every row's in-grid tap weight
+    ``shape[:-1] + (1,)``. Of ``_weighted_tap_matrices`` ``(g, n*n + n)``, each one strided view; of the plain
+    ``(g, n*n)`` ones, a view and the rows' sums."""
     n, width = int(shape[-1]), int(product.shape[-1])
+    if width == n * n:
+        entries = product.view(shape)
+        return entries, entries.sum(dim=-1, keepdim=True)
     lead = (width,) if len(shape) == 3 else ()
     start = product.storage_offset()
     entries = product.as_strided(shape, (*lead, n, 1), start)
@@ -680,10 +682,6 @@ def tap_mixes(kernels: Tensor, taps: Tensor, shape: tuple[int, ...]) -> Tensor:
     (``tap_matrices_for``): one product viewed as ``shape`` (``(g, n, n)``, or ``(n, n)`` for one kernel), every row
     divided by its in-grid tap weight: the product's own last ``n`` columns with ``_weighted_tap_matrices`` (two
     computing operators), the rows' sums with the plain ``(kh*kw, n*n)`` ones (three)."""
-    n = int(shape[-1])
-    if int(taps.shape[-1]) == n * n:
-        t = (kernels @ taps).view(shape)
-        return t / t.sum(dim=-1, keepdim=True)
     entries, weights = _tap_parts(kernels @ taps, shape)
     return entries / weights
 
@@ -828,14 +826,8 @@ def conv_mix_pair(
         if not depthwise_route(grid, first.device):
             kernel = (int(k_first.shape[0]), int(k_first.shape[1]))
             taps = tap_matrices_for(grid, kernel, (padding[0], padding[1]), (dilation[0], dilation[1]), first.device)
-            if int(taps.shape[-1]) == n * n:  # the CPU's eager route: the rows' sums
-                t1 = (k_first.to(taps).reshape(1, -1) @ taps).reshape(n, n)
-                t2 = (k_second.to(taps).reshape(1, -1) @ taps).reshape(n, n)
-                mass = (t1.sum(dim=-1) + t2.sum(dim=-1)).unsqueeze(-1)  # the in-grid tap weight of every row
-            else:  # each product makes its rows' in-grid tap weights too (``_weighted_tap_matrices``)
-                (t1, m1), (t2, m2) = (_tap_parts(k.to(taps).reshape(1, -1) @ taps, (n, n)) for k in (k_first, k_second))
-                mass = m1 + m2
-            return (t1 @ first.float() + t2 @ second.float()) / mass
+            (t1, m1), (t2, m2) = (_tap_parts(k.to(taps).reshape(1, -1) @ taps, (n, n)) for k in (k_first, k_second))
+            return (t1 @ first.float() + t2 @ second.float()) / (m1 + m2)  # over both halves' in-grid tap weights
         if shifted_route(k_first, k_second):  # compiled: both halves' shifted sums, fused (see ``shifted_conv``)
             ones = _ones((1, 1, grid[0], grid[1]), first.device)
             k1, k2 = k_first.float(), k_second.float()

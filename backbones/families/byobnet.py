@@ -388,14 +388,19 @@ def _local(blk: Any, x: Tensor) -> Tensor:
     return blk.conv_1x1(blk.conv_kxk(x))  # type: ignore[no-any-return]
 
 
-def _fusion_kernels(blk: Any) -> tuple[Tensor, Tensor]:
-    """``(k_x, k_p)``: the fusion conv's per-pair normalised |kernel| averaged over all pairs, split by the half a pair
-    reads (the block's input channels first, as timm concatenates them); the two sum to 1 over their taps."""
+def _fusion_halves(blk: Any) -> tuple[tuple[Tensor, Tensor], tuple[float, float]]:
+    """The fusion conv's weight split by the half of its input a pair reads (the block's input channels first, as
+    timm concatenates them), and each half's share of those channels."""
     weight = blk.conv_fusion.conv.weight
     c_in, total = int(blk.conv_kxk.conv.in_channels), int(weight.shape[1])
-    k_x = kernel_labels(weight[:, :c_in]) * (c_in / total)
-    k_p = kernel_labels(weight[:, c_in:]) * ((total - c_in) / total)
-    return k_x, k_p
+    return (weight[:, :c_in], weight[:, c_in:]), (c_in / total, (total - c_in) / total)
+
+
+def _fusion_kernels(blk: Any) -> tuple[Tensor, Tensor]:
+    """``(k_x, k_p)``: the fusion conv's per-pair normalised |kernel| averaged over all pairs, split by the half a pair
+    reads (``_fusion_halves``); the two sum to 1 over their taps."""
+    (w_x, w_p), (s_x, s_p) = _fusion_halves(blk)
+    return kernel_labels(w_x) * s_x, kernel_labels(w_p) * s_p
 
 
 class FusionKernels:
@@ -423,12 +428,12 @@ class FusionKernels:
         return self._kernels[id(blk)]
 
     def _all(self) -> dict[int, tuple[Tensor, Tensor]]:
-        halves, shares = [], []
+        halves: list[Tensor] = []
+        shares: list[float] = []
         for blk in self._blocks:
-            weight = blk.conv_fusion.conv.weight
-            c_in, total = int(blk.conv_kxk.conv.in_channels), int(weight.shape[1])
-            halves += [weight[:, :c_in], weight[:, c_in:]]
-            shares += [c_in / total, (total - c_in) / total]
+            pair, share = _fusion_halves(blk)
+            halves += pair
+            shares += share
         scaled = (torch.stack(label_kernels(halves)) * _shares(tuple(shares), self._device)).unbind()
         return {id(blk): (scaled[2 * i], scaled[2 * i + 1]) for i, blk in enumerate(self._blocks)}
 
@@ -570,7 +575,7 @@ class AdaptedByobNet(AdaptedBase):
     @staticmethod
     def _v1(
         blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int],
-        fusion: FusionKernels | None = None,
+        fusion: FusionKernels,
     ) -> tuple[Tensor, int]:
         ph, pw, nh, nw = _patches(blk, grid, size)
         n, b = grid[0] * grid[1], int(x.shape[0])
@@ -597,9 +602,8 @@ class AdaptedByobNet(AdaptedBase):
         if blk.conv_fusion is None:
             tracker.aggregate(lambda y: y[:, n:], normalised=whole)
             return x, layer
-        kernels = fusion or FusionKernels([blk], x.device)
         padding, dilation = _pad(blk.conv_fusion.conv)
-        tracker.aggregate(lambda y: conv_mix_pair(y[:, :n], y[:, n:], grid, *kernels.of(blk), padding, dilation), normalised=whole)
+        tracker.aggregate(lambda y: conv_mix_pair(y[:, :n], y[:, n:], grid, *fusion.of(blk), padding, dilation), normalised=whole)
         return blk.conv_fusion(torch.cat((shortcut, x), dim=1)), layer
 
     @staticmethod
