@@ -55,7 +55,7 @@ from einops import reduce, repeat
 from torch import Tensor
 
 from mixlabels._label_map import fp32_labels
-from mixlabels.backbones._routes import eager_cpu_routes
+from mixlabels._routes import eager_cpu_routes
 
 __all__ = [
     "ROUTES",

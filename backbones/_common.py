@@ -36,10 +36,10 @@ from torchvision.ops import StochasticDepth
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
+from mixlabels._routes import _byte_route, eager_cpu_routes, launch_routes, switched
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
-from mixlabels.backbones._routes import _byte_route, eager_cpu_routes, launch_routes, switched
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 from mixlabels.backbones._windows import (
     AxisWindow, apply_separable, as_grid, as_tokens, axis_out, axis_windows, chain_matrices, folded, is_position_major, mix_tokens, unfolded,

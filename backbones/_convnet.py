@@ -73,18 +73,18 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
+from mixlabels._routes import switched
 from mixlabels._shape_cache import shape_cache
 from mixlabels._trackers import CompactTracker
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
-from mixlabels.backbones._routes import switched
 from mixlabels.backbones._common import (
-    AdaptedBase, _ones, conv_chain, conv_steps_on_grid, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
+    AdaptedBase, _DENSE_LAUNCH_TOKENS, _ones, conv_chain, conv_steps_on_grid, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
     fold_route, kernel_labels, label_kernels, mix_token_space, shifted_route, start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._windows import (
-    AxisWindow, as_grid, as_tokens, average_windows, axis_out, axis_windows, is_position_major, mix_tokens, pool_on_grid, position_major,
+    AxisWindow, _window_kron, as_grid, as_tokens, average_windows, axis_out, axis_windows, is_position_major, mix_tokens, pool_on_grid, position_major,
     same_axis_windows, window_plan,
 )
 from mixlabels.backbones._joins import JoinShape, fused_join, fused_join_route, join_masses, join_shares, window_kernels
@@ -797,8 +797,9 @@ _FOLDED = [True]
 
 def folded_residuals(on: bool) -> AbstractContextManager[None]:
     """Inside, a GPU's eager walk folds a residual's mean into its branch's conv matrices (``on``, the default:
-    ``residual_labels``) or mixes the branch's labels and takes the ``lerp`` (the CPU's route, the tested fallback):
-    ``benchmarks/gpu_suite.py --family-mode eager --family-routes residuals=lerp`` times both on a GPU."""
+    ``residual_labels``), and a downsampling block's shortcut and branch into one matrix (``projected_route``), or
+    mixes the branch's labels, aggregates the shortcut's and takes the ``lerp`` (the CPU's route, the tested
+    fallback): ``benchmarks/gpu_suite.py --family-mode eager --family-routes residuals=lerp`` times both on a GPU."""
     return switched(_FOLDED, on)
 
 
@@ -810,6 +811,67 @@ def residual_route(tracker: LabelTracker, branch: Path, grid: tuple[int, int], l
     return (_FOLDED[0] and isinstance(tracker, CompactTracker) and len(branch) > 0
             and all(isinstance(op, (nn.Conv2d, KernelConv)) for op in branch) and not eager_cpu_routes(labels.device)
             and not torch.compiler.is_compiling() and not depthwise_route(grid, labels.device))
+
+
+_PROJECTED_POSITIONS = 4 * _DENSE_LAUNCH_TOKENS
+"""The most positions a grid of a projected block's paths may have for ``projected_route`` to fold it into one matrix:
+a stride-2 block into a 14x14 grid reads a 28x28 one (its window's matrix ``(196, 784)``, 600 KiB, cached)."""
+
+
+def projected_route(tracker: LabelTracker, labels: Tensor, keep: Tensor | None) -> bool:
+    """Whether ``block_labels`` may fold a block with a projection shortcut (a downsampling block: its branch's windows
+    and convs, its shortcut's window) into one matrix (``projected_maps``): on a GPU's eager route (the CPU's under
+    ``launch_routes``; not the CPU's eager walk, whose bits the targets digest holds, nor a compiled graph, which
+    fuses the pools and the ``lerp``), for the fast path's tracker, where no sample dropped the branch (``keep``
+    ``None``: the aggregated labels are not needed apart), unless ``folded_residuals(False)``."""
+    return (_FOLDED[0] and isinstance(tracker, CompactTracker) and keep is None and not eager_cpu_routes(labels.device)
+            and not torch.compiler.is_compiling())
+
+
+def path_maps(path: Path, grid: tuple[int, int], kernels: Kernels, device: torch.device) -> tuple[list[Tensor], tuple[int, int]] | None:
+    """The ``(n', n)`` fp32 matrices of ``path``'s ops in order, a run of windows as one (``_window_kron``, cached),
+    a stride-1 conv as its ``Kernels.matrix``, and the grid the path ends on; ``None`` where an op has none here: a
+    ``Parallel``, a conv on a grid of the depthwise route or without a forward's matrix, a grid over
+    ``_PROJECTED_POSITIONS``."""
+    maps: list[Tensor] = []
+    i = 0
+    while i < len(path):
+        if grid[0] * grid[1] > _PROJECTED_POSITIONS:
+            return None
+        op = path[i]
+        if isinstance(op, Window):
+            end = i
+            while end < len(path) and isinstance(path[end], Window):
+                end += 1
+            run = [w for w in path[i:end] if isinstance(w, Window)]
+            maps.append(_window_kron(grid, window_axes(run, grid), device))
+            grid, i = path_grid(tuple(run), grid), end
+        elif isinstance(op, (nn.Conv2d, KernelConv)):
+            m = None if depthwise_route(grid, device) else kernels.matrix(op, grid)
+            if m is None:
+                return None
+            maps.append(m)
+            i += 1
+        else:
+            return None
+    return (maps, grid) if grid[0] * grid[1] <= _PROJECTED_POSITIONS else None
+
+
+def projected_map(branch: list[Tensor], shortcut: list[Tensor], share: float) -> Tensor:
+    """``lerp(S, B, share)`` ``(n', n)``: the labels' map of a block whose branch's ops have the matrices ``branch``
+    (``B`` their product) and whose shortcut's have ``shortcut`` (``S``), the residual's mean (``Rules.residual_share``)
+    of the two. Built by ``addmm`` with the branch's first matrix last (one operator where the branch has two ops: a
+    ResNet's strided window and conv), by ``lerp`` where the branch is one op (windows alone: a Bottleneck's)."""
+    short = shortcut[0]
+    for m in shortcut[1:]:
+        short = m @ short
+    *later, first = reversed(branch)
+    if not later:
+        return torch.lerp(short, first, share)
+    rest = later[0]
+    for m in later[1:]:
+        rest = rest @ m
+    return torch.addmm(short, rest, first, beta=1.0 - share, alpha=share)
 
 
 def _residual_join(tracker: LabelTracker, branch: Path, kernels: Kernels, labels: Tensor) -> Parallel | None:
@@ -1223,6 +1285,17 @@ def block_labels(
     if not shortcut and fork is None:  # the identity: the residual's mean may fold into the branch's matrix
         residual_labels(tracker, layer, keep, labels, branch, grid, kernels)
         return grid
+    if fork is None and labels is not None and branch and shortcut and kernels is not None and projected_route(tracker, labels, keep):
+        assert isinstance(tracker, CompactTracker)  # projected_route checked it
+        with fp32_labels(labels.device):  # the matrices' products in fp32 under a caller's autocast, as apply_path's
+            maps = path_maps(branch, grid, kernels, labels.device), path_maps(shortcut, grid, kernels, labels.device)
+        if maps[0] is not None and maps[1] is not None and maps[0][1] == maps[1][1]:
+            (b_maps, _), (s_maps, out) = maps[0], maps[1]
+            tracker.projected_by(
+                layer, lambda y: apply_path(shortcut, y, grid, kernels)[0],
+                lambda y, share: mix_tokens(projected_map(b_maps, s_maps, share), y.float()),
+            )
+            return out
     if labels is not None and branch:
         mixed, _ = apply_path(branch, labels, grid, kernels)
     if shortcut:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mixlabels._shape_cache import shape_cache
+from mixlabels._routes import eager_cpu_routes, switched
 from mixlabels.backbones._common import _ones
-from mixlabels.backbones._routes import eager_cpu_routes, switched
 
 __all__ = ["JoinShape", "fused_join", "fused_join_route", "fused_joins", "join_masses", "join_shares", "join_window", "window_kernels"]
 

@@ -141,12 +141,14 @@ class Rules:
         """Labels of merged tokens (the sums of the merged tokens' labels), renormalised."""
         return normalise_rows(merged)
 
-    def readout(self, y: Tensor, how: Literal["token", "mean"], first: int) -> Tensor:
+    def readout(self, y: Tensor, how: Literal["token", "mean"], first: int, *, renormalise: bool = True) -> Tensor:
         """The head's readout of labels ``(b, n, l) -> (b, l)``: token ``first`` or the mean of ``first:``, its rows
-        renormalised (rounding drift removed). Every row of ``y`` is a distribution (its sum about 1, never 0), and
-        so is the readout: no clamp of the sum away from 0 (``normalise_rows``), which would change no bit of it."""
+        renormalised (rounding drift removed) unless ``renormalise`` is off. Every row of ``y`` is a distribution (its
+        sum about 1, never 0), and so is the readout: no clamp of the sum away from 0 (``normalise_rows``), which would
+        change no bit of it; without the renormalisation its rows sum to 1 to the drift of ``y``'s (a few units in the
+        last place: two launches fewer on a GPU, ``CompactTracker``)."""
         read = y[:, first] if how == "token" else (y if first == 0 else y[:, first:]).mean(dim=1)  # no slice where nothing is left out
-        return read / read.sum(dim=-1, keepdim=True)
+        return read / read.sum(dim=-1, keepdim=True) if renormalise else read
 
     def class_weights(self, row: Tensor, area: Tensor, num_prefix: int) -> Tensor:
         """TransMix's ``lambda_attn``: the class token's row ``(b, n)`` over the patch tokens (renormalised)

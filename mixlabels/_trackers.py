@@ -19,6 +19,7 @@ from torch import Tensor
 from mixlabels._align import AlignedOutput, AlignedTargets, Fork, Readout, Scheme, TokenLayout, initial_weights
 from mixlabels._label_map import TokenLabelMap
 from mixlabels._label_map import fp32_labels as _fp32
+from mixlabels._routes import eager_cpu_routes
 from mixlabels._rules import Rules, normalise_rows
 
 __all__ = ["CompactTracker", "DenseTracker"]
@@ -109,6 +110,22 @@ class CompactTracker:
         with _fp32(self._lm.device):  # the caller's products in fp32 under any autocast, as ``aggregate``'s
             self._y = self._rules.kept(self._y, mix(self._y, self._rules.residual_share).float(), keep)
 
+    def projected_by(self, layer: int, merge: Callable[[Tensor], Tensor], mix: Callable[[Tensor, float], Tensor]) -> None:
+        """``aggregate(merge, normalised=True)`` and then ``residual(layer, None, mixed=...)`` of a block whose shortcut
+        merges the tokens (a downsampling block's projection) and whose branch's labels the caller maps in one: ``mix(y,
+        share)`` returns ``lerp(merge(y), branch(y), share)`` (``Rules.residual_share``), the shortcut's and the branch's
+        matrices folded into one. Unaligned labels kept for token targets go through ``merge`` alone. Only where
+        ``labels_for(layer)`` answers and no sample dropped the branch: the same error as ``residual_by``'s otherwise."""
+        if self._y is None or not self._rules.wants_labels(layer):
+            raise ValueError(
+                f"projected_by(layer={layer}, ...) for a layer this scheme does not align (labels_for({layer}) is None); "
+                "mix labels only where labels_for answers"
+            )
+        with _fp32(self._lm.device):
+            self._y = mix(self._y, self._rules.residual_share).float()
+            if self._static is not None:
+                self._static = merge(self._static).float()
+
     def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
         def merged(y: Tensor) -> Tensor:
             y = merge(y).float()
@@ -157,7 +174,10 @@ class CompactTracker:
             weights = rules.combine(image, self._class_weights)
             target = self._lm.targets(weights)
         elif rules.target == "aligned" and self._y is not None:
-            readout = rules.readout(self._y, *self._readout)  # b l
+            # renormalised where the digest's bits are (the CPU's eager route) and in a compiled graph (which fuses it);
+            # where every operator is a launch the rows' drift from 1 (a few units in the last place) is left alone
+            renormalise = eager_cpu_routes(self._y.device) or torch.compiler.is_compiling()
+            readout = rules.readout(self._y, *self._readout, renormalise=renormalise)  # b l
             target = self._expand(readout)
             weights = None if self._dense else readout
         else:

@@ -12,7 +12,6 @@ left unnormalised) that the family check must catch.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -136,17 +135,32 @@ def test_unnormalised_matrices_fail_the_family_check(family: str, monkeypatch: p
 
 
 class _Folds:
-    """Counts the residuals whose mean folded into the branch's matrix (``CompactTracker.residual_by``)."""
+    """Counts the calls of a ``CompactTracker`` method by which a fold hands its map over: ``residual_by``, a residual
+    whose mean folded into the branch's matrix; ``projected_by``, a downsampling block's shortcut and branch in one."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, method: str = "residual_by") -> None:
         self.calls = 0
-        real = CompactTracker.residual_by
+        real = getattr(CompactTracker, method)
 
-        def counted(tracker: CompactTracker, layer: int, keep: Tensor | None, mix: Callable[[Tensor, float], Tensor]) -> None:
+        def counted(tracker: CompactTracker, *args: Any) -> None:
             self.calls += 1
-            real(tracker, layer, keep, mix)
+            real(tracker, *args)
 
-        monkeypatch.setattr(CompactTracker, "residual_by", counted)
+        monkeypatch.setattr(CompactTracker, method, counted)
+
+
+def _folded_and_fallback(model: torch.nn.Module, scheme: str, folds: _Folds, what: str) -> tuple[Any, Any]:
+    """The fast path's outputs (each against the reference's) on a GPU's routes with the folds, then without them
+    (``folded_residuals(False)``, the fallback ``gpu_suite --family-routes residuals=lerp`` times): some folded,
+    then none."""
+    with launch_routes():
+        folded, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), scheme)
+    assert folds.calls > 0, f"no {what} folded: this test checked nothing new"
+    calls = folds.calls
+    with launch_routes(), _convnet.folded_residuals(False):
+        unfolded, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), scheme)
+    assert folds.calls == calls  # the route switched off: nothing folded
+    return folded, unfolded
 
 
 FOLDING = ["convnext", "mobilenetv3", "regnet", "edgenext", "resnet", "starnet", "fasternet", "mambaout", "inception_next"]
@@ -164,15 +178,7 @@ def test_a_residual_folded_into_its_conv_matrix_equals_the_product_and_lerp(fami
     ``lerp(I, M_k ... M_1, s)`` (``s`` 1/2, or 1 without normalisation): the targets of the products and ``lerp`` to
     rounding, and the reference's."""
     monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)  # the examples' few convs of a shape made together, as a real model's
-    model = FAMILIES[family].example()
-    folds = _Folds(monkeypatch)
-    with launch_routes():
-        folded, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), scheme)
-    assert folds.calls > 0, "no residual folded: this test checked nothing new"
-    calls = folds.calls
-    with launch_routes(), _convnet.folded_residuals(False):  # the fallback (gpu_suite --family-routes residuals=lerp)
-        unfolded, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), scheme)
-    assert folds.calls == calls  # the route switched off: nothing folded
+    folded, unfolded = _folded_and_fallback(FAMILIES[family].example(), scheme, _Folds(monkeypatch), "residual")
     assert_close(folded.target, unfolded.target, rtol=1e-6, atol=1e-6)
 
 
@@ -317,3 +323,107 @@ def test_folded_residuals_stay_fp32_under_autocast(family: str, monkeypatch: pyt
     assert folds.calls > 0
     assert cast.target.dtype == torch.float32
     assert torch.equal(cast.target, plain.target)
+
+
+PROJECTING = ["resnet", "resnetv2", "senet", "resnest", "regnet", "nfnet", "tresnet", "xception_aligned", "tv_resnet"]
+"""Families whose examples have blocks with a projection shortcut on small grids: a strided window and a conv in the
+branch (ResNet's basic block), or windows alone (a Bottleneck's strided 3x3 conv between 1x1s), beside the shortcut's
+strided 1x1 conv or average pool."""
+
+
+@pytest.mark.parametrize("family", PROJECTING)
+@pytest.mark.parametrize("scheme", ["tl_align", "tl_no_norm", "tokens_aligned"])
+def test_a_projected_block_folded_into_one_matrix_equals_its_pools_and_lerp(family: str, scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU's route a downsampling block on small grids is one product with ``lerp(S, B, s)`` (the shortcut's
+    window matrix, the branch's matrices' product): the targets (and token targets) of the pools, products and
+    ``lerp``, and the reference's."""
+    monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)
+    folds = _Folds(monkeypatch, "projected_by")
+    folded, unfolded = _folded_and_fallback(FAMILIES[family].example(), scheme, folds, "projection")
+    assert_close(folded.target, unfolded.target, rtol=1e-6, atol=1e-6)
+    if unfolded.token_target is not None:
+        assert folded.token_target is not None
+        assert_close(folded.token_target, unfolded.token_target, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("plant", ["branch alone", "shortcut alone"])
+def test_a_projection_folded_without_one_path_fails_the_family_check(plant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: the block's map made of the branch's matrices alone (the shortcut's mean forgotten), or of the
+    shortcut's, gives other targets than the reference's."""
+    real = _convnet.projected_map
+
+    def forgetful(branch: list[Tensor], shortcut: list[Tensor], share: float) -> Tensor:
+        return real(branch, shortcut, 1.0 if plant == "branch alone" else 0.0)
+
+    monkeypatch.setattr(_convnet, "projected_map", forgetful)
+    monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)
+    folds = _Folds(monkeypatch, "projected_by")
+    model = FAMILIES["resnet"].example()
+    with launch_routes(), pytest.raises(AssertionError):
+        _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    assert folds.calls > 0
+
+
+def test_a_projected_map_is_the_lerp_of_the_shortcut_and_the_branchs_product() -> None:
+    g = torch.Generator().manual_seed(0)
+    first, second, third = (torch.rand(r, c, generator=g) for r, c in ((9, 16), (9, 9), (9, 9)))
+    short = torch.rand(9, 16, generator=g)
+    for share in (0.5, 1.0):
+        assert_close(_convnet.projected_map([first], [short], share), torch.lerp(short, first, share))
+        assert_close(_convnet.projected_map([first, second], [short], share), torch.lerp(short, second @ first, share))
+        assert_close(_convnet.projected_map([first, second, third], [short], share), torch.lerp(short, third @ second @ first, share))
+        assert_close(_convnet.projected_map([first], [short[:, :16], second], share), torch.lerp(second @ short, first, share))
+
+
+def test_no_projection_folds_where_a_sample_dropped_its_branch_or_off_a_gpus_route() -> None:
+    from test_backbones_common import cutmix_batch
+
+    from mixlabels import TLAlign, TokenLayout
+
+    _, lm = cutmix_batch()
+    tracker = TLAlign().start(lm, TokenLayout(grid=(4, 4), num_prefix=0, depth=2, class_token=False))
+    labels = tracker.labels_for(0)
+    assert labels is not None
+    assert not _convnet.projected_route(tracker, labels, None)  # the CPU's eager route: the digest's bits
+    with launch_routes():
+        assert _convnet.projected_route(tracker, labels, None)
+        assert not _convnet.projected_route(tracker, labels, torch.tensor([True, False]))  # a dropped branch
+        with _convnet.folded_residuals(False):
+            assert not _convnet.projected_route(tracker, labels, None)
+
+
+def test_projected_by_refuses_a_layer_the_scheme_does_not_align_and_merges_the_unaligned_labels() -> None:
+    from test_backbones_common import cutmix_batch
+
+    from mixlabels import TLAlign, TokenLayout
+
+    _, lm = cutmix_batch()
+    layout = TokenLayout(grid=(4, 4), num_prefix=0, depth=2, class_token=False)
+    tracker = TLAlign(layers=[0]).start(lm, layout)
+    assert isinstance(tracker, CompactTracker)
+    with pytest.raises(ValueError, match=r"projected_by\(layer=1.*labels_for\(1\) is None"):
+        tracker.projected_by(1, lambda y: y, lambda y, share: y)
+    tracker.projected_by(0, lambda y: y * 0, lambda y, share: y * 0 + share)  # aligned: the map's answer
+    assert torch.equal(tracker.labels_for(0), torch.full_like(tracker.labels_for(0), 0.5))
+
+
+def test_a_gpus_readout_is_the_mean_without_renormalisation_and_sums_to_one() -> None:
+    """Where every operator is a launch the readout's rows are left as the mean made them (two launches fewer): a
+    distribution to rounding; the CPU's eager route renormalises (the digest's bits)."""
+    from mixlabels._rules import Rules
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.rand(3, 5, 4, generator=g)
+    y = y / y.sum(-1, keepdim=True)
+    rules = Rules(align=frozenset({0}), normalize=True)
+    plain = rules.readout(y, "mean", 1, renormalise=False)
+    assert torch.equal(plain, y[:, 1:].mean(dim=1))
+    renormalised = rules.readout(y, "mean", 1)
+    assert torch.equal(renormalised, plain / plain.sum(-1, keepdim=True))
+    assert_close(plain.sum(-1), torch.ones(3))
+    model = FAMILIES["resnet"].example()
+    with launch_routes():
+        gpu, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    cpu, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
+    assert_close(gpu.target.sum(-1), torch.ones(gpu.target.shape[0]), rtol=0, atol=1e-6)
+    assert_close(gpu.target, cpu.target, rtol=1e-6, atol=1e-6)

@@ -79,6 +79,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
+from mixlabels._routes import eager_cpu_routes
 from mixlabels.backbones._attention import attention_with_labels, explicit_mix
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels, label_kernels
@@ -99,7 +100,6 @@ from mixlabels.backbones._convnet import (
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family
 from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
-from mixlabels.backbones._routes import eager_cpu_routes
 from mixlabels.backbones.families.convnext import _token_logits as _head_on_positions
 
 __all__ = ["AdaptedByobNet", "BYOBNET_FAMILY", "byobnet_refusal", "rep_kernel", "tiny_mobilevit"]

@@ -1,6 +1,7 @@
 """Which device's routes the label path takes: the CPU's own (byte-saving, folded layouts, cheap reductions) or the
 ones a GPU takes (fewest launches). ``launch_routes`` turns the CPU's off, so that ``benchmarks/op_count.py`` counts
-on the CPU what a GPU would launch. Apart from ``_common`` so that ``_attention`` (below it) reads the same switch."""
+on the CPU what a GPU would launch. In the core, not in ``backbones``, so that the trackers read the same switch as
+every backbone module (``CompactTracker``'s readout)."""
 
 from __future__ import annotations
 
