@@ -12,6 +12,8 @@ from timm.models.twins import Twins
 from torch.testing import assert_close
 
 from mixlabels import NoAlign, TLAlign, TransMix, backbones
+from mixlabels.backbones._common import launch_routes
+from mixlabels.backbones.families import twins as twins_module
 from mixlabels.backbones.families.twins import _lsa_reference
 
 # 32 px, patch 4 then 2: 8x8 then 4x4 tokens. "svt_padded": 3x3 windows pad the 8x8 grid to 9x9 and
@@ -94,3 +96,66 @@ def test_timm_names_adapt_and_refusals() -> None:
     padded.blocks[0][0].attn.sr.padding = (1, 1)
     with pytest.raises(TypeError, match="stage 0 block 0's sub-sampling conv overlaps"):
         backbones.adapt(padded, TLAlign())
+
+
+def _label_widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The label channels every attention's label mix receives (fused and explicit routes)."""
+    widths: list[int] = []
+    fused, explicit = twins_module.attention_with_labels, twins_module.explicit_mix
+
+    def fused_spy(q: Any, k: Any, v: Any, y: torch.Tensor, *args: Any) -> Any:
+        widths.append(int(y.shape[-1]))
+        return fused(q, k, v, y, *args)
+
+    def explicit_spy(a: Any, y: torch.Tensor) -> Any:
+        widths.append(int(y.shape[-1]))
+        return explicit(a, y)
+
+    monkeypatch.setattr(twins_module, "attention_with_labels", fused_spy)
+    monkeypatch.setattr(twins_module, "explicit_mix", explicit_spy)
+    return widths
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("config", ["svt", "svt_padded"])
+def test_a_gpus_route_leaves_the_mass_channel_out_where_the_windows_tile_the_grid(config: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every operator is a launch, local attention on a grid its windows tile mixes the labels alone (every
+    row's real mass is 1), and a padded grid's labels keep the mass channel: the reference's targets either way. The
+    CPU's eager route keeps the channel on every grid (the digest's bits)."""
+    widths = _label_widths(monkeypatch)
+    with launch_routes():
+        check_parity(make(config, drop_path_rate=0.4, fused=fused), "tl_align")
+    # the sources' weights (two) alone, or with the mass channel: LSA's on a padded grid, GSA's never
+    assert set(widths) == ({2} if config == "svt" else {2, 3})
+    widths.clear()
+    check_parity(make("svt", fused=fused), "tl_align")
+    assert set(widths) == {2, 3}  # the CPU's eager route: LSA's labels with the mass channel
+
+
+def test_a_padded_grid_without_its_mass_channel_fails_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: the mass channel left out on a grid the windows pad (padded keys take part in the softmax, so
+    the rows' real mass is below 1) gives other targets than the reference's."""
+    monkeypatch.setattr(twins_module, "_needs_mass", lambda grid, ws, device: False)
+    widths = _label_widths(monkeypatch)
+    with launch_routes(), pytest.raises(AssertionError):
+        check_parity(make("svt_padded"), "tl_align")
+    assert widths and set(widths) == {2}
+
+
+def test_a_gpus_route_reads_the_position_convs_kernels_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every operator is a launch, the position convs' label kernels come from one ``Kernels`` read for the
+    forward (no conv's own ``conv_label_kernel``), with the reference's targets; the CPU's eager route reads each
+    stage's own (the digest's bits)."""
+    calls: list[int] = []
+    real = twins_module.conv_label_kernel
+
+    def counted(weight: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return real(weight)
+
+    monkeypatch.setattr(twins_module, "conv_label_kernel", counted)
+    with launch_routes():
+        check_parity(make("pcpvt"), "tl_align")
+    assert not calls
+    check_parity(make("pcpvt"), "tl_align")
+    assert len(calls) == 2  # one per stage: the model's two position convs

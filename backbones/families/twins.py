@@ -40,6 +40,8 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
+from mixlabels._routes import eager_cpu_routes
+from mixlabels.backbones._convnet import Kernels
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
 from mixlabels.backbones._dense import drop_path_reference as _drop
@@ -114,13 +116,26 @@ def _from_windows(t: Tensor, grid: tuple[int, int], ws: int, b: int) -> Tensor:
     return rearrange(t[:, : grid[0], : grid[1]], "b h w c -> b (h w) c")
 
 
+def _needs_mass(grid: tuple[int, int], ws: int, device: torch.device) -> bool:
+    """Whether ``_lsa``'s labels carry one more channel that marks the real tokens (its mix is each row's real mass,
+    which the mixed labels are divided by): where the windows pad the grid, so that padded keys take part in the
+    softmax. On a grid the windows tile every row's mass is its softmax's sum, 1, and the channel, its concatenation
+    and the division are left out (three operators a block; SVT-S at 224 px: 27), except on the CPU's eager route,
+    whose bits the targets digest holds."""
+    return _padded(grid, ws) != tuple(grid) or eager_cpu_routes(device)
+
+
 def _lsa(attn: Any, x: Tensor, grid: tuple[int, int], labels: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """timm's ``LocallyGroupedAttn.forward`` and ``Norm_real(mean_h(A_h)) Y`` ``(b, n, l)`` (or ``None``)."""
     ws, b = attn.ws, x.shape[0]
     q, k, v = rearrange(attn.qkv(_to_windows(x, grid, ws)), "b n (three h d) -> three b h n d", three=3, h=attn.num_heads)
     y = None
-    if labels is not None:  # one more channel marks the real tokens: its mix is each row's real mass
-        y = _to_windows(torch.cat([labels.float(), labels.new_ones(labels.shape[0], labels.shape[1], 1)], dim=-1), grid, ws)
+    massed = labels is not None and _needs_mass(grid, ws, labels.device)
+    if labels is not None:
+        y = labels.float()
+        if massed:
+            y = torch.cat([y, labels.new_ones(labels.shape[0], labels.shape[1], 1)], dim=-1)
+        y = _to_windows(y, grid, ws)
     mixed = None
     if attn.fused_attn:
         dropout_p = attn.attn_drop.p if attn.training else 0.0
@@ -137,7 +152,8 @@ def _lsa(attn: Any, x: Tensor, grid: tuple[int, int], labels: Tensor | None) -> 
     out = attn.proj_drop(attn.proj(out))
     if mixed is not None:
         mixed = _from_windows(mixed, grid, ws, b)
-        mixed = mixed[..., :-1] / mixed[..., -1:]
+        if massed:
+            mixed = mixed[..., :-1] / mixed[..., -1:]
     return out, mixed
 
 
@@ -196,6 +212,17 @@ def _peg(peg: Any, x: Tensor, grid: tuple[int, int]) -> Tensor:
     return out
 
 
+def _peg_kernels(m: Any, device: torch.device) -> Kernels | None:
+    """The position convs' label kernels of one forward, read together at the first stage that needs them (one
+    ``label_kernels`` call: six operators for all stages, where each conv's ``kernel_labels`` took six), where every
+    operator is a launch (a GPU's eager route, ``launch_routes``); ``None`` elsewhere: the CPU's eager route reads
+    each conv's own (its bits, which the targets digest holds), and so does a compiled graph, whose compiler fuses
+    each conv's reductions."""
+    if eager_cpu_routes(device) or torch.compiler.is_compiling():
+        return None
+    return Kernels([peg.proj[0] for peg in m.pos_block])
+
+
 class AdaptedTwins(AdaptedBase):
     """A timm Twins (PCPVT, SVT) whose forward also returns the scheme's aligned targets (pooled readout)."""
 
@@ -212,6 +239,7 @@ class AdaptedTwins(AdaptedBase):
         x, grid = _embed(m, images, label_map)
         depth = sum(len(stage) for stage in m.blocks)
         tracker = self.scheme.start(label_map, TokenLayout(grid=grid, num_prefix=0, depth=depth, class_token=False))
+        pegs = _peg_kernels(m, x.device)
         layer = 0
         for i, (stage, peg) in enumerate(zip(m.blocks, m.pos_block)):
             if i > 0:
@@ -225,7 +253,8 @@ class AdaptedTwins(AdaptedBase):
                     conv = peg.proj[0]
                     x = _peg(peg, x, grid)
                     if labels is not None:
-                        tracker.residual(layer, None, mixed=conv_mix(labels, grid, conv_label_kernel(conv.weight), conv.padding, conv.dilation))
+                        kernel = conv_label_kernel(conv.weight) if pegs is None else pegs.label_kernel(conv)
+                        tracker.residual(layer, None, mixed=conv_mix(labels, grid, kernel, conv.padding, conv.dilation))
                 layer += 1
         x = m.norm(x)
         tracker.pool("mean", 0)
