@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
-from mixlabels._routes import switched
+from mixlabels._routes import eager_launch_routes, switched
 from mixlabels._shape_cache import shape_cache
 from mixlabels._trackers import CompactTracker
 from mixlabels.backbones._checks import check_batch
@@ -252,6 +252,14 @@ class CrossPart:
     split: Callable[[Tensor], tuple[Tensor, Tensor]]
     units: tuple[Any, ...]
     cat: Callable[[Tensor, Tensor], Tensor]
+
+
+def window_run(path: Path, start: int) -> tuple[list[Window], int]:
+    """The run of consecutive windows of ``path`` from ``start`` (a window) and the index after it."""
+    end = start
+    while end < len(path) and isinstance(path[end], Window):
+        end += 1
+    return [w for w in path[start:end] if isinstance(w, Window)], end
 
 
 def window_axes(windows: Sequence[Window], grid: tuple[int, int]) -> tuple[tuple[AxisWindow, AxisWindow], ...]:
@@ -820,12 +828,11 @@ a stride-2 block into a 14x14 grid reads a 28x28 one (its window's matrix ``(196
 
 def projected_route(tracker: LabelTracker, labels: Tensor, keep: Tensor | None) -> bool:
     """Whether ``block_labels`` may fold a block with a projection shortcut (a downsampling block: its branch's windows
-    and convs, its shortcut's window) into one matrix (``projected_maps``): on a GPU's eager route (the CPU's under
+    and convs, its shortcut's window) into one matrix (``projected_map``): on a GPU's eager route (the CPU's under
     ``launch_routes``; not the CPU's eager walk, whose bits the targets digest holds, nor a compiled graph, which
     fuses the pools and the ``lerp``), for the fast path's tracker, where no sample dropped the branch (``keep``
     ``None``: the aggregated labels are not needed apart), unless ``folded_residuals(False)``."""
-    return (_FOLDED[0] and isinstance(tracker, CompactTracker) and keep is None and not eager_cpu_routes(labels.device)
-            and not torch.compiler.is_compiling())
+    return _FOLDED[0] and isinstance(tracker, CompactTracker) and keep is None and eager_launch_routes(labels.device)
 
 
 def path_maps(path: Path, grid: tuple[int, int], kernels: Kernels, device: torch.device) -> tuple[list[Tensor], tuple[int, int]] | None:
@@ -840,12 +847,9 @@ def path_maps(path: Path, grid: tuple[int, int], kernels: Kernels, device: torch
             return None
         op = path[i]
         if isinstance(op, Window):
-            end = i
-            while end < len(path) and isinstance(path[end], Window):
-                end += 1
-            run = [w for w in path[i:end] if isinstance(w, Window)]
+            run, i = window_run(path, i)
             maps.append(_window_kron(grid, window_axes(run, grid), device))
-            grid, i = path_grid(tuple(run), grid), end
+            grid = path_grid(tuple(run), grid)
         elif isinstance(op, (nn.Conv2d, KernelConv)):
             m = None if depthwise_route(grid, device) else kernels.matrix(op, grid)
             if m is None:
@@ -1093,10 +1097,7 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
     while i < len(path):
         op = path[i]
         if isinstance(op, Window):
-            end = i
-            while end < len(path) and isinstance(path[end], Window):
-                end += 1
-            run, i = [w for w in path[i:end] if isinstance(w, Window)], end
+            run, i = window_run(path, i)
             axes = window_axes(run, grid)
             plan = window_plan(int(labels.y.shape[0]), grid, axes, labels.y.device)
             route, ceil_modes, out = plan

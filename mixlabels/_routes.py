@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["eager_cpu_routes", "launch_routes", "switched"]
+__all__ = ["eager_cpu_routes", "eager_launch_routes", "launch_routes", "switched"]
 
 _BYTE_ROUTES = [True]
 """Whether the CPU takes its own routes (the byte-saving ones, ``_byte_route``; folded label convs, ``fold_route``);
@@ -56,3 +56,10 @@ def switched(flag: list[bool], on: bool) -> Iterator[None]:
         yield
     finally:
         flag[0] = before
+
+
+def eager_launch_routes(device: torch.device) -> bool:
+    """Whether the label path on ``device`` runs eagerly where every operator is a launch: a GPU's eager route (the
+    CPU's under ``launch_routes``), neither the CPU's eager route (whose bits the targets digest holds) nor a compiled
+    graph (whose compiler fuses what the launch routes batch)."""
+    return not eager_cpu_routes(device) and not torch.compiler.is_compiling()

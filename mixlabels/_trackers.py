@@ -19,7 +19,7 @@ from torch import Tensor
 from mixlabels._align import AlignedOutput, AlignedTargets, Fork, Readout, Scheme, TokenLayout, initial_weights
 from mixlabels._label_map import TokenLabelMap
 from mixlabels._label_map import fp32_labels as _fp32
-from mixlabels._routes import eager_cpu_routes
+from mixlabels._routes import eager_launch_routes
 from mixlabels._rules import Rules, normalise_rows
 
 __all__ = ["CompactTracker", "DenseTracker"]
@@ -176,8 +176,7 @@ class CompactTracker:
         elif rules.target == "aligned" and self._y is not None:
             # renormalised where the digest's bits are (the CPU's eager route) and in a compiled graph (which fuses it);
             # where every operator is a launch the rows' drift from 1 (a few units in the last place) is left alone
-            renormalise = eager_cpu_routes(self._y.device) or torch.compiler.is_compiling()
-            readout = rules.readout(self._y, *self._readout, renormalise=renormalise)  # b l
+            readout = rules.readout(self._y, *self._readout, renormalise=not eager_launch_routes(self._y.device))  # b l
             target = self._expand(readout)
             weights = None if self._dense else readout
         else:

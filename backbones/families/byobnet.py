@@ -79,7 +79,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap
-from mixlabels._routes import eager_cpu_routes
+from mixlabels._routes import eager_cpu_routes, eager_launch_routes
 from mixlabels.backbones._attention import attention_with_labels, explicit_mix
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels, label_kernels
@@ -415,7 +415,7 @@ class FusionKernels:
 
     def __init__(self, blocks: list[Any], device: torch.device) -> None:
         self._blocks: list[Any] = [blk for blk in blocks if type(blk) is MobileVitBlock and blk.conv_fusion is not None]
-        self._together = not (eager_cpu_routes(device) or torch.compiler.is_compiling())
+        self._together = eager_launch_routes(device)
         self._device = device
         self._kernels: dict[int, tuple[Tensor, Tensor]] = {}
 

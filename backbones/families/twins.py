@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._attention import attention_with_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels._routes import eager_cpu_routes
+from mixlabels._routes import eager_cpu_routes, eager_launch_routes
 from mixlabels.backbones._convnet import Kernels
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, conv_aggregate, conv_label_kernel, conv_mix, explicit_mix, mix_token_space, stride_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise, window_matrix
@@ -218,9 +218,7 @@ def _peg_kernels(m: Any, device: torch.device) -> Kernels | None:
     operator is a launch (a GPU's eager route, ``launch_routes``); ``None`` elsewhere: the CPU's eager route reads
     each conv's own (its bits, which the targets digest holds), and so does a compiled graph, whose compiler fuses
     each conv's reductions."""
-    if eager_cpu_routes(device) or torch.compiler.is_compiling():
-        return None
-    return Kernels([peg.proj[0] for peg in m.pos_block])
+    return Kernels([peg.proj[0] for peg in m.pos_block]) if eager_launch_routes(device) else None
 
 
 class AdaptedTwins(AdaptedBase):
