@@ -36,7 +36,7 @@ from torchvision.ops import StochasticDepth
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
-from mixlabels._routes import _byte_route, eager_cpu_routes, launch_routes, switched
+from mixlabels._routes import _byte_route, eager_cpu_routes, eager_launch_routes, launch_routes, switched
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
@@ -504,14 +504,25 @@ def _tap_rows(weights: Sequence[Tensor], per_shape: Sequence[int], per_tail: Seq
     dispatches the fewest operators: a view per weight and one concatenation; a stack and a view per shape and one
     concatenation; or, where weights share their ``(i, kh, kw)`` (depthwise convs of any width), a concatenation
     along ``o`` and a view per such tail (and one concatenation of those). ``weights`` come ordered by tail, then
-    shape; ``per_shape`` and ``per_tail`` count them (at least two shapes)."""
-    views = len(weights) + 1
-    stacks = 2 * len(per_shape) + 1
-    joined = sum(2 if n > 1 else 1 for n in per_tail) + (1 if len(per_tail) > 1 else 0)
-    if joined < min(views, stacks):
+    shape; ``per_shape`` and ``per_tail`` count them (at least two shapes).
+
+    Where every operator is a launch (``eager_launch_routes``) the fewest computing operators decide first, the
+    fewest dispatched second: a view launches nothing, and a view per weight and one concatenation copy the weights
+    once, where a stack per shape and the concatenation of the stacks copy them twice (ResNet-18's twelve 3x3 convs
+    of four shapes: one launch, not five). Elsewhere the fewest dispatched: on the CPU each costs about the same."""
+    # each route's (computing, dispatched) operators; the views of a contiguous weight launch nothing
+    joined_copies = sum(1 for n in per_tail if n > 1) + (1 if len(per_tail) > 1 else 0)
+    routes = {  # ties go to the first
+        "views": (1, len(weights) + 1),
+        "stacks": (len(per_shape) + 1, 2 * len(per_shape) + 1),
+        "joined": (joined_copies, sum(2 if n > 1 else 1 for n in per_tail) + (1 if len(per_tail) > 1 else 0)),
+    }
+    launches = eager_launch_routes(weights[0].device)
+    route = min(routes, key=lambda r: routes[r] if launches else (routes[r][1], 0))
+    if route == "joined":
         parts = [(torch.cat(run) if len(run) > 1 else run[0]).reshape(-1, taps) for run in _runs(weights, per_tail)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]  # one tail: its concatenation is already new
-    if views <= stacks:
+    if route == "views":
         return torch.cat([w.reshape(-1, taps) for w in weights])
     return torch.cat([torch.stack(run).reshape(-1, taps) for run in _runs(weights, per_shape)])
 

@@ -24,6 +24,7 @@ import torch
 from einops import rearrange, reduce, repeat
 from torch import Tensor
 
+from mixlabels._routes import eager_launch_routes
 from mixlabels._shape_cache import shape_cache
 
 __all__ = ["Mask", "CellMask", "BoxMask"]
@@ -148,6 +149,18 @@ def _box_window_constants(
     offset = torch.stack([total, torch.zeros_like(total)], dim=-1)  # (h w) 2
     sign = torch.tensor([-1.0, 1.0], device=device)
     return r.T.contiguous(), c.T.contiguous(), index, index + 1, bounds, offset, sign
+
+
+@shape_cache(maxsize=32)
+def _block_windows(rt: Tensor, ct: Tensor) -> Tensor:
+    """``(gh + gw, h + w)``: the transposed windows of both axes (``_box_window_constants``' ``rt``, ``ct``) on the block
+    diagonal, so that one product takes every box's cells to both axes' windows (cached on the tensors, as those
+    constants are: the same tensors every step)."""
+    (gh, h), (gw, w) = rt.shape, ct.shape
+    blocks = rt.new_zeros(gh + gw, h + w)
+    blocks[:gh, :h] = rt
+    blocks[gh:, h:] = ct
+    return blocks
 
 
 def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -299,13 +312,20 @@ class BoxMask:
         """Rank one per box: the partner's weight under the windows is ``(R in_rows)(C in_cols)^T``, its own
         the windows' total minus that; ``O(b * (h + w) * cells)``, no cell or pixel mask."""
         # both axes' cells against their box bounds at once, and both columns from the partner's weight by one fused
-        # multiply-add (``total - p`` is ``total + p * -1``, bit for bit): nine computing operators a step
+        # multiply-add (``total - p`` is ``total + p * -1``, bit for bit): nine computing operators a step, eight where
+        # every operator is a launch
         rt, ct, start, end, bounds, offset, sign = _box_window_constants(rows, cols, self.grid)
         # each cell's span is [i, i + 1): its overlap with the box is 1 inside, else 0, and fp32 by the promotion to
         # the span's dtype, without a conversion of its own
         inside = _overlaps(self.boxes[:, bounds], start, end)  # b (gh + gw)
-        in_rows, in_cols = torch.split(inside, list(self.grid), dim=1)  # b gh, b gw
-        partner = (in_rows @ rt).unsqueeze(2) * (in_cols @ ct).unsqueeze(1)  # b h w
+        if eager_launch_routes(inside.device):  # both axes' windows by one product with their block diagonal
+            h, w = int(rt.shape[1]), int(ct.shape[1])
+            on_rows, on_cols = torch.split(inside @ _block_windows(rt, ct), [h, w], dim=1)  # b h, b w
+        else:  # the CPU's eager route (the bits the targets digest holds: a product's zero blocks may reorder its
+            # sums) and compiled graphs (whose compiler takes the two products as they are): one product an axis
+            in_rows, in_cols = torch.split(inside, list(self.grid), dim=1)  # b gh, b gw
+            on_rows, on_cols = in_rows @ rt, in_cols @ ct
+        partner = on_rows.unsqueeze(2) * on_cols.unsqueeze(1)  # b h w
         both = torch.addcmul(offset, partner.view(partner.shape[0], -1, 1), sign)  # b (h w) 2: [total - p, p]
         return both.clamp_min_(0.0)  # rounding must not take the own weight below 0
 

@@ -46,6 +46,22 @@ def test_op_count_counts_what_the_label_path_adds() -> None:
     assert row["top_added"] and all(n > 0 for _, n in row["top_added"])
 
 
+def test_op_counter_counts_as_computing_only_what_launches_a_kernel() -> None:
+    """``OpCounter.kernels``: a product and a copy compute; views, ``_unsafe_view`` (what ``reshape`` of a fresh
+    product dispatches: a view autograd does not track) and allocations (``empty``) launch nothing on a GPU. Every
+    operator is counted by name either way."""
+    from benchmarks._op_counter import OpCounter
+
+    a, b = torch.randn(2, 3, 4), torch.randn(4, 5)
+    with OpCounter() as counter:
+        product = a @ b  # 3-d @ 2-d: a view, mm, _unsafe_view
+        product.permute(0, 2, 1).contiguous()  # a view and a copy
+        torch.empty(3)
+    assert counter.ops["mm"] == 1 and counter.ops["_unsafe_view"] == 1 and counter.ops["empty"] == 1, counter.ops
+    assert counter.kernels == 2, counter.ops  # mm and the copy's clone
+    assert sum(counter.ops.values()) > counter.kernels + 3
+
+
 def test_compiled_calls_count_generated_kernels_and_extern_operators() -> None:
     """A compiled conv, relu and sum: one extern convolution a call, the rest generated kernels (inductor)."""
     from benchmarks._compiled_count import count_compiled_calls, is_aten_operator

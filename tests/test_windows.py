@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,10 +22,11 @@ from timm.layers.conv2d_same import Conv2dSame
 from timm.layers.pool2d_same import AvgPool2dSame, MaxPool2dSame
 from torch.testing import assert_close
 
+from benchmarks._op_counter import OpCounter
 from mixlabels import AlignedTargets, NoAlign, Scheme, TLAlign, TokenLabeling, TokenLabelMap, TokenLayout
 from mixlabels._mask import BoxMask, CellMask
 from mixlabels.backbones import adapt
-from mixlabels.backbones._common import mix_tokens, start_on_windows
+from mixlabels.backbones._common import launch_routes, mix_tokens, start_on_windows
 from mixlabels.backbones._convnet import Window, apply_path, path_matrix, window_axes
 from mixlabels.backbones._windows import _window_kron, axis_windows, chain_matrices, window_sums
 from tests.test_backbones_common import sharpen
@@ -158,12 +161,17 @@ def test_box_and_cell_window_weights_equal_the_pixels(seed: int, cell: int) -> N
     cells = CellMask(torch.rand(5, 3, gh, gw, generator=g).softmax(dim=1))
     wh, ww = axis_windows((7, 5), (2, 3), (3, 1)), axis_windows((3, 3), (2, 2), (1, 1))
     rows, cols = chain_matrices((32, 24), ((wh[0], ww[0]), (wh[1], ww[1])), True, torch.device("cpu"))
-    for mask in (box, cells):
-        expected = _explicit_window_weights(mask.pixel_weights((32, 24)), rows, cols)
-        assert_close(mask.window_weights(rows, cols).double(), expected, rtol=1e-6, atol=1e-6)
-    assert (box.window_weights(rows, cols) >= 0).all()  # own = total - partner, clamped: rounding stays >= 0
-    # the box mask's answer is the cell mask's of its boxes
-    assert_close(box.window_weights(rows, cols), CellMask(box.dense()).window_weights(rows, cols), rtol=1e-6, atol=1e-6)
+    for launches in (False, True):  # the CPU's eager route (a product an axis) and a GPU's (one product, both axes)
+        with launch_routes() if launches else contextlib.nullcontext():
+            for mask in (box, cells):
+                expected = _explicit_window_weights(mask.pixel_weights((32, 24)), rows, cols)
+                assert_close(mask.window_weights(rows, cols).double(), expected, rtol=1e-6, atol=1e-6)
+            with OpCounter() as ops:
+                got = box.window_weights(rows, cols)
+            assert ops.ops["mm"] == (1 if launches else 2), ops.ops
+            assert (got >= 0).all()  # own = total - partner, clamped: rounding stays >= 0
+            # the box mask's answer is the cell mask's of its boxes
+            assert_close(got, CellMask(box.dense()).window_weights(rows, cols), rtol=1e-6, atol=1e-6)
 
 
 def test_label_map_weights_and_targets_stay_fp32_under_autocast() -> None:
@@ -540,6 +548,31 @@ def test_label_kernels_of_many_long_shapes_average_runs_of_rows_then_weights() -
     assert per_shape.ops.get("mean", 0) == 2 and "split_with_sizes" in per_shape.ops  # gcd 1: a mean per shape
     for got, w in zip(odd_kernels, odd, strict=True):
         assert_close(got.double(), kernel_reference(w), rtol=0.0, atol=1e-7)  # 2e-8 at most seen, as per shape
+
+
+def test_label_kernels_gather_weights_by_fewest_launches_where_every_operator_is_one() -> None:
+    """Where every operator is a launch (``launch_routes``), the tap rows of weights of several shapes (ResNet-18's
+    3x3 convs of seven shapes, scaled down) are gathered by a view per weight and one concatenation: one
+    launch, not a concatenation per shared ``(i, kh, kw)`` and one of those (four here; fewer operators dispatched,
+    which the CPU's eager route keeps). Both give each weight its own kernel."""
+    from benchmarks._op_counter import OpCounter
+    from mixlabels.backbones._common import label_kernels, launch_routes
+    from mixlabels.backbones._dense import kernel_reference
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(16, 16, 3, 3)] * 4 + [(32, 16, 3, 3)] + [(32, 32, 3, 3)] * 3 + [(64, 32, 3, 3)] + [(64, 64, 3, 3)] * 2
+    weights = [torch.randn(*shape, generator=g) for shape in shapes]
+    with launch_routes(), OpCounter() as launch:
+        on_launches = label_kernels(weights)
+    with OpCounter() as cpu:
+        on_cpu = label_kernels(weights)
+    assert "stack" not in launch.ops and launch.ops["cat"] == 1, launch.ops
+    # the control: the fewest dispatched, the weights sharing an (i, kh, kw) concatenated along o (three such
+    # tails here) and the three concatenations concatenated
+    assert "stack" not in cpu.ops and cpu.ops["cat"] == 4, cpu.ops
+    for got, again, w in zip(on_launches, on_cpu, weights, strict=True):
+        assert_close(got.double(), kernel_reference(w), rtol=0.0, atol=5e-7)  # fp32 means of 256-4096 rows: 1.2e-7 seen
+        assert_close(again.double(), kernel_reference(w), rtol=0.0, atol=5e-7)
 
 
 def test_as_grid_of_as_tokens_is_the_grid_view_itself() -> None:
