@@ -40,6 +40,7 @@ from mixlabels._routes import _byte_route, eager_cpu_routes, eager_launch_routes
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
+from mixlabels.backbones._grid_plan import planning
 from mixlabels.backbones._timm_face import TimmFace, check_distributed, check_label_map, check_label_map_type
 from mixlabels.backbones._windows import (
     AxisWindow, apply_separable, as_grid, as_tokens, axis_out, axis_windows, chain_matrices, folded, is_position_major, mix_tokens, unfolded,
@@ -157,7 +158,10 @@ class AdaptedBase(TimmFace):
             # made on the images' device, a GPU model's reference runs where its modules do.
             with torch.device(images.device):
                 return self.reference_forward(images, label_map)
-        return self.aligned_forward(images, label_map)
+        # on a GPU's eager route, the grids this forward's label convs ask for are kept for the next one of this size,
+        # which builds each conv group on all of them at once (``GridPlan``); a null context anywhere else
+        with planning(self, images):
+            return self.aligned_forward(images, label_map)
 
     def aligned_forward(self, images: Tensor, label_map: TokenLabelMap) -> AlignedOutput:
         raise NotImplementedError
@@ -695,6 +699,78 @@ def tap_mixes(kernels: Tensor, taps: Tensor, shape: tuple[int, ...]) -> Tensor:
     computing operators), the rows' sums with the plain ``(kh*kw, n*n)`` ones (three)."""
     entries, weights = _tap_parts(kernels @ taps, shape)
     return entries / weights
+
+
+@shape_cache(maxsize=32)
+def _joint_tap_matrices(
+    grids: tuple[tuple[int, int], ...], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+    device: torch.device,
+) -> Tensor:
+    """``(kh*kw, 2 N)`` fp32 0/1, ``N`` the grids' ``n*n`` summed: every grid's ``_tap_matrices`` side by side, then
+    for each the in-grid indicator of every tap at every output position, repeated along that row's ``n`` entries, so
+    that one product with label kernels makes every grid's matrix entries and, entry by entry, their rows' in-grid
+    tap weights (``tap_mixes_on_grids``; shapes only: cached)."""
+    taps = [_tap_matrices(grid, kernel, padding, dilation, device) for grid in grids]
+    t = kernel[0] * kernel[1]
+    weights = []
+    for grid, tap in zip(grids, taps):
+        n = grid[0] * grid[1]
+        weights.append(tap.view(t, n, n).sum(dim=-1, keepdim=True).expand(t, n, n).reshape(t, n * n))
+    return torch.cat([*taps, *weights], dim=1)
+
+
+def tap_mixes_on_grids(
+    kernels: Tensor, grids: Sequence[tuple[int, int]], kernel: tuple[int, int], padding: tuple[int, int],
+    dilation: tuple[int, int],
+) -> list[Tensor]:
+    """``tap_mixes`` of label kernels ``(g, kh*kw)`` on several small grids at once: one product with
+    ``_joint_tap_matrices`` and one division for all of them, where each grid took a product and a division of its
+    own. ``(g, n, n)`` per grid, in order, each a view of the one quotient (``Kernels`` on a GPU's eager route,
+    where the last forward asked for these grids: ``GridPlan``)."""
+    taps = _joint_tap_matrices(tuple(grids), kernel, padding, dilation, kernels.device)
+    half = int(taps.shape[1]) // 2
+    product = kernels @ taps  # g 2N: the entries, then each entry's row weight
+    mixes = product[:, :half] / product[:, half:]  # g N, fresh and contiguous
+    out, start, g = [], 0, int(kernels.shape[0])
+    for h, w in grids:  # each grid's block of columns as (g, n, n): one strided view (a slice and a view are two)
+        n = h * w
+        out.append(mixes.as_strided((g, n, n), (half, n, 1), start))
+        start += n * n
+    return out
+
+
+def keeps_grid(kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int]) -> bool:
+    """Whether a stride-1 conv of this kernel, padding and dilation maps a grid onto itself ('same': every output
+    position reads as far on one side as on the other)."""
+    return all((k - 1) * d == 2 * p for k, p, d in zip(kernel, padding, dilation))
+
+
+@shape_cache(maxsize=32)
+def _ones_side_by_side(grids: tuple[tuple[int, int], ...], gap: int, device: torch.device) -> tuple[Tensor, tuple[int, ...]]:
+    """``(1, 1, max h, sum w + gaps)`` fp32: a block of ones per grid, top-aligned, left to right, ``gap`` columns of
+    zeros between them, and each block's first column. A 'same' conv that reaches ``gap`` columns to either side
+    reads, over each block, just what it reads over that grid alone padded with zeros (cached: a constant of the
+    grids)."""
+    starts, x = [], 0
+    for _, w in grids:
+        starts.append(x)
+        x += w + gap
+    canvas = torch.zeros(1, 1, max(h for h, _ in grids), x - gap, device=device)
+    for (h, w), start in zip(grids, starts):
+        canvas[..., :h, start : start + w] = 1.0
+    return canvas, tuple(starts)
+
+
+def masses_on_grids(
+    stacked: Tensor, padding: tuple[int, int], dilation: tuple[int, int], grids: Sequence[tuple[int, int]],
+) -> list[tuple[Tensor, ...]]:
+    """Every kernel's in-grid tap weight ``(1, h, w)`` on each of several grids, by one convolution of their blocks of
+    ones side by side (``_ones_side_by_side``), where each grid took a convolution of its own: per grid, one view a
+    kernel of the one output. ``stacked``: ``(g, 1, kh, kw)`` kernels of a 'same' conv (``keeps_grid``)."""
+    canvas, starts = _ones_side_by_side(tuple(grids), int(padding[1]), stacked.device)
+    out = F.conv2d(canvas, stacked, padding=padding, dilation=dilation)  # 1 g H W, fresh and contiguous
+    # each grid's block (1, g, h, w) by one strided view (two slices otherwise), then a view a kernel
+    return [out.as_strided((1, int(out.shape[1]), h, w), out.stride(), start).unbind(1) for (h, w), start in zip(grids, starts)]
 
 
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:

@@ -78,9 +78,11 @@ from mixlabels._shape_cache import shape_cache
 from mixlabels._trackers import CompactTracker
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
+from mixlabels.backbones._grid_plan import current_plan
 from mixlabels.backbones._common import (
     AdaptedBase, _DENSE_LAUNCH_TOKENS, _ones, conv_chain, conv_steps_on_grid, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
-    fold_route, kernel_labels, label_kernels, mix_token_space, shifted_route, start_on_windows,
+    fold_route, keeps_grid, kernel_labels, label_kernels, masses_on_grids, mix_token_space, shifted_route, start_on_windows,
+    tap_mixes_on_grids,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._windows import (
@@ -541,6 +543,11 @@ class Kernels:
 
     def __init__(self, convs: Iterable[nn.Conv2d | KernelConv], joins: Iterable[Parallel] = ()) -> None:
         self._convs = list(dict.fromkeys(convs))
+        # the running forward's plan of grids to build together (``GridPlan``; None: each grid as it is asked), and
+        # this object's place in it (a forward's ``Kernels`` in the order they are made: one conv group's asks are
+        # not read as another's)
+        self._plan = current_plan()
+        self._scope = self._plan.scope() if self._plan is not None else 0
         self._joins = list({id(op): op for op in joins}.values())  # by identity: a join's branches may hold unhashable ops
         self._fused: dict[Any, _FusedJoins] = {}
         # ``id`` of a join -> the join (held, so that its id is not reused while this lives) and its ``join_shape``
@@ -643,24 +650,6 @@ class Kernels:
             self._wide.update(((c, channels), k) for c, k in zip(same, expanded.unbind(0)))
         return self._wide[(conv, channels)]
 
-    def _per_grid(
-        self, cache: dict[tuple[nn.Module | KernelConv, tuple[int, int]], Tensor], conv: nn.Module | KernelConv,
-        grid: tuple[int, int], build: Callable[[Tensor, tuple[int, int], tuple[int, int]], Sequence[Tensor]],
-    ) -> Tensor | None:
-        """``conv``'s entry of ``cache`` on ``grid``, built on the first ask for every conv of its kernel shape,
-        padding and dilation together: ``build(stacked, padding, dilation)`` turns their stacked kernels
-        ``(g, 1, kh, kw)`` (the stack ``wide`` uses) into one tensor per conv, in order. ``None``: not held here, or
-        fewer than ``_WIDE_GROUP`` alike."""
-        kernel = self.get(conv)
-        if kernel is None:
-            return None
-        if (conv, grid) not in cache:
-            same, stacked = self._stack(*self._alike(kernel, conv, geometry=True))
-            if stacked is None:
-                return None
-            cache.update(((c, grid), t) for c, t in zip(same, build(stacked, *_geometry(conv)), strict=True))
-        return cache[(conv, grid)]
-
     def join_shape(self, op: Parallel) -> JoinShape | None:
         """``op``'s ``JoinShape`` where it fuses (``fused_join``): every branch the identity or one stride-1 'same' conv
         of dilation 1 whose label kernel this holds, at least two of them convs; else ``None``."""
@@ -726,13 +715,30 @@ class Kernels:
         """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
         fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
         one convolution of ones (a conv and an unbind per grid: where a shape has at least ``_WIDE_GROUP`` convs,
-        fewer operators than a conv of ones per step); ``None``: not held here, or too few alike
-        (``conv_steps_on_grid`` then computes it per step)."""
-        def masses(stacked: Tensor, padding: tuple[int, int], dilation: tuple[int, int]) -> Sequence[Tensor]:
-            ones = _ones((1, 1, grid[0], grid[1]), stacked.device)  # one channel to every kernel: see ``_ones``
-            return F.conv2d(ones, stacked, padding=padding, dilation=dilation).unbind(1)  # 1 g h w -> (1 h w) each
-
-        return self._per_grid(self._mass, conv, grid, masses)
+        fewer operators than a conv of ones per step), and with a ``GridPlan`` on every grid the last forward asked
+        for at once; ``None``: not held here, or too few alike (``conv_steps_on_grid`` then computes it per step)."""
+        kernel = self.get(conv)
+        if kernel is None:
+            return None
+        key, alike = self._alike(kernel, conv, geometry=True)
+        if self._plan is not None:
+            self._plan.ask("mass", (self._scope, key), grid)
+        if (conv, grid) not in self._mass:
+            same, stacked = self._stack(key, alike)
+            if stacked is None:
+                return None
+            padding, dilation = _geometry(conv)
+            grids = [grid]
+            if self._plan is not None and keeps_grid((int(stacked.shape[-2]), int(stacked.shape[-1])), padding, dilation):
+                grids = [g for g in self._plan.planned("mass", (self._scope, key), grid) if (same[0], g) not in self._mass]
+            if len(grids) > 1:  # every grid the last forward asked for, in one convolution (``GridPlan``)
+                for g, built in zip(grids, masses_on_grids(stacked, padding, dilation, grids), strict=True):
+                    self._mass.update(((c, g), t) for c, t in zip(same, built, strict=True))
+            else:
+                ones = _ones((1, 1, grid[0], grid[1]), stacked.device)  # one channel to every kernel: see ``_ones``
+                built = F.conv2d(ones, stacked, padding=padding, dilation=dilation).unbind(1)  # 1 g h w -> (1 h w) each
+                self._mass.update(((c, grid), t) for c, t in zip(same, built, strict=True))
+        return self._mass[(conv, grid)]
 
     def matrix(self, conv: nn.Module | KernelConv, grid: tuple[int, int]) -> Tensor | None:
         """``conv``'s label mix ``Norm(T(kernel))`` ``(n, n)`` on a small ``grid`` (the dense route, where
@@ -784,12 +790,20 @@ class Kernels:
         same, stacked = self._stack(key, alike)
         if stacked is None:
             return None
+        if self._plan is not None:
+            self._plan.ask("matrix", (self._scope, key), grid)
         if (key, grid) not in self._matrices:
             g, shape, n = int(stacked.shape[0]), (int(stacked.shape[-2]), int(stacked.shape[-1])), grid[0] * grid[1]
-            taps = tap_matrices_for(grid, shape, *_geometry(conv), stacked.device)
             if key not in self._tap_rows:  # the stack as rows of taps, one view for every grid it is asked on
                 self._tap_rows[key] = stacked.view(g, -1)
-            self._matrices[(key, grid)] = (same, tap_mixes(self._tap_rows[key], taps, (g, n, n)))
+            grids = [grid] if self._plan is None else [
+                x for x in self._plan.planned("matrix", (self._scope, key), grid) if (key, x) not in self._matrices]
+            if len(grids) > 1:  # every small grid the last forward asked for, in one product (``GridPlan``)
+                built = tap_mixes_on_grids(self._tap_rows[key], grids, shape, *_geometry(conv))
+                self._matrices.update(((key, x), (same, m)) for x, m in zip(grids, built, strict=True))
+            else:
+                taps = tap_matrices_for(grid, shape, *_geometry(conv), stacked.device)
+                self._matrices[(key, grid)] = (same, tap_mixes(self._tap_rows[key], taps, (g, n, n)))
         return self._matrices[(key, grid)]
 
 

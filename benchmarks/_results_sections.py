@@ -123,9 +123,11 @@ SECTIONS: tuple[Section, ...] = (
             "Exact on any machine: the ATen operators one forward + loss + backward dispatches (a counting dispatch "
             "mode, batch 2, each family's small model at its default size), the mixer and optimizer left out, with "
             "a GPU's label routes (the CPU's byte-saving routes, which spend operators to save memory traffic, are "
-            "off: `launch_routes`; a warm-up step on those routes first, so that their caches hold, as on a GPU after "
-            "its first step). In eager mode on a GPU each computing operator is at least one kernel launch; views "
-            "launch none, but the host dispatches them and the first ratio counts them.", render_op_count),
+            "off: `launch_routes`; two warm-up steps on those routes first, so that their caches and each adapter's grid "
+            "plan hold, as on a GPU after its first steps; one before `runs/op_count47`). In eager mode on a GPU each computing operator is at least one kernel launch; views "
+            "launch none, nor do `_unsafe_view` (a view autograd does not track) and allocations (`empty`: "
+            "`benchmarks/_op_counter.py`'s `NO_LAUNCH`, counted as computing before `runs/op_count46`), but the host "
+            "dispatches them and the first ratio counts them.", render_op_count),
     Section("op-count-compiled", "Kernels a compiled training step launches per backbone family (CPU)",
             "python benchmarks/op_count.py --compiled",
             "A compiled step (`torch.compile`, inductor, on the CPU; batch 2, each family's small model at its default "

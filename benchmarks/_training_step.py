@@ -163,13 +163,15 @@ class TrainingSteps:
                 (``backbones._joins.fused_joins``), ``matrices=launch`` / ``matrices=cpu``: up to which grid it mixes
                 a conv net's labels by matrices (``backbones._common.launch_matrices``), ``residuals=folded`` /
                 ``residuals=lerp``: whether it folds their residuals into the matrices
-                (``backbones._convnet.folded_residuals``).
+                (``backbones._convnet.folded_residuals``), ``plans=kept`` / ``plans=off``: whether it builds a label
+                conv group's tap weights and matrices on all its grids at once (``backbones._grid_plan.grid_plans``).
             adapter: run the mixed batch through this (e.g. ``torch.compile`` of ``adapted[variant]``).
         """
         from mixlabels.backbones import compiled_label_convs
         from mixlabels.backbones._attention import ROUTES, attention_route
         from mixlabels.backbones._common import launch_matrices
         from mixlabels.backbones._convnet import folded_residuals
+        from mixlabels.backbones._grid_plan import grid_plans
         from mixlabels.backbones._joins import fused_joins
 
         if route is None and variant == "tlalign-widened":
@@ -183,10 +185,12 @@ class TrainingSteps:
             context = launch_matrices(route == "matrices=launch")
         elif route in ("residuals=folded", "residuals=lerp"):
             context = folded_residuals(route == "residuals=folded")
+        elif route in ("plans=kept", "plans=off"):
+            context = grid_plans(route == "plans=kept")
         elif route is not None:
             if route not in ROUTES:
                 raise ValueError(f"no attention route {route!r}; choose from {', '.join(ROUTES)}, label-convs=shifted|conv, "
-                                 "joins=fused|walk, matrices=launch|cpu or residuals=folded|lerp")
+                                 "joins=fused|walk, matrices=launch|cpu, residuals=folded|lerp or plans=kept|off")
             context = attention_route(route)  # checked above
         with context, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             if variant == "none":

@@ -204,7 +204,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "convolutions, against the default shifted sums: backbones.compiled_label_convs); eager, e.g. "
                    "joins=walk (a conv net's joins branch by branch, against the default fused joins: backbones._joins), "
                    "matrices=cpu (label matrices up to 8x8 grids, not 14x14: backbones._common.launch_matrices), "
-                   "residuals=lerp (residuals not folded into the branch's matrices: backbones._convnet.folded_residuals)")
+                   "residuals=lerp (residuals not folded into the branch's matrices: backbones._convnet.folded_residuals), "
+                   "plans=off (label conv groups' tap weights and matrices built grid by grid: backbones._grid_plan.grid_plans)")
     p.add_argument("--test-workers", type=int, default=16)
     p.add_argument("--test-budget-s", type=float, default=150.0)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes and the registry's 32 px models: try every part anywhere")

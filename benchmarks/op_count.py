@@ -72,6 +72,11 @@ def _mixed_sample(model_name: str, batch_size: int) -> tuple[TrainingSteps, torc
     return steps, mixed, label_map
 
 
+WARMUP_STEPS = 2
+"""Uncounted steps before the counted one: the first fills the shape caches and learns each adapter's grid plan
+(``backbones._grid_plan``), the second builds the plan's joint constants, as a GPU's first steps do."""
+
+
 def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
     """Operators of one forward + loss + backward with CutMix + NoAlign and with CutMix + TL-Align.
 
@@ -81,9 +86,10 @@ def count_step(model_name: str, batch_size: int = 2) -> dict[str, Any]:
     steps, mixed, label_map = _mixed_sample(model_name, batch_size)
     row: dict[str, Any] = {"model": model_name}
     for name in VARIANTS:
-        with launch_routes():  # warm-up on the counted routes: their caches filled, as a GPU's after its first step
-            steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]
-        steps.model.zero_grad(set_to_none=True)
+        for _ in range(WARMUP_STEPS):  # on the counted routes: their caches filled, as a GPU's after its first steps
+            with launch_routes():
+                steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]
+            steps.model.zero_grad(set_to_none=True)
         with launch_routes(), OpCounter() as counter:  # a GPU's routes: what it would launch (see launch_routes)
             steps.loss(name, mixed, label_map).backward()  # type: ignore[no-untyped-call]
         steps.model.zero_grad(set_to_none=True)

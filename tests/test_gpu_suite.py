@@ -192,12 +192,12 @@ def test_family_routes_reach_the_compiled_pair_and_a_step_takes_either_kind_of_r
 
 
 @pytest.mark.parametrize(("family", "route"), [("inception_next", "joins=walk"), ("convnext", "matrices=cpu"),
-                                              ("resnet", "residuals=lerp")])
+                                              ("resnet", "residuals=lerp"), ("resnet", "plans=off")])
 def test_eager_family_routes_are_timed_beside_the_devices_route_and_reported(family: str, route: str, tmp_path: Path) -> None:
     """--family-mode eager --family-routes joins=walk (and the other eager fallbacks): each family's eager pair times
     TL-Align by that route too (a GPU's fused joins against the branch walk, its 14x14 label matrices against the
-    CPU's depthwise convs there, its folded residuals against the lerp), and the report gives it a row of its own
-    beside the device's."""
+    CPU's depthwise convs there, its folded residuals against the lerp, its grid plans against building grid by
+    grid), and the report gives it a row of its own beside the device's."""
     from benchmarks.gpu_report import gpu_section
 
     result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", family,
