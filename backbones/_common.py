@@ -707,15 +707,17 @@ def _joint_tap_matrices(
     device: torch.device,
 ) -> Tensor:
     """``(kh*kw, 2 N)`` fp32 0/1, ``N`` the grids' ``n*n`` summed: every grid's ``_tap_matrices`` side by side, then
-    for each the in-grid indicator of every tap at every output position, repeated along that row's ``n`` entries, so
-    that one product with label kernels makes every grid's matrix entries and, entry by entry, their rows' in-grid
-    tap weights (``tap_mixes_on_grids``; shapes only: cached)."""
-    taps = [_tap_matrices(grid, kernel, padding, dilation, device) for grid in grids]
+    for each the in-grid indicator of every tap at every output position (``_weighted_tap_matrices``' last ``n``
+    columns), repeated along that row's ``n`` entries, so that one product with label kernels makes every grid's
+    matrix entries and, entry by entry, their rows' in-grid tap weights (``tap_mixes_on_grids``; shapes only:
+    cached)."""
     t = kernel[0] * kernel[1]
-    weights = []
-    for grid, tap in zip(grids, taps):
+    taps, weights = [], []
+    for grid in grids:
         n = grid[0] * grid[1]
-        weights.append(tap.view(t, n, n).sum(dim=-1, keepdim=True).expand(t, n, n).reshape(t, n * n))
+        weighted = _weighted_tap_matrices(grid, kernel, padding, dilation, device)  # t (n*n + n)
+        taps.append(weighted[:, : n * n])
+        weights.append(weighted[:, n * n :].unsqueeze(-1).expand(t, n, n).reshape(t, n * n))
     return torch.cat([*taps, *weights], dim=1)
 
 

@@ -30,6 +30,7 @@ _PLANNED = [True]
 """Whether a GPU's eager walk builds a group's tap weights and matrices on every grid its last forward asked for at
 once (``grid_plans``)."""
 
+
 class _Current(threading.local):
     plan: GridPlan | None = None
 
