@@ -923,6 +923,21 @@ def conv_mix_pair(
             mixed = (shifted_conv(as_grid(first.float(), grid), k1, padding, dilation)
                      + shifted_conv(as_grid(second.float(), grid), k2, padding, dilation))
             return as_tokens(mixed / (shifted_conv(ones, k1, padding, dilation) + shifted_conv(ones, k2, padding, dilation)))
+        if eager_launch_routes(first.device):
+            # where every operator is a launch: both states stacked position-major ``(b, n, l, two)``, which is a
+            # channels-last ``(b, (l two), h, w)`` map as it lies (one copy, where a stack and the rearrangement's copy
+            # took two), a group per label channel, and both halves' in-grid tap weight by one conv of the cached ones
+            # over two channels (one operator, where ``ones_like``, a grouped conv and a sum took three). The CPU's
+            # eager route keeps its own (its bits, which the targets digest holds: a two-channel conv adds the halves
+            # in its own order)
+            pair = torch.stack([first.float(), second.float()], dim=-1)  # b n l two
+            b, _, l, _ = pair.shape
+            h, w = grid
+            y = pair.as_strided((b, 2 * l, h, w), (n * 2 * l, 1, w * 2 * l, 2 * l))  # b (l two) h w, channels-last
+            k = torch.stack([k_first, k_second]).to(y).unsqueeze(0)  # 1 two kh kw
+            mass = F.conv2d(_ones((1, 2, h, w), y.device), k, padding=padding, dilation=dilation)  # 1 1 h w
+            mixed = F.conv2d(y, k.expand(l, -1, -1, -1), padding=padding, dilation=dilation, groups=l)  # b l h w
+            return as_tokens(mixed.div_(mass))
         y = rearrange(torch.stack([first.float(), second.float()], dim=-1), "b (h w) l two -> 1 (b l two) h w", h=grid[0])
         k = rearrange(torch.stack([k_first, k_second]).to(y), "two kh kw -> two 1 kh kw")
         groups = y.shape[1] // 2

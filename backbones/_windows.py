@@ -27,6 +27,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mixlabels._label_map import fp32_labels
+from mixlabels._routes import eager_launch_routes
 from mixlabels._shape_cache import shape_cache
 
 __all__ = [
@@ -273,8 +274,10 @@ On a GPU pooling is one memory-bound kernel whatever the size, where the separab
 def window_route(batch: int, grid: tuple[int, int], out: tuple[int, int], device: torch.device | str = "cpu",
                  poolable: bool = True) -> str:
     """``"pooled"``, ``"dense"`` or ``"separable"``: how ``apply_path`` applies a run of windows from ``grid`` to
-    ``out`` on ``device`` (``poolable``: ``avg_pool2d`` can make its windows, ``pool_ceil_mode``)."""
-    on_cpu = torch.device(device).type == "cpu"
+    ``out`` on ``device`` (``poolable``: ``avg_pool2d`` can make its windows, ``pool_ceil_mode``). The CPU under
+    ``launch_routes`` takes a GPU's route (pooled whatever the size), so that what it counts is what a GPU launches."""
+    device = torch.device(device)
+    on_cpu = device.type == "cpu" and not eager_launch_routes(device)
     if poolable and (not on_cpu or batch * grid[0] * grid[1] <= _POOLED_CPU_POSITIONS):
         return "pooled"
     return "dense" if batch * out[0] * out[1] * grid[0] * grid[1] <= _DENSE_WINDOW_PRODUCTS else "separable"

@@ -87,38 +87,44 @@ def _cell_windows(windows: Tensor, cells: int) -> Tensor:
 @shape_cache(maxsize=64)
 def _token_overlap_constants(
     cells: tuple[int, int], grid: tuple[int, int], device: torch.device,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor, int]:
     """What ``BoxMask.token_weights`` needs of the two grids alone, computed once, not per step. Along each axis the
-    mask's cells and the tokens tile a finer grid (their lcm); for every token, rows then columns (``(h + w,)``
-    long): which box bounds it meets (``(2, h + w)``: the columns of ``boxes`` holding its axis' start and end), the
-    length of a cell (the scale of a bound) and the token's start and end, in that axis' fine units; a token's
-    area in fine units squared, and the two sources' columns from the partner's area ``p``: ``[total, 0] + p [-1, 1]``
-    (``offset``, ``sign``, long)."""
+    mask's cells and the tokens tile a finer grid (their lcm). Per axis (rows, then columns), long: the length of a
+    cell in that axis' fine units (the scale of its bounds, ``(2, 1, 1)``; ``None`` where a cell is one unit on both
+    axes, as for pixel cells, and no scaling is needed), and every token's start and end in those units
+    (``(2, 1, t)``, ``t`` the longer axis' token count: a shorter axis padded with empty spans ``[0, 0)``, which
+    meet no box); a token's area in fine units squared, and the two sources' columns from the partner's area ``p``:
+    ``[total, 0] + p [-1, 1]`` (``offset``, ``sign``, long)."""
+    longest = max(grid)
     scale: list[int] = []
-    starts: list[int] = []
-    ends: list[int] = []
-    bounds: tuple[list[int], list[int]] = ([], [])
+    starts: list[list[int]] = []
+    ends: list[list[int]] = []
     total = 1
-    for axis, (c, t) in enumerate(zip(cells, grid)):
+    for c, t in zip(cells, grid):
         fine = _lcm(c, t)
         per_token = fine // t
         total *= per_token
-        scale += [fine // c] * t
-        starts += [i * per_token for i in range(t)]
-        ends += [(i + 1) * per_token for i in range(t)]
-        bounds[0].extend([2 * axis] * t)
-        bounds[1].extend([2 * axis + 1] * t)
-    return (torch.tensor(bounds, device=device), torch.tensor(scale, device=device), torch.tensor(starts, device=device),
-            torch.tensor(ends, device=device), torch.tensor([total, 0], device=device),
-            torch.tensor([-1, 1], device=device), total)
+        scale.append(fine // c)
+        starts.append([i * per_token for i in range(t)] + [0] * (longest - t))
+        ends.append([(i + 1) * per_token for i in range(t)] + [0] * (longest - t))
+    scales = None if scale == [1, 1] else torch.tensor(scale, device=device).view(2, 1, 1)
+    return (scales, torch.tensor(starts, device=device).view(2, 1, longest), torch.tensor(ends, device=device).view(2, 1, longest),
+            torch.tensor([total, 0], device=device), torch.tensor([-1, 1], device=device), total)
+
+
+def _axis_bounds(boxes: Tensor) -> Tensor:
+    """``(b, 4)`` boxes ``(y0, y1, x0, x1)`` as ``(b, 2, 2, 1)``: axis, then its start and end (a view where the boxes
+    are contiguous), to broadcast against per-axis spans ``(2, 1, t)`` (no indexing: one operator fewer a step)."""
+    return boxes.reshape(boxes.shape[0], 2, 2, 1)
 
 
 def _overlaps(bounds: Tensor, starts: Tensor, ends: Tensor) -> Tensor:
-    """The overlap of each box's span along an axis with each span ``[starts, ends)``: ``bounds`` ``(b, 2, n)`` holds
-    the box's start and end for every span. Both are clamped into the span; their difference is
-    ``min(hi, e) - max(lo, s)`` wherever the box meets the span, elsewhere (and for a box with ``hi < lo``) at most 0,
-    which the clamp to 0 takes. One ``unbind`` for both bounds, where indexing dispatches a view each."""
-    lo, hi = bounds.clamp(starts, ends).unbind(1)
+    """The overlap of each box's span along each axis with each span ``[starts, ends)``: ``bounds`` ``(b, 2, 2, 1)``
+    holds the box's start and end per axis (``_axis_bounds``), the spans are ``(2, 1, t)``; ``(b, 2, t)``. Both
+    bounds are clamped into the span; their difference is ``min(hi, e) - max(lo, s)`` wherever the box meets the
+    span, elsewhere (and for a box with ``hi < lo``, or an empty span) at most 0, which the clamp to 0 takes. One
+    ``unbind`` for both bounds, where indexing dispatches a view each."""
+    lo, hi = bounds.clamp(starts, ends).unbind(2)
     return (hi - lo).clamp_min_(0)
 
 
@@ -135,32 +141,29 @@ def _box_window_constants(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """What ``BoxMask.window_weights`` needs of the windows alone, computed once, not per step: the windows over the
     mask's cells per axis, transposed (``(gh, h)``, ``(gw, w)``, contiguous), every cell's start and end along its
-    axis (rows then columns, ``(gh + gw,)`` fp32 each: index ``i`` spans ``[i, i + 1)``), which box bounds each such
-    cell is compared with (``(2, gh + gw)``: the
-    columns of ``boxes`` holding its axis' start and end), and the ``(h w, 2)`` offset and ``(2,)`` sign that turn the
-    partner's weight into both columns (``[total - partner, partner]``). ``rows`` and ``cols`` are a stem's cached
-    window matrices (the same tensors every step), so the cache is keyed on the tensors themselves: an entry keeps
-    them, so their identity is never reused."""
+    axis (``(2, 1, g)`` fp32, ``g = max(gh, gw)``, rows then columns: index ``i`` spans ``[i, i + 1)``, a shorter
+    axis padded with empty spans ``[0, 0)``; ``_overlaps``), both axes' transposed windows on the block diagonal of
+    that padded layout (``(2 g, h + w)``: one product takes every box's cells to both axes' windows, the padding's
+    rows zero), and the ``(h w, 2)`` offset and ``(2,)`` sign that turn the partner's weight into both columns
+    (``[total - partner, partner]``). ``rows`` and ``cols`` are a stem's cached window matrices (the same tensors
+    every step), so the cache is keyed on the tensors themselves: an entry keeps them, so their identity is never
+    reused."""
     r, c = _cell_windows(rows, grid[0]), _cell_windows(cols, grid[1])  # h gh, w gw
     device = rows.device
-    index = torch.cat([torch.arange(grid[0], device=device), torch.arange(grid[1], device=device)]).float()
-    bounds = torch.tensor([[0] * grid[0] + [2] * grid[1], [1] * grid[0] + [3] * grid[1]], device=device)
+    longest = max(grid)
+    start = torch.zeros(2, 1, longest, device=device)
+    end = torch.zeros(2, 1, longest, device=device)
+    for axis, cells in enumerate(grid):
+        start[axis, 0, :cells] = torch.arange(cells, device=device)
+        end[axis, 0, :cells] = start[axis, 0, :cells] + 1
+    h, w = int(r.shape[0]), int(c.shape[0])
+    blocks = r.new_zeros(2 * longest, h + w)
+    blocks[: grid[0], :h] = r.T
+    blocks[longest : longest + grid[1], h:] = c.T
     total = torch.outer(r.sum(dim=1), c.sum(dim=1)).reshape(-1)  # h w: every window's weight
     offset = torch.stack([total, torch.zeros_like(total)], dim=-1)  # (h w) 2
     sign = torch.tensor([-1.0, 1.0], device=device)
-    return r.T.contiguous(), c.T.contiguous(), index, index + 1, bounds, offset, sign
-
-
-@shape_cache(maxsize=32)
-def _block_windows(rt: Tensor, ct: Tensor) -> Tensor:
-    """``(gh + gw, h + w)``: the transposed windows of both axes (``_box_window_constants``' ``rt``, ``ct``) on the block
-    diagonal, so that one product takes every box's cells to both axes' windows (cached on the tensors, as those
-    constants are: the same tensors every step)."""
-    (gh, h), (gw, w) = rt.shape, ct.shape
-    blocks = rt.new_zeros(gh + gw, h + w)
-    blocks[:gh, :h] = rt
-    blocks[gh:, h:] = ct
-    return blocks
+    return r.T.contiguous(), c.T.contiguous(), start, end, blocks, offset, sign
 
 
 def _upsampled_mean(cells: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -298,11 +301,12 @@ class BoxMask:
         token's; their quotient, correctly rounded, is what averaging the 0/1 cells gives
         on the CPU (an exact sum, then one division), bit for bit.
         """
-        # both axes at once (eight operators a step, all on integers until the division): every token's start and
-        # end along its axis in units of that axis' lcm grid, and which box bounds it meets
-        bounds, scale, starts, ends, offset, sign, total = _token_overlap_constants(self.grid, grid, self.boxes.device)
-        inside = _overlaps(self.boxes[:, bounds] * scale, starts, ends)  # b (h + w): in lcm units
-        rows, cols = torch.split(inside, list(grid), dim=1)  # b h, b w
+        # both axes at once (six operators a step where a cell is one fine unit, seven else, all on integers until
+        # the division): every token's start and end along its axis in units of that axis' lcm grid
+        scale, starts, ends, offset, sign, total = _token_overlap_constants(self.grid, grid, self.boxes.device)
+        bounds = _axis_bounds(self.boxes)
+        inside = _overlaps(bounds if scale is None else bounds * scale, starts, ends)  # b 2 t: in lcm units
+        rows, cols = inside[:, 0, : grid[0]], inside[:, 1, : grid[1]]  # b h, b w
         area = (rows[:, :, None] * cols[:, None]).view(inside.shape[0], -1, 1)  # b (h w) 1: the partner's
         # exact integers, one division: integers divided by a float32 scalar tensor are float32 quotients whatever the
         # default dtype, the same bits as a conversion first, without that conversion's operator
@@ -312,19 +316,18 @@ class BoxMask:
         """Rank one per box: the partner's weight under the windows is ``(R in_rows)(C in_cols)^T``, its own
         the windows' total minus that; ``O(b * (h + w) * cells)``, no cell or pixel mask."""
         # both axes' cells against their box bounds at once, and both columns from the partner's weight by one fused
-        # multiply-add (``total - p`` is ``total + p * -1``, bit for bit): nine computing operators a step, eight where
-        # every operator is a launch
-        rt, ct, start, end, bounds, offset, sign = _box_window_constants(rows, cols, self.grid)
+        # multiply-add (``total - p`` is ``total + p * -1``, bit for bit): eight computing operators a step, seven
+        # where every operator is a launch
+        rt, ct, start, end, blocks, offset, sign = _box_window_constants(rows, cols, self.grid)
         # each cell's span is [i, i + 1): its overlap with the box is 1 inside, else 0, and fp32 by the promotion to
         # the span's dtype, without a conversion of its own
-        inside = _overlaps(self.boxes[:, bounds], start, end)  # b (gh + gw)
+        inside = _overlaps(_axis_bounds(self.boxes), start, end)  # b 2 g
         if eager_launch_routes(inside.device):  # both axes' windows by one product with their block diagonal
             h, w = int(rt.shape[1]), int(ct.shape[1])
-            on_rows, on_cols = torch.split(inside @ _block_windows(rt, ct), [h, w], dim=1)  # b h, b w
+            on_rows, on_cols = torch.split(inside.view(inside.shape[0], -1) @ blocks, [h, w], dim=1)  # b h, b w
         else:  # the CPU's eager route (the bits the targets digest holds: a product's zero blocks may reorder its
             # sums) and compiled graphs (whose compiler takes the two products as they are): one product an axis
-            in_rows, in_cols = torch.split(inside, list(self.grid), dim=1)  # b gh, b gw
-            on_rows, on_cols = in_rows @ rt, in_cols @ ct
+            on_rows, on_cols = inside[:, 0, : self.grid[0]] @ rt, inside[:, 1, : self.grid[1]] @ ct
         partner = on_rows.unsqueeze(2) * on_cols.unsqueeze(1)  # b h w
         both = torch.addcmul(offset, partner.view(partner.shape[0], -1, 1), sign)  # b (h w) 2: [total - p, p]
         return both.clamp_min_(0.0)  # rounding must not take the own weight below 0

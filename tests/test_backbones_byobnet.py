@@ -407,26 +407,33 @@ def _two_fusions() -> nn.Module:
 
 
 def test_fusion_kernels_are_read_once_a_forward_and_only_for_labels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where every operator is a launch, the forward reads both v1 blocks' fusion kernels in one ``label_kernels``
-    call (four halves) and its labels equal the reference's and the CPU route's (which reads each block's own); a
-    scheme that tracks no labels (NoAlign) reads no fusion kernel at all."""
+    """Where every operator is a launch, the forward reads both v1 blocks' fusion kernels (four halves) in the one
+    ``label_kernels`` call that reads its convs' (``_forward_kernels``), and its labels equal the reference's and the
+    CPU route's (which reads each block's own, and each conv block's); a scheme that tracks no labels (NoAlign) reads
+    no fusion kernel at all."""
     from test_backbones_common import _fast_and_reference
 
     from mixlabels import NoAlign
+    from mixlabels.backbones import _convnet
     from mixlabels.backbones._common import launch_routes
     from mixlabels.backbones.families import byobnet
 
-    calls: list[int] = []
-    original = byobnet.label_kernels
-    monkeypatch.setattr(byobnet, "label_kernels", lambda ws: calls.append(len(ws)) or original(ws))
+    calls: list[list[tuple[int, ...]]] = []
+    original = _convnet.label_kernels
+    monkeypatch.setattr(_convnet, "label_kernels", lambda ws: calls.append([tuple(w.shape) for w in ws]) or original(ws))
+    monkeypatch.setattr(byobnet, "label_kernels", lambda ws: pytest.fail("fusion halves read apart"))
     model = _two_fusions()
+    halves = sorted(tuple(half.shape) for blk in byobnet._blocks(model) if type(blk) is byobnet.MobileVitBlock
+                    for half in byobnet._fusion_halves(blk)[0])
     with launch_routes():
         fast, _, _ = _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
-    assert calls == [4]
+    assert len(calls) == 1 and len(halves) == 4, calls  # the forward's one read, the halves among its weights
+    assert all(calls[0].count(h) >= halves.count(h) for h in halves) and len(calls[0]) > 4, calls
     images, lm = cutmix_batch()
     torch.manual_seed(11)
+    calls.clear()
     cpu = backbones.adapt(copy.deepcopy(model).train(), TLAlign())(images, lm)
-    assert calls == [4]  # the CPU's route: each block's own kernel_labels
+    assert all(len(c) == 1 for c in calls), calls  # the CPU's route: each conv's own path, no fusion half among them
     assert_close(cpu.target, fast.target, rtol=1e-6, atol=1e-7)
 
     def refuse(*_: object) -> None:

@@ -100,6 +100,52 @@ def test_a_gpus_tap_matrices_carry_their_rows_tap_weights(shape: str) -> None:
     assert not torch.equal(pair, labels[0])
 
 
+@pytest.mark.parametrize("shape", ["3x3", "5x5 dilated", "1x5"])
+def test_a_conv_over_two_label_states_on_a_large_grid_launches_five_operators(shape: str) -> None:
+    """``conv_mix_pair`` (MobileViT's fusion) on a grid of the depthwise route: where every operator is a launch, both
+    states are stacked position-major (one copy, read as a channels-last map as it lies) and both halves' in-grid tap
+    weight is one conv of the cached ones over two channels: five computing operators, where the CPU's route takes
+    eight, and the labels of an explicit float64 sum over each half's in-grid taps (and the CPU route's, to
+    rounding). Each half counts: zeroing either kernel changes the labels."""
+    from benchmarks._op_counter import OpCounter
+    from mixlabels.backbones._common import conv_mix_pair
+
+    kh, kw, padding, dilation = {"3x3": (3, 3, (1, 1), (1, 1)), "5x5 dilated": (5, 5, (4, 4), (2, 2)),
+                                 "1x5": (1, 5, (0, 2), (1, 1))}[shape]
+    grid = (16, 15)  # 240 positions: over _DENSE_LAUNCH_TOKENS, the depthwise route on both
+    g = torch.Generator().manual_seed(kh * 7 + kw)
+    first, second = (torch.rand(2, grid[0] * grid[1], 3, generator=g).softmax(-1) for _ in range(2))
+    k1, k2 = torch.rand(kh, kw, generator=g) * 0.4, torch.rand(kh, kw, generator=g) * 0.6
+    assert depthwise_route(grid, CPU)
+    with launch_routes():
+        assert depthwise_route(grid, CPU)
+        conv_mix_pair(first, second, grid, k1, k2, padding, dilation)  # the grid's ones built (cached)
+        with OpCounter() as ops:
+            got = conv_mix_pair(first, second, grid, k1, k2, padding, dilation)
+    assert ops.kernels == 5 and "ones_like" not in ops.ops and "sum" not in ops.ops, ops.ops
+    with OpCounter() as cpu_ops:
+        cpu = conv_mix_pair(first, second, grid, k1, k2, padding, dilation)
+    assert cpu_ops.kernels == 8, cpu_ops.ops
+
+    def explicit(a: Tensor, b: Tensor, ka: Tensor, kb: Tensor) -> Tensor:
+        def conv(x: Tensor, k: Tensor) -> Tensor:  # (n, c, h, w) float64, each channel alone
+            c = int(x.shape[1])
+            return torch.nn.functional.conv2d(x, k.double().expand(c, 1, kh, kw), padding=padding, dilation=dilation, groups=c)
+
+        grid_of = lambda t: t.double().transpose(1, 2).reshape(t.shape[0], -1, *grid)  # noqa: E731
+        ones = torch.ones(1, 1, *grid, dtype=torch.float64)
+        mixed = (conv(grid_of(a), ka) + conv(grid_of(b), kb)) / (conv(ones, ka) + conv(ones, kb))
+        return mixed.flatten(2).transpose(1, 2)
+
+    assert_close(got.double(), explicit(first, second, k1, k2), rtol=1e-6, atol=1e-7)
+    assert_close(got, cpu, rtol=1e-6, atol=1e-7)
+    assert_close(got.sum(-1), torch.ones(got.shape[:2]))
+    with launch_routes():
+        for zeroed in (conv_mix_pair(first, second, grid, k1 * 0, k2, padding, dilation),
+                       conv_mix_pair(first, second, grid, k1, k2 * 0, padding, dilation)):
+            assert (zeroed - got).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("every_grid", [False, True], ids=["up to 14x14", "every grid"])
 def test_every_family_on_the_matrix_route_equals_its_reference(family: str, every_grid: bool, monkeypatch: pytest.MonkeyPatch) -> None:

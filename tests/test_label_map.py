@@ -403,3 +403,21 @@ def test_box_token_weights_equal_the_cells_bit_for_bit_on_any_grids_and_boxes_pa
     boxes = torch.tensor([(min(a, b), max(a, b), min(c, d), max(c, d)) for a, b, c, d in corners])
     mask = BoxMask(boxes, cells)
     assert torch.equal(mask.token_weights(tokens), CellMask(mask.dense()).token_weights(tokens))
+
+
+@pytest.mark.parametrize(("cells", "tokens", "kernels"), [((224, 224), (14, 14), 6), ((224, 160), (14, 10), 6),
+                                                          ((6, 9), (4, 6), 7), ((3, 5), (5, 3), 7)])
+def test_box_token_weights_index_nothing_and_scale_only_where_a_cell_is_several_units(
+    cells: tuple[int, int], tokens: tuple[int, int], kernels: int
+) -> None:
+    """The box bounds broadcast per axis against the tokens' spans (the shorter axis padded with empty spans), no
+    indexing; they are scaled to the lcm grid only where a cell is several of its units (pixel cells with tokens
+    that divide them: six computing operators, seven else), and every answer stays the cell mask's bit for bit."""
+    from benchmarks._op_counter import OpCounter
+
+    boxes = torch.tensor([[1, 4, 0, 3], [-2, 30, 2, 200], [3, 3, 1, 5], [0, cells[0], 0, cells[1]], [5, 2, 7, 1]])
+    mask = BoxMask(boxes, cells)
+    with OpCounter() as ops:
+        got = mask.token_weights(tokens)
+    assert "index" not in ops.ops and ops.kernels == kernels, ops.ops
+    assert torch.equal(got, CellMask(mask.dense()).token_weights(tokens))

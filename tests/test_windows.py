@@ -83,6 +83,9 @@ def test_window_route_by_batch_size_and_device_gives_the_same_labels() -> None:
     assert window_route(2, (56, 56), (28, 28), poolable=False) == "separable"  # 2.5M pairs a sample
     assert window_route(128, (56, 56), (28, 28), "cuda") == "pooled"
     assert window_route(128, (56, 56), (28, 28), torch.device("cuda"), poolable=False) == "separable"
+    with launch_routes():  # the CPU counting a GPU's launches takes its route
+        assert window_route(128, (28, 28), (14, 14)) == "pooled"
+        assert window_route(128, (56, 56), (28, 28), poolable=False) == "separable"
     path = (Window((3, 3), (2, 2), (1, 1)),)
     y = torch.rand(200, 196, 3, generator=torch.Generator().manual_seed(0))
     y = y / y.sum(-1, keepdim=True)
@@ -169,6 +172,8 @@ def test_box_and_cell_window_weights_equal_the_pixels(seed: int, cell: int) -> N
             with OpCounter() as ops:
                 got = box.window_weights(rows, cols)
             assert ops.ops["mm"] == (1 if launches else 2), ops.ops
+            # the bounds broadcast per axis against the cells' spans, the shorter axis padded: no indexing
+            assert "index" not in ops.ops and ops.kernels == (7 if launches else 8), ops.ops
             assert (got >= 0).all()  # own = total - partner, clamped: rounding stays >= 0
             # the box mask's answer is the cell mask's of its boxes
             assert_close(got, CellMask(box.dense()).window_weights(rows, cols), rtol=1e-6, atol=1e-6)

@@ -85,6 +85,7 @@ from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels, label_kernels
 from mixlabels.backbones._convnet import (
     KernelConv,
+    Kernels,
     Path,
     Window,
     apply_path,
@@ -93,10 +94,13 @@ from mixlabels.backbones._convnet import (
     run_stem,
     block_labels_reference,
     path_matrix,
+    path_convs,
+    path_joins,
     path_of,
     path_refusal,
     start_on_path,
 )
+from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._dense import DenseRules, conv_matrix, row_normalise, window_matrix
 from mixlabels.backbones._family import Family
 from mixlabels.backbones._reparam import Scales, add_centre, scaled, scales_of
@@ -403,14 +407,52 @@ def _fusion_kernels(blk: Any) -> tuple[Tensor, Tensor]:
     return kernel_labels(w_x) * s_x, kernel_labels(w_p) * s_p
 
 
+def _forward_kernels(blocks: list[Any], tracker: LabelTracker, device: torch.device) -> tuple[Kernels | None, FusionKernels]:
+    """The forward's label kernels and MobileViT v1 fusion kernels. On a GPU's eager route (``launch_routes``) the
+    label kernels of the forward's stride-1 convs are read together (``Kernels``: a few operators for all, their tap
+    weights and small grids' matrices built together too): every conv block's shortcut and its branch where that
+    layer's labels are read (or the block has no shortcut), every MobileViT block's local conv, which its labels
+    always go through, and both halves of every fusion conv (``_fusion_half_convs``), which ``FusionKernels`` scales
+    by their shares. MobileViT-XXS: 36 operators a step fewer, where each block's conv read its kernel in six and the
+    fusion halves were read apart. ``None`` elsewhere, where each block reads its own as before: the CPU's eager
+    route (its bits, which the targets digest holds), a compiled graph (whose compiler fuses each conv's reductions),
+    and FSDP2's per-block sharding (a block's weights are whole only inside its own call)."""
+    if not eager_launch_routes(device) or any(is_sharded(blk) for blk in blocks):
+        return None, FusionKernels(blocks, device)
+    paths: list[Path] = []
+    layer = 0
+    for blk in blocks:
+        if isinstance(blk, _MOBILEVIT_BLOCKS):
+            paths.append(path_of(_flat(blk.conv_kxk)))
+            layer += len(blk.transformer)
+            continue
+        branch_path, shortcut = _conv_paths(blk)
+        if shortcut is None or tracker.labels_for(layer) is not None:
+            paths.append(branch_path)
+        if shortcut:
+            paths.append(shortcut)
+        layer += 1
+    fusion = FusionKernels(blocks, device)
+    kernels = Kernels([*(c for path in paths for c in path_convs(path)), *fusion.half_convs()],
+                      (op for path in paths for op in path_joins(path)))
+    fusion.read_from(kernels)
+    return kernels, fusion
+
+
+def _fusion_half(blk: Any, half: int) -> Tensor:
+    """Half ``half`` (0: the block's input's, 1: its transformer path's) of the fusion conv's weight."""
+    return _fusion_halves(blk)[0][half]
+
+
 class FusionKernels:
     """Each MobileViT v1 block's fusion ``(k_x, k_p)`` (``_fusion_kernels``) for one forward, read when a block's labels
     first need them: a scheme that tracks no labels (NoAlign) reads none, and a tracker's two label sets share them.
 
     On a GPU's eager route (``launch_routes``), where every operator is a launch, the halves of all blocks' fusion
-    weights are read in one ``label_kernels`` call and scaled by their shares in one product: about a dozen operators
-    for the forward, where each block's two ``kernel_labels`` and two scalings took fourteen (MobileViT-XXS: 42). The
-    CPU's eager route reads each block's own (its bits, which the targets digest holds), and so does a compiled graph,
+    weights are read together, with the forward's other label kernels where it gives them (``read_from``: one
+    ``label_kernels`` call for all), and scaled by their shares in one product: about a dozen operators for the
+    forward, where each block's two ``kernel_labels`` and two scalings took fourteen (MobileViT-XXS: 42). The CPU's
+    eager route reads each block's own (its bits, which the targets digest holds), and so does a compiled graph,
     whose compiler fuses each block's reductions (read together, compiled MobileViT-XXS launched 2 kernels more)."""
 
     def __init__(self, blocks: list[Any], device: torch.device) -> None:
@@ -418,6 +460,21 @@ class FusionKernels:
         self._together = eager_launch_routes(device)
         self._device = device
         self._kernels: dict[int, tuple[Tensor, Tensor]] = {}
+        self._halves: dict[int, tuple[KernelConv, KernelConv]] = {}
+        self._read: Kernels | None = None
+
+    def half_convs(self) -> list[KernelConv]:
+        """Every block's two fusion halves as convs of their own (their weights read at call time), for a ``Kernels``
+        that reads them with the forward's other convs (``read_from``)."""
+        for blk in self._blocks:
+            padding, dilation = _pad(blk.conv_fusion.conv)
+            self._halves[id(blk)] = (KernelConv(functools.partial(_fusion_half, blk, 0), padding, dilation),
+                                     KernelConv(functools.partial(_fusion_half, blk, 1), padding, dilation))
+        return [c for pair in self._halves.values() for c in pair]
+
+    def read_from(self, kernels: Kernels) -> None:
+        """Take the halves' label kernels from ``kernels``, which holds ``half_convs()``."""
+        self._read = kernels
 
     def of(self, blk: Any) -> tuple[Tensor, Tensor]:
         if id(blk) not in self._kernels:
@@ -432,9 +489,13 @@ class FusionKernels:
         shares: list[float] = []
         for blk in self._blocks:
             pair, share = _fusion_halves(blk)
-            halves += pair
+            if self._read is not None:  # read with the forward's other kernels
+                halves += [self._read.label_kernel(c) for c in self._halves[id(blk)]]
+            else:
+                halves += pair
             shares += share
-        scaled = (torch.stack(label_kernels(halves)) * _shares(tuple(shares), self._device)).unbind()
+        kernels = label_kernels(halves) if self._read is None else halves
+        scaled = (torch.stack(kernels) * _shares(tuple(shares), self._device)).unbind()
         return {id(blk): (scaled[2 * i], scaled[2 * i + 1]) for i, blk in enumerate(self._blocks)}
 
 
@@ -555,15 +616,15 @@ class AdaptedByobNet(AdaptedBase):
         x, grid, start = run_stem(m.stem, stem, images, label_map)
         tracker = start_on_path(self.scheme, label_map, start, grid, _depth(m), stem)
         size, layer = (int(images.shape[2]), int(images.shape[3])), 0
-        fusion = FusionKernels(_blocks(m), x.device)
+        kernels, fusion = _forward_kernels(_blocks(m), tracker, x.device)
         for blk in _blocks(m):
             if type(blk) is MobileVitBlock:
-                x, layer = self._v1(blk, x, tracker, layer, grid, size, fusion)
+                x, layer = self._v1(blk, x, tracker, layer, grid, size, fusion, kernels)
             elif type(blk) is MobileVitV2Block:
-                x, layer = self._v2(blk, x, tracker, layer, grid, size)
+                x, layer = self._v2(blk, x, tracker, layer, grid, size, kernels)
             else:
                 x, keep = _conv_block(blk, x)
-                grid = block_labels(tracker, layer, grid, *_conv_paths(blk), keep)
+                grid = block_labels(tracker, layer, grid, *_conv_paths(blk), keep, kernels)
                 layer += 1
         x = m.final_conv(x)
         tracker.pool("mean", 0)
@@ -575,14 +636,14 @@ class AdaptedByobNet(AdaptedBase):
     @staticmethod
     def _v1(
         blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int],
-        fusion: FusionKernels,
+        fusion: FusionKernels, kernels: Kernels | None,
     ) -> tuple[Tensor, int]:
         ph, pw, nh, nw = _patches(blk, grid, size)
         n, b = grid[0] * grid[1], int(x.shape[0])
         local = path_of(_flat(blk.conv_kxk))
         whole = _rows_sum_to_one(x.device)
         # both states side by side: the block's input, then its path (the local conv aggregates: no shortcut)
-        tracker.aggregate(lambda y: torch.cat([y, apply_path(local, y, grid)[0]], dim=1), normalised=whole)
+        tracker.aggregate(lambda y: torch.cat([y, apply_path(local, y, grid, kernels)[0]], dim=1), normalised=whole)
         shortcut, t = x, _unfold_v1(_local(blk, x), ph, pw)  # (b p) m c
         for tb in blk.transformer:
             labels = tracker.labels_for(layer)
@@ -607,10 +668,13 @@ class AdaptedByobNet(AdaptedBase):
         return blk.conv_fusion(torch.cat((shortcut, x), dim=1)), layer
 
     @staticmethod
-    def _v2(blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int]) -> tuple[Tensor, int]:
+    def _v2(
+        blk: Any, x: Tensor, tracker: LabelTracker, layer: int, grid: tuple[int, int], size: tuple[int, int],
+        kernels: Kernels | None,
+    ) -> tuple[Tensor, int]:
         ph, pw, nh, nw = _patches(blk, grid, size)
         local = path_of(_flat(blk.conv_kxk))
-        tracker.aggregate(lambda y: apply_path(local, y, grid)[0], normalised=True)  # no shortcut around the block
+        tracker.aggregate(lambda y: apply_path(local, y, grid, kernels)[0], normalised=True)  # no shortcut around the block
         t = _unfold_v2(blk, _local(blk, x), ph, pw, nh, nw)  # b c p m
         for tb in blk.transformer:
             out, scores = _linear_attention(tb.attn, tb.norm1(t))
