@@ -392,18 +392,23 @@ def _local(blk: Any, x: Tensor) -> Tensor:
     return blk.conv_1x1(blk.conv_kxk(x))  # type: ignore[no-any-return]
 
 
-def _fusion_halves(blk: Any) -> tuple[tuple[Tensor, Tensor], tuple[float, float]]:
+def _fusion_halves(blk: Any) -> tuple[Tensor, Tensor]:
     """The fusion conv's weight split by the half of its input a pair reads (the block's input channels first, as
-    timm concatenates them), and each half's share of those channels."""
-    weight = blk.conv_fusion.conv.weight
-    c_in, total = int(blk.conv_kxk.conv.in_channels), int(weight.shape[1])
-    return (weight[:, :c_in], weight[:, c_in:]), (c_in / total, (total - c_in) / total)
+    timm concatenates them)."""
+    weight, c_in = blk.conv_fusion.conv.weight, int(blk.conv_kxk.conv.in_channels)
+    return weight[:, :c_in], weight[:, c_in:]
+
+
+def _fusion_shares(blk: Any) -> tuple[float, float]:
+    """Each ``_fusion_halves`` half's share of the fusion conv's input channels (from the shapes: no slicing)."""
+    c_in, total = int(blk.conv_kxk.conv.in_channels), int(blk.conv_fusion.conv.weight.shape[1])
+    return c_in / total, (total - c_in) / total
 
 
 def _fusion_kernels(blk: Any) -> tuple[Tensor, Tensor]:
     """``(k_x, k_p)``: the fusion conv's per-pair normalised |kernel| averaged over all pairs, split by the half a pair
     reads (``_fusion_halves``); the two sum to 1 over their taps."""
-    (w_x, w_p), (s_x, s_p) = _fusion_halves(blk)
+    (w_x, w_p), (s_x, s_p) = _fusion_halves(blk), _fusion_shares(blk)
     return kernel_labels(w_x) * s_x, kernel_labels(w_p) * s_p
 
 
@@ -441,7 +446,7 @@ def _forward_kernels(blocks: list[Any], tracker: LabelTracker, device: torch.dev
 
 def _fusion_half(blk: Any, half: int) -> Tensor:
     """Half ``half`` (0: the block's input's, 1: its transformer path's) of the fusion conv's weight."""
-    return _fusion_halves(blk)[0][half]
+    return _fusion_halves(blk)[half]
 
 
 class FusionKernels:
@@ -460,16 +465,14 @@ class FusionKernels:
         self._together = eager_launch_routes(device)
         self._device = device
         self._kernels: dict[int, tuple[Tensor, Tensor]] = {}
-        self._halves: dict[int, tuple[KernelConv, KernelConv]] = {}
+        # every block's two fusion halves as convs of their own (their weights read at call time), for a ``Kernels``
+        # that reads them with the forward's other convs (``half_convs``, ``read_from``)
+        self._halves = {id(blk): tuple(KernelConv(functools.partial(_fusion_half, blk, half), *_pad(blk.conv_fusion.conv))
+                                       for half in (0, 1)) for blk in self._blocks}
         self._read: Kernels | None = None
 
     def half_convs(self) -> list[KernelConv]:
-        """Every block's two fusion halves as convs of their own (their weights read at call time), for a ``Kernels``
-        that reads them with the forward's other convs (``read_from``)."""
-        for blk in self._blocks:
-            padding, dilation = _pad(blk.conv_fusion.conv)
-            self._halves[id(blk)] = (KernelConv(functools.partial(_fusion_half, blk, 0), padding, dilation),
-                                     KernelConv(functools.partial(_fusion_half, blk, 1), padding, dilation))
+        """Every block's two fusion halves as convs (``_fusion_half``), in the blocks' order."""
         return [c for pair in self._halves.values() for c in pair]
 
     def read_from(self, kernels: Kernels) -> None:
@@ -485,17 +488,12 @@ class FusionKernels:
         return self._kernels[id(blk)]
 
     def _all(self) -> dict[int, tuple[Tensor, Tensor]]:
-        halves: list[Tensor] = []
-        shares: list[float] = []
-        for blk in self._blocks:
-            pair, share = _fusion_halves(blk)
-            if self._read is not None:  # read with the forward's other kernels
-                halves += [self._read.label_kernel(c) for c in self._halves[id(blk)]]
-            else:
-                halves += pair
-            shares += share
-        kernels = label_kernels(halves) if self._read is None else halves
-        scaled = (torch.stack(kernels) * _shares(tuple(shares), self._device)).unbind()
+        shares = tuple(s for blk in self._blocks for s in _fusion_shares(blk))
+        if self._read is None:
+            kernels = label_kernels([w for blk in self._blocks for w in _fusion_halves(blk)])
+        else:  # read with the forward's other kernels
+            kernels = [self._read.label_kernel(c) for blk in self._blocks for c in self._halves[id(blk)]]
+        scaled = (torch.stack(kernels) * _shares(shares, self._device)).unbind()
         return {id(blk): (scaled[2 * i], scaled[2 * i + 1]) for i, blk in enumerate(self._blocks)}
 
 
