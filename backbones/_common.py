@@ -895,6 +895,26 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
         return z if f is None else unfolded(z, batch)
 
 
+def conv_steps_undivided(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
+    """``conv_steps_on_grid`` with its last convolution left undivided, for a caller that divides within an operator
+    of its own (``CompactTracker.residual_sum``): that convolution ``(b, l, h, w)`` and its in-grid tap weight
+    ``(1, h, w)`` (``masses``' last, else one convolution of ones). Labels ``(b, l, h, w)`` not position-major, a
+    GPU's eager route (convolutions, not the compiled graphs' shifted sums)."""
+    if is_position_major(y) or not steps:
+        raise ValueError("conv_steps_undivided: labels viewed (b, l, h, w), not position-major, and at least one step")
+    with fp32_labels(y.device):
+        z = conv_steps_on_grid(y, steps[:-1], masses[:-1]) if len(steps) > 1 else y
+        kernel, padding, dilation = steps[-1]
+        l, h, w = int(z.shape[1]), int(z.shape[2]), int(z.shape[3])
+        k = kernel.to(z)
+        if k.dim() == 2 or int(k.shape[0]) != l:
+            k = (k if k.dim() == 2 else k[0, 0]).expand(l, 1, int(k.shape[-2]), int(k.shape[-1]))
+        mass = masses[-1]
+        if mass is None:
+            mass = F.conv2d(_ones((1, 1, h, w), y.device), k[:1], padding=padding, dilation=dilation)[0]  # 1 h w
+        return F.conv2d(z, k, padding=padding, dilation=dilation, groups=l), mass
+
+
 def conv_mix_pair(
     first: Tensor, second: Tensor, grid: tuple[int, int], k_first: Tensor, k_second: Tensor,
     padding: tuple[int, int], dilation: tuple[int, int],

@@ -80,7 +80,7 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._grid_plan import current_plan
 from mixlabels.backbones._common import (
-    AdaptedBase, _DENSE_LAUNCH_TOKENS, _ones, conv_chain, conv_steps_on_grid, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
+    AdaptedBase, _DENSE_LAUNCH_TOKENS, _ones, conv_chain, conv_steps_on_grid, conv_steps_undivided, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
     fold_route, keeps_grid, kernel_labels, label_kernels, masses_on_grids, mix_token_space, shifted_route, start_on_windows,
     tap_mixes_on_grids,
 )
@@ -110,6 +110,7 @@ __all__ = [
     "kernel_labels",
     "Kernels",
     "path_kernels",
+    "aggregate_path",
     "conv_weights",
     "block_kernels",
     "path_matrix",
@@ -875,21 +876,23 @@ def path_maps(path: Path, grid: tuple[int, int], kernels: Kernels, device: torch
     return (maps, grid) if grid[0] * grid[1] <= _PROJECTED_POSITIONS else None
 
 
-def projected_map(branch: list[Tensor], shortcut: list[Tensor], share: float) -> Tensor:
+def projected_map(branch: list[Tensor], shortcut: list[Tensor], share: float, scale: float = 1.0) -> Tensor:
     """``lerp(S, B, share)`` ``(n', n)``: the labels' map of a block whose branch's ops have the matrices ``branch``
     (``B`` their product) and whose shortcut's have ``shortcut`` (``S``), the residual's mean (``Rules.residual_share``)
     of the two. Built by ``addmm`` with the branch's first matrix last (one operator where the branch has two ops: a
-    ResNet's strided window and conv), by ``lerp`` where the branch is one op (windows alone: a Bottleneck's)."""
+    ResNet's strided window and conv), by ``lerp`` where the branch is one op (windows alone: a Bottleneck's). Times
+    ``scale`` (``CompactTracker.projected_by``'s): ``addmm``'s own factors, a multiplication after the ``lerp``."""
     short = shortcut[0]
     for m in shortcut[1:]:
         short = m @ short
     *later, first = reversed(branch)
     if not later:
-        return torch.lerp(short, first, share)
+        mean = torch.lerp(short, first, share)
+        return mean if scale == 1.0 else mean * scale
     rest = later[0]
     for m in later[1:]:
         rest = rest @ m
-    return torch.addmm(short, rest, first, beta=1.0 - share, alpha=share)
+    return torch.addmm(short, rest, first, beta=(1.0 - share) * scale, alpha=share * scale)
 
 
 def _residual_join(tracker: LabelTracker, branch: Path, kernels: Kernels, labels: Tensor) -> Parallel | None:
@@ -975,8 +978,10 @@ def residual_labels(
         assert isinstance(tracker, CompactTracker)  # _residual_join checked it
         tracker.residual_by(layer, keep, joined)
         return
-    mixed = apply_path(branch, labels, grid, kernels)[0] if labels is not None and branch else None
-    tracker.residual(layer, keep, mixed=mixed)
+    if labels is not None and branch:
+        _residual_of(tracker, layer, keep, labels, branch, grid, kernels)
+    else:
+        tracker.residual(layer, keep, mixed=None)
 
 
 def _only_conv(branch: Path) -> nn.Module | KernelConv:
@@ -1068,6 +1073,16 @@ def walk_path(
         return y.y, y.on_grid, grid
 
 
+def walk_summed(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kernels) -> tuple[Tensor, Tensor | None, bool]:
+    """``apply_path`` for a residual's branch whose labels ``CompactTracker.residual_sum`` sums: ``(mixed, mass,
+    on_grid)``. Where the path ends with a label conv on a large grid, that conv is left undivided, ``mass`` is its
+    in-grid tap weights ``(1, h, w)`` and ``mixed`` ``(b, l, h, w)`` (``on_grid``); else ``mass`` is ``None`` and
+    ``mixed`` the path's labels ``(b, n, l)``."""
+    with fp32_labels(labels.device):
+        y, _ = _walk(path, _Labels(labels.float(), False), grid, kernels, {}, defer=True)
+    return (y.y, y.mass, True) if y.mass is not None else (y.tokens(), None, False)
+
+
 def _unit_convs(paths: dict[nn.Module, tuple[Path, Path | None]]) -> Iterator[nn.Conv2d | KernelConv]:
     """``path_convs`` of every unit's branch and shortcut in ``paths`` (``_all_paths``)."""
     return (op for pair in paths.values() for p in pair if p for op in path_convs(p))
@@ -1092,6 +1107,7 @@ class _Labels:
 
     y: Tensor
     on_grid: bool
+    mass: Tensor | None = None  # ``walk_summed``'s last conv left undivided: its in-grid tap weights (1, h, w)
 
     def grid_view(self, grid: tuple[int, int]) -> Tensor:
         return self.y if self.on_grid else as_grid(self.y, grid)
@@ -1105,8 +1121,11 @@ _Walked = dict[tuple[int, int], tuple[Path, "_Labels", "_Labels", tuple[int, int
 out (holding the keys' objects, so that no id is reused while the walk lasts)."""
 
 
-def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, walked: _Walked) -> tuple[_Labels, tuple[int, int]]:
-    """``apply_path``'s walk, in whichever layout its ops leave the labels."""
+def _walk(
+    path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, walked: _Walked, *, defer: bool = False,
+) -> tuple[_Labels, tuple[int, int]]:
+    """``apply_path``'s walk, in whichever layout its ops leave the labels; ``defer``: a last conv on a large grid left
+    undivided, its in-grid tap weights in ``_Labels.mass`` (``walk_summed``)."""
     i = 0
     while i < len(path):
         op = path[i]
@@ -1149,7 +1168,11 @@ def _walk(path: Path, labels: _Labels, grid: tuple[int, int], kernels: Kernels, 
                 steps = [(_label_kernel(c, kernels, channels), *_geometry(c)) for c in convs]
                 # compiled, the tap weights come with the shifted sums (``shifted_route``): none built to go unread
                 masses = None if shifted_route(*(k for k, _, _ in steps)) else [kernels.mass(c, grid) for c in convs]
-                labels = _Labels(conv_steps_on_grid(y, steps, masses), True)
+                if defer and i == len(path) and masses is not None and not is_position_major(y):
+                    raw, mass = conv_steps_undivided(y, steps, masses)
+                    labels = _Labels(raw, True, mass)
+                else:
+                    labels = _Labels(conv_steps_on_grid(y, steps, masses), True)
             else:  # small grids: the explicit matrices, built for the whole forward where ``kernels`` can
                 matrices = [m for m in (kernels.matrix(c, grid) for c in convs) if m is not None]
                 if len(matrices) == len(convs):
@@ -1245,7 +1268,7 @@ def start_on_path(
     ``aggregate``."""
     tracker, rest, mid = start_before_path(scheme, label_map, start, grid, depth, stem)
     if rest:
-        tracker.aggregate(lambda y: apply_path(rest, y, mid)[0], normalised=True)
+        aggregate_path(tracker, rest, mid)
     return tracker
 
 
@@ -1268,11 +1291,45 @@ def start_before_path(
     return tracker, stem[lead:], mid
 
 
+def _summing(tracker: LabelTracker) -> bool:
+    """Whether a residual's labels go through ``CompactTracker.residual_sum`` (a branch's last large-grid conv divided
+    within the residual's ``addcdiv``): the fast path's tracker on a GPU's eager route (the CPU's under
+    ``launch_routes``; not the CPU's eager route, whose bits the targets digest holds, nor a compiled graph, which
+    fuses the division and the ``lerp``), unless ``folded_residuals(False)``."""
+    return _FOLDED[0] and isinstance(tracker, CompactTracker) and tracker.on_launch_routes()
+
+
+def _residual_of(tracker: LabelTracker, layer: int, keep: Tensor | None, labels: Tensor, branch: Path, grid: tuple[int, int], kernels: Kernels | None) -> None:
+    """The residual of ``branch``'s labels of ``labels`` (read from ``tracker`` with no event since, but a linear
+    ``aggregate``): by ``residual_sum`` where ``_summing``, else ``residual``."""
+    if _summing(tracker):
+        assert isinstance(tracker, CompactTracker)
+        mixed, mass, on_grid = walk_summed(branch, labels, grid, path_kernels([branch]) if kernels is None else kernels)
+        tracker.residual_sum(layer, keep, mixed, mass, path_grid(branch, grid) if on_grid else None)
+        return
+    tracker.residual(layer, keep, mixed=apply_path(branch, labels, grid, kernels)[0])
+
+
+def aggregate_path(tracker: LabelTracker, path: Path, grid: tuple[int, int], kernels: Kernels | None = None) -> None:
+    """``tracker.aggregate`` of the labels through ``path`` (``apply_path``: a row-normalised linear map), which takes
+    the fast path's labels at the scale summed residuals left them at and keeps it (``CompactTracker.residual_sum``)."""
+    def through(y: Tensor) -> Tensor:
+        return apply_path(path, y, grid, kernels)[0]
+
+    if isinstance(tracker, CompactTracker):
+        tracker.aggregate(through, normalised=True, linear=True)
+    else:
+        tracker.aggregate(through, normalised=True)
+
+
 def fold_labels(tracker: LabelTracker, layer: int, grid: tuple[int, int]) -> Tensor | None:
     """``tracker.labels_for(layer)`` for a residual branch that convolves them on ``grid``: where ``fold_route`` says
     a lasting copy pays, the tracker's own labels are first copied position-major (a layout ``aggregate``). The
     branch's copy alone would not last: the residual's ``lerp`` keeps the tracker's layout, its first input's, and
     every block would copy again; the tracker's copy lasts through the blocks after it (one copy a forward)."""
+    if _summing(tracker):  # a GPU's eager route: the labels as the tracker holds them, for ``residual_sum``
+        assert isinstance(tracker, CompactTracker)
+        return tracker.labels_at_scale(layer)
     labels = tracker.labels_for(layer)
     if labels is None or not (eager_cpu_routes(labels.device) and depthwise_route(grid, labels.device)):
         return labels  # no view dispatched: a GPU's count of operators, or a compiled graph, is as without the fold
@@ -1293,10 +1350,10 @@ def block_labels(
     if shortcut is None:
         if not branch:
             return grid  # channel ops only
-        tracker.aggregate(lambda y: apply_path(branch, y, grid, kernels)[0], normalised=True)
+        aggregate_path(tracker, branch, grid, kernels)
         return path_grid(branch, grid)
     fork = tracker.fork() if plain else None
-    labels, mixed = (fold_labels(tracker, layer, grid) if branch else tracker.labels_for(layer)), None
+    labels = fold_labels(tracker, layer, grid) if branch else tracker.labels_for(layer)
     if not shortcut and fork is None:  # the identity: the residual's mean may fold into the branch's matrix
         residual_labels(tracker, layer, keep, labels, branch, grid, kernels)
         return grid
@@ -1308,14 +1365,15 @@ def block_labels(
             (b_maps, _), (s_maps, out) = maps[0], maps[1]
             tracker.projected_by(
                 layer, lambda y: apply_path(shortcut, y, grid, kernels)[0],
-                lambda y, share: mix_tokens(projected_map(b_maps, s_maps, share), y.float()),
+                lambda y, share, scale: mix_tokens(projected_map(b_maps, s_maps, share, scale), y.float()),
             )
             return out
-    if labels is not None and branch:
-        mixed, _ = apply_path(branch, labels, grid, kernels)
     if shortcut:
-        tracker.aggregate(lambda y: apply_path(shortcut, y, grid, kernels)[0], normalised=True)
-    tracker.residual(layer, keep, mixed=mixed)
+        aggregate_path(tracker, shortcut, grid, kernels)
+    if labels is not None and branch:
+        _residual_of(tracker, layer, keep, labels, branch, grid, kernels)
+    else:
+        tracker.residual(layer, keep, mixed=None)
     if fork is not None:  # the plain channels: the branch alone, aggregating as a block without shortcut does
         tracker.join(fork, plain, merge=lambda y: apply_path(branch, y, grid, kernels)[0], keep=keep, normalised=True)
     return path_grid(shortcut, grid)
@@ -1410,7 +1468,7 @@ class _Pending:
         if self._grid is None:
             return
         path, grid, kernels = tuple(self._path), self._grid, self._kernels
-        self._tracker.aggregate(lambda y: apply_path(path, y, grid, kernels)[0], normalised=True)
+        aggregate_path(self._tracker, path, grid, kernels)
         self._path, self._grid = [], None
 
 

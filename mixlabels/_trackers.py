@@ -24,6 +24,10 @@ from mixlabels._rules import Rules, normalise_rows
 
 __all__ = ["CompactTracker", "DenseTracker"]
 
+_LARGEST_SCALE = 2.0**64
+"""The largest power of two ``CompactTracker`` leaves its labels at (``residual_sum``): label weights lie in [0, 1],
+so a scaled one stays far below fp32's largest (2^128) and every scaling is exact."""
+
 
 def _no_class_attention(rules: Rules) -> ValueError:
     return ValueError(
@@ -43,6 +47,23 @@ def _forked(y: Tensor, forked: Tensor) -> Tensor:
     return forked
 
 
+def _grid_view(y: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Labels ``(b, n, l)`` viewed ``(b, l, h, w)``: one view (``as_strided``) where they are contiguous, else two."""
+    b, n, l = y.shape
+    if y.is_contiguous():
+        return y.as_strided((b, l, grid[0], grid[1]), (n * l, 1, grid[1] * l, l))
+    return y.reshape(b, grid[0], grid[1], l).permute(0, 3, 1, 2)
+
+
+def _tokens(y: Tensor) -> Tensor:
+    """Labels ``(b, l, h, w)`` as ``(b, n, l)``: one view where their memory is channels-last and dense (a conv's output
+    on ``_grid_view``'s labels), else a permutation and a reshape."""
+    b, l, h, w = y.shape
+    if y.stride() == (h * w * l, 1, w * l, l):
+        return y.as_strided((b, h * w, l), (h * w * l, l, 1))
+    return y.permute(0, 2, 3, 1).reshape(b, h * w, l)
+
+
 class CompactTracker:
     """A ``LabelTracker`` applying ``rules`` to compact labels (the fast path of every adapter)."""
 
@@ -55,6 +76,9 @@ class CompactTracker:
         self._static: Tensor | None = None  # b n l, unaligned labels for token targets
         self._class_weights: Tensor | None = None  # b k, the class-attention lambda
         self._readout: tuple[Readout, int] = ("token" if layout.class_token else "mean", layout.num_prefix)
+        # ``_y`` is the aligned labels times ``_scale``, a power of two: summed residuals (``residual_sum``) leave it at
+        # 2^k, every other event first brings it back to 1 (``_unit``), exactly
+        self._scale = 1.0
         if self._dense and layout.pixel_windows is not None:
             raise ValueError(
                 "token targets (with_token_targets) cannot start on a layout's pixel_windows; start the labels on "
@@ -74,7 +98,58 @@ class CompactTracker:
     # ------------------------------------------------------------------ events
     def labels_for(self, layer: int) -> Tensor | None:
         # an aligned layer implies tracked labels (``Rules.tracks_aligned``), so this is never a silent None
-        return self._y if self._rules.wants_labels(layer) else None
+        if not self._rules.wants_labels(layer):
+            return None
+        self._unit()
+        return self._y
+
+    def labels_at_scale(self, layer: int) -> Tensor | None:
+        """``labels_for(layer)`` as the tracker holds them: times a power of two where summed residuals left them so
+        (no multiplication). Only for a linear map whose result comes back through ``residual_sum``."""
+        if not self._rules.wants_labels(layer):
+            return None
+        if self._scale >= _LARGEST_SCALE:  # far inside fp32's range: once in 64 summed residuals, one multiplication
+            self._unit()
+        return self._y
+
+    def on_launch_routes(self) -> bool:
+        """Whether the labels are mixed where every operator is a launch (``eager_launch_routes``)."""
+        return eager_launch_routes(self._lm.device)
+
+    def residual_sum(
+        self, layer: int, keep: Tensor | None, mixed: Tensor, mass: Tensor | None, grid: tuple[int, int] | None = None,
+    ) -> None:
+        """``residual(layer, keep, mixed=mixed / mass)`` for ``mixed`` made by a linear map of the labels as the tracker
+        holds them (``labels_at_scale(layer)``, or ``labels_for(layer)``, with no event between); ``mass`` ``None``, or
+        the in-grid tap weights ``(1, n, 1)`` by which ``mixed``'s last conv was left undivided; with ``grid``, ``mixed``
+        is ``(b, l, h, w)`` (the labels' grid view) and ``mass`` ``(1, h, w)``, the sum taken on the grid (no copy of a
+        strided mass). Where the residual is
+        the mean of shortcut and branch and no dropped branch is kept, that is their sum, ``y + mixed / mass`` by one
+        ``addcdiv`` where a division and a ``lerp`` took two: twice the mean, exactly (a power of two), which the tracker
+        keeps as its scale (``_unit``)."""
+        if self._y is None or not self._rules.wants_labels(layer):
+            raise ValueError(
+                f"residual_sum(layer={layer}, ...) for a layer this scheme does not align (labels_for({layer}) is None); "
+                "mix labels only where labels_for answers"
+            )
+        mixed = (mixed.detach() if mixed.requires_grad else mixed).float()
+        if mass is not None and self._rules.residual_share == 0.5 and (keep is None or not self._rules.follow_drop):
+            if grid is None:
+                self._y = torch.addcdiv(self._y, mixed, mass)
+            else:  # on the grid: the labels' grid view (channels-last memory, as a conv's output on it) and back
+                self._y = _tokens(torch.addcdiv(_grid_view(self._y, grid), mixed, mass))
+            self._scale *= 2.0
+            return
+        if grid is not None:  # to tokens: a view of a conv's channels-last output
+            mixed = mixed.permute(0, 2, 3, 1).flatten(1, 2)
+            mass = None if mass is None else mass.unsqueeze(-1).flatten(1, 2)
+        self._y = self._rules.residual(self._y, mixed if mass is None else mixed / mass, keep)
+
+    def _unit(self) -> None:
+        """The labels at their own scale again: one exact multiplication by a power of two, where any was left."""
+        if self._scale != 1.0 and self._y is not None:
+            self._y = self._y * (1.0 / self._scale)
+        self._scale = 1.0
 
     def wants_class_attention(self, layer: int) -> bool:
         return self._rules.wants_class_attention(layer)
@@ -94,6 +169,7 @@ class CompactTracker:
             )
         if mixed.requires_grad:  # attention's labels may carry the graph; conv labels never do (no detach to dispatch)
             mixed = mixed.detach()
+        self._unit()  # ``mixed`` came from ``labels_for``: at the labels' own scale
         self._y = self._rules.residual(self._y, mixed.float(), keep)
 
     def residual_by(self, layer: int, keep: Tensor | None, mix: Callable[[Tensor, float], Tensor]) -> None:
@@ -107,14 +183,16 @@ class CompactTracker:
                 f"residual_by(layer={layer}, ...) for a layer this scheme does not align (labels_for({layer}) is None); "
                 "mix labels only where labels_for answers"
             )
+        self._unit()
         with _fp32(self._lm.device):  # the caller's products in fp32 under any autocast, as ``aggregate``'s
             self._y = self._rules.kept(self._y, mix(self._y, self._rules.residual_share).float(), keep)
 
-    def projected_by(self, layer: int, merge: Callable[[Tensor], Tensor], mix: Callable[[Tensor, float], Tensor]) -> None:
+    def projected_by(self, layer: int, merge: Callable[[Tensor], Tensor], mix: Callable[[Tensor, float, float], Tensor]) -> None:
         """``aggregate(merge, normalised=True)`` and then ``residual(layer, None, mixed=...)`` of a block whose shortcut
         merges the tokens (a downsampling block's projection) and whose branch's labels the caller maps in one: ``mix(y,
-        share)`` returns ``lerp(merge(y), branch(y), share)`` (``Rules.residual_share``), the shortcut's and the branch's
-        matrices folded into one. Unaligned labels kept for token targets go through ``merge`` alone. Only where
+        share, scale)`` returns ``scale * lerp(merge(y), branch(y), share)`` (``Rules.residual_share``), the shortcut's
+        and the branch's matrices folded into one, and by ``scale`` (a power of two: one over the scale summed residuals
+        left the labels at, ``residual_sum``), which a matrix's ``addmm`` takes without an operator of its own. Unaligned labels kept for token targets go through ``merge`` alone. Only where
         ``labels_for(layer)`` answers and no sample dropped the branch: the same error as ``residual_by``'s otherwise."""
         if self._y is None or not self._rules.wants_labels(layer):
             raise ValueError(
@@ -122,11 +200,17 @@ class CompactTracker:
                 "mix labels only where labels_for answers"
             )
         with _fp32(self._lm.device):
-            self._y = mix(self._y, self._rules.residual_share).float()
+            self._y = mix(self._y, self._rules.residual_share, 1.0 / self._scale).float()
+            self._scale = 1.0
             if self._static is not None:
                 self._static = merge(self._static).float()
 
-    def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
+    def aggregate(self, merge: Callable[[Tensor], Tensor], *, normalised: bool = False, linear: bool = False) -> None:
+        """The labels through ``merge`` (renormalised unless ``normalised``). ``linear``: ``merge`` is a linear map (a
+        path's pools and convs), which takes labels at any scale (``residual_sum``) and keeps it."""
+        if not linear:
+            self._unit()
+
         def merged(y: Tensor) -> Tensor:
             y = merge(y).float()
             return y if normalised else self._rules.merge(y)
@@ -134,10 +218,13 @@ class CompactTracker:
         with _fp32(self._lm.device):
             if self._y is not None:
                 self._y = merged(self._y)
+                if not normalised:
+                    self._scale = 1.0  # the rows renormalised: at their own scale again
             if self._static is not None:
                 self._static = merged(self._static)
 
     def fork(self) -> Fork:
+        self._unit()
         return Fork(self._y, self._static)  # the tensors are never modified in place: each event makes new ones
 
     def join(
@@ -148,6 +235,7 @@ class CompactTracker:
             forked = forked if merge is None else merge(forked)
             return self._rules.join(y, _forked(y, forked.float()), share, keep, normalised=normalised)
 
+        self._unit()
         with _fp32(self._lm.device):
             if self._y is not None and fork.labels is not None:
                 self._y = joined(self._y, fork.labels)
@@ -162,6 +250,7 @@ class CompactTracker:
         return w if self._dense else self._lm.targets(w)
 
     def finish(self) -> AlignedTargets:
+        self._unit()
         with _fp32(self._lm.device):
             return self._finish()
 

@@ -398,8 +398,8 @@ def test_a_projection_folded_without_one_path_fails_the_family_check(plant: str,
     shortcut's, gives other targets than the reference's."""
     real = _convnet.projected_map
 
-    def forgetful(branch: list[Tensor], shortcut: list[Tensor], share: float) -> Tensor:
-        return real(branch, shortcut, 1.0 if plant == "branch alone" else 0.0)
+    def forgetful(branch: list[Tensor], shortcut: list[Tensor], share: float, scale: float = 1.0) -> Tensor:
+        return real(branch, shortcut, 1.0 if plant == "branch alone" else 0.0, scale)
 
     monkeypatch.setattr(_convnet, "projected_map", forgetful)
     monkeypatch.setattr(_convnet, "_WIDE_GROUP", 1)
@@ -419,6 +419,10 @@ def test_a_projected_map_is_the_lerp_of_the_shortcut_and_the_branchs_product() -
         assert_close(_convnet.projected_map([first, second], [short], share), torch.lerp(short, second @ first, share))
         assert_close(_convnet.projected_map([first, second, third], [short], share), torch.lerp(short, third @ second @ first, share))
         assert_close(_convnet.projected_map([first], [short[:, :16], second], share), torch.lerp(second @ short, first, share))
+        for scale in (0.25, 2.0**-20):  # labels left at 2^k by summed residuals: the map by 2^-k, exactly
+            for branch in ([first], [first, second]):
+                exact = _convnet.projected_map(branch, [short], share)
+                assert torch.equal(_convnet.projected_map(branch, [short], share, scale), exact * scale)
 
 
 def test_no_projection_folds_where_a_sample_dropped_its_branch_or_off_a_gpus_route() -> None:
@@ -448,8 +452,8 @@ def test_projected_by_refuses_a_layer_the_scheme_does_not_align_and_merges_the_u
     tracker = TLAlign(layers=[0]).start(lm, layout)
     assert isinstance(tracker, CompactTracker)
     with pytest.raises(ValueError, match=r"projected_by\(layer=1.*labels_for\(1\) is None"):
-        tracker.projected_by(1, lambda y: y, lambda y, share: y)
-    tracker.projected_by(0, lambda y: y * 0, lambda y, share: y * 0 + share)  # aligned: the map's answer
+        tracker.projected_by(1, lambda y: y, lambda y, share, scale: y)
+    tracker.projected_by(0, lambda y: y * 0, lambda y, share, scale: y * 0 + share)  # aligned: the map's answer
     assert torch.equal(tracker.labels_for(0), torch.full_like(tracker.labels_for(0), 0.5))
 
 

@@ -103,11 +103,11 @@ def test_a_skipped_aggregate_fails(family: str, monkeypatch: pytest.MonkeyPatch)
     calls: list[int] = []
     original = CompactTracker.aggregate
 
-    def skips_the_first(self: CompactTracker, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
+    def skips_the_first(self: CompactTracker, merge: Callable[[Tensor], Tensor], *, normalised: bool = False, linear: bool = False) -> None:
         calls.append(1)
         if len(calls) == 1:
             return  # the labels stay on the finer grid while the tokens moved to the coarser one
-        original(self, merge, normalised=normalised)
+        original(self, merge, normalised=normalised, linear=linear)
 
     monkeypatch.setattr(CompactTracker, "aggregate", skips_the_first)
     with pytest.raises(CAUGHT):
@@ -119,8 +119,8 @@ def test_a_wrong_aggregate_that_keeps_shapes_fails(monkeypatch: pytest.MonkeyPat
     """A quieter kind: the merge runs but averages the wrong windows (same shapes, wrong values)."""
     original = CompactTracker.aggregate
 
-    def rolled(self: CompactTracker, merge: Callable[[Tensor], Tensor], *, normalised: bool = False) -> None:
-        original(self, lambda y: merge(torch.roll(y, shifts=1, dims=1)), normalised=normalised)
+    def rolled(self: CompactTracker, merge: Callable[[Tensor], Tensor], *, normalised: bool = False, linear: bool = False) -> None:
+        original(self, lambda y: merge(torch.roll(y, shifts=1, dims=1)), normalised=normalised, linear=linear)
 
     monkeypatch.setattr(CompactTracker, "aggregate", rolled)
     with pytest.raises(AssertionError):

@@ -85,6 +85,7 @@ from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._common import AdaptedBase, branch, conv_mix_pair, kernel_labels, label_kernels
 from mixlabels.backbones._convnet import (
     KernelConv,
+    aggregate_path,
     Kernels,
     Path,
     Window,
@@ -672,7 +673,7 @@ class AdaptedByobNet(AdaptedBase):
     ) -> tuple[Tensor, int]:
         ph, pw, nh, nw = _patches(blk, grid, size)
         local = path_of(_flat(blk.conv_kxk))
-        tracker.aggregate(lambda y: apply_path(local, y, grid, kernels)[0], normalised=True)  # no shortcut around the block
+        aggregate_path(tracker, local, grid, kernels)  # no shortcut around the block
         t = _unfold_v2(blk, _local(blk, x), ph, pw, nh, nw)  # b c p m
         for tb in blk.transformer:
             out, scores = _linear_attention(tb.attn, tb.norm1(t))

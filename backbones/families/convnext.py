@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._common import AdaptedBase, branch, check_static_conv, mix_token_space, stride_grid
-from mixlabels.backbones._convnet import Kernels, apply_path, fold_labels, path_grid, path_of, residual_labels
+from mixlabels.backbones._convnet import Kernels, aggregate_path, apply_path, fold_labels, path_grid, path_of, residual_labels
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._dense import drop_path_reference as _drop
 from mixlabels import AlignedOutput, LabelTracker, TokenLabelMap, TokenLayout
@@ -97,7 +97,7 @@ def _downsample(tracker: LabelTracker, grid: tuple[int, int], conv: nn.Module) -
     """A stage's strided conv as an ``aggregate`` over its windows (``apply_path``: one cached matrix on small
     grids); returns the grid it makes."""
     path = path_of([conv])
-    tracker.aggregate(lambda y: apply_path(path, y, grid)[0], normalised=True)
+    aggregate_path(tracker, path, grid)
     return path_grid(path, grid)
 
 
