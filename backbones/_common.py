@@ -882,10 +882,7 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
         l = int(z.shape[1])
         ones = _ones((1, 1, h, w), y.device)  # one channel: see ``_ones``
         for i, (kernel, padding, dilation) in enumerate(steps):
-            # a (kh, kw) kernel, or one already expanded to (l, 1, kh, kw) (``Kernels.wide``, expanded per shape)
-            k = kernel.to(y)
-            if k.dim() == 2 or int(k.shape[0]) != l:
-                k = (k if k.dim() == 2 else k[0, 0]).expand(l, 1, int(k.shape[-2]), int(k.shape[-1]))
+            k = _depthwise_kernel(kernel, y, l)
             mass = masses[i] if masses is not None else None
             if mass is None:
                 mass = F.conv2d(ones, k if f is None else k[:1], padding=padding, dilation=dilation)  # 1 l h w: in-grid tap weight
@@ -893,6 +890,15 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
             # grids (8 x 3 labels on 112x112, 2 CPU cores: 1.65 ms against 0.63), the same bits and layout
             z = F.conv2d(z, k, padding=padding, dilation=dilation, groups=l).div_(mass)
         return z if f is None else unfolded(z, batch)
+
+
+def _depthwise_kernel(kernel: Tensor, like: Tensor, channels: int) -> Tensor:
+    """A label kernel ``(kh, kw)``, or one already expanded to ``(channels, 1, kh, kw)`` (``Kernels.wide``, expanded
+    per shape), as ``like``'s depthwise conv weight over ``channels`` label channels."""
+    k = kernel.to(like)
+    if k.dim() == 2 or int(k.shape[0]) != channels:
+        k = (k if k.dim() == 2 else k[0, 0]).expand(channels, 1, int(k.shape[-2]), int(k.shape[-1]))
+    return k
 
 
 def conv_steps_undivided(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
@@ -906,9 +912,7 @@ def conv_steps_undivided(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[
         z = conv_steps_on_grid(y, steps[:-1], masses[:-1]) if len(steps) > 1 else y
         kernel, padding, dilation = steps[-1]
         l, h, w = int(z.shape[1]), int(z.shape[2]), int(z.shape[3])
-        k = kernel.to(z)
-        if k.dim() == 2 or int(k.shape[0]) != l:
-            k = (k if k.dim() == 2 else k[0, 0]).expand(l, 1, int(k.shape[-2]), int(k.shape[-1]))
+        k = _depthwise_kernel(kernel, z, l)
         mass = masses[-1]
         if mass is None:
             mass = F.conv2d(_ones((1, 1, h, w), y.device), k[:1], padding=padding, dilation=dilation)[0]  # 1 h w

@@ -1073,14 +1073,13 @@ def walk_path(
         return y.y, y.on_grid, grid
 
 
-def walk_summed(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kernels) -> tuple[Tensor, Tensor | None, bool]:
-    """``apply_path`` for a residual's branch whose labels ``CompactTracker.residual_sum`` sums: ``(mixed, mass,
-    on_grid)``. Where the path ends with a label conv on a large grid, that conv is left undivided, ``mass`` is its
-    in-grid tap weights ``(1, h, w)`` and ``mixed`` ``(b, l, h, w)`` (``on_grid``); else ``mass`` is ``None`` and
-    ``mixed`` the path's labels ``(b, n, l)``."""
+def walk_summed(path: Path, labels: Tensor, grid: tuple[int, int], kernels: Kernels) -> tuple[Tensor, Tensor | None]:
+    """``apply_path`` for a residual's branch whose labels ``CompactTracker.residual_sum`` sums: ``(mixed, mass)``.
+    Where the path ends with a label conv on a large grid, that conv is left undivided, ``mixed`` ``(b, l, h, w)`` and
+    ``mass`` its in-grid tap weights ``(1, h, w)``; else ``mixed`` is the path's labels ``(b, n, l)``, ``mass`` ``None``."""
     with fp32_labels(labels.device):
         y, _ = _walk(path, _Labels(labels.float(), False), grid, kernels, {}, defer=True)
-    return (y.y, y.mass, True) if y.mass is not None else (y.tokens(), None, False)
+    return (y.y, y.mass) if y.mass is not None else (y.tokens(), None)
 
 
 def _unit_convs(paths: dict[nn.Module, tuple[Path, Path | None]]) -> Iterator[nn.Conv2d | KernelConv]:
@@ -1304,8 +1303,14 @@ def _residual_of(tracker: LabelTracker, layer: int, keep: Tensor | None, labels:
     ``aggregate``): by ``residual_sum`` where ``_summing``, else ``residual``."""
     if _summing(tracker):
         assert isinstance(tracker, CompactTracker)
-        mixed, mass, on_grid = walk_summed(branch, labels, grid, path_kernels([branch]) if kernels is None else kernels)
-        tracker.residual_sum(layer, keep, mixed, mass, path_grid(branch, grid) if on_grid else None)
+        mixed, mass = walk_summed(branch, labels, grid, path_kernels([branch]) if kernels is None else kernels)
+        if mass is None:
+            tracker.residual_sum(layer, keep, lambda: mixed, None)
+            return
+        out = path_grid(branch, grid)
+        # the labels' grid view and back: one view each (channels-last memory, as the conv's output on it)
+        tracker.residual_sum(layer, keep, lambda: as_tokens(mixed / mass),
+                             lambda y: as_tokens(torch.addcdiv(as_grid(y, out), mixed, mass)))
         return
     tracker.residual(layer, keep, mixed=apply_path(branch, labels, grid, kernels)[0])
 

@@ -47,23 +47,6 @@ def _forked(y: Tensor, forked: Tensor) -> Tensor:
     return forked
 
 
-def _grid_view(y: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Labels ``(b, n, l)`` viewed ``(b, l, h, w)``: one view (``as_strided``) where they are contiguous, else two."""
-    b, n, l = y.shape
-    if y.is_contiguous():
-        return y.as_strided((b, l, grid[0], grid[1]), (n * l, 1, grid[1] * l, l))
-    return y.reshape(b, grid[0], grid[1], l).permute(0, 3, 1, 2)
-
-
-def _tokens(y: Tensor) -> Tensor:
-    """Labels ``(b, l, h, w)`` as ``(b, n, l)``: one view where their memory is channels-last and dense (a conv's output
-    on ``_grid_view``'s labels), else a permutation and a reshape."""
-    b, l, h, w = y.shape
-    if y.stride() == (h * w * l, 1, w * l, l):
-        return y.as_strided((b, h * w, l), (h * w * l, l, 1))
-    return y.permute(0, 2, 3, 1).reshape(b, h * w, l)
-
-
 class CompactTracker:
     """A ``LabelTracker`` applying ``rules`` to compact labels (the fast path of every adapter)."""
 
@@ -117,33 +100,25 @@ class CompactTracker:
         return eager_launch_routes(self._lm.device)
 
     def residual_sum(
-        self, layer: int, keep: Tensor | None, mixed: Tensor, mass: Tensor | None, grid: tuple[int, int] | None = None,
+        self, layer: int, keep: Tensor | None, divided: Callable[[], Tensor], summed: Callable[[Tensor], Tensor] | None,
     ) -> None:
-        """``residual(layer, keep, mixed=mixed / mass)`` for ``mixed`` made by a linear map of the labels as the tracker
-        holds them (``labels_at_scale(layer)``, or ``labels_for(layer)``, with no event between); ``mass`` ``None``, or
-        the in-grid tap weights ``(1, n, 1)`` by which ``mixed``'s last conv was left undivided; with ``grid``, ``mixed``
-        is ``(b, l, h, w)`` (the labels' grid view) and ``mass`` ``(1, h, w)``, the sum taken on the grid (no copy of a
-        strided mass). Where the residual is
-        the mean of shortcut and branch and no dropped branch is kept, that is their sum, ``y + mixed / mass`` by one
-        ``addcdiv`` where a division and a ``lerp`` took two: twice the mean, exactly (a power of two), which the tracker
-        keeps as its scale (``_unit``)."""
+        """``residual(layer, keep, mixed=divided())`` for a branch whose labels are a linear map of the labels as the
+        tracker holds them (``labels_at_scale(layer)``, or ``labels_for(layer)``, with no event between). ``summed(y)``
+        (or ``None``) returns ``y`` plus those labels in one operator (``addcdiv``: the branch's last conv divided by its
+        in-grid tap weights within the sum, where a division and a ``lerp`` took two). Where the residual is the mean of
+        shortcut and branch and no dropped branch is kept, it is taken so: twice the mean, exactly (a power of two),
+        which the tracker keeps as its scale (``_unit``)."""
         if self._y is None or not self._rules.wants_labels(layer):
             raise ValueError(
                 f"residual_sum(layer={layer}, ...) for a layer this scheme does not align (labels_for({layer}) is None); "
                 "mix labels only where labels_for answers"
             )
-        mixed = (mixed.detach() if mixed.requires_grad else mixed).float()
-        if mass is not None and self._rules.residual_share == 0.5 and (keep is None or not self._rules.follow_drop):
-            if grid is None:
-                self._y = torch.addcdiv(self._y, mixed, mass)
-            else:  # on the grid: the labels' grid view (channels-last memory, as a conv's output on it) and back
-                self._y = _tokens(torch.addcdiv(_grid_view(self._y, grid), mixed, mass))
+        if summed is not None and self._rules.residual_share == 0.5 and (keep is None or not self._rules.follow_drop):
+            self._y = summed(self._y).float()
             self._scale *= 2.0
             return
-        if grid is not None:  # to tokens: a view of a conv's channels-last output
-            mixed = mixed.permute(0, 2, 3, 1).flatten(1, 2)
-            mass = None if mass is None else mass.unsqueeze(-1).flatten(1, 2)
-        self._y = self._rules.residual(self._y, mixed if mass is None else mixed / mass, keep)
+        mixed = divided()
+        self._y = self._rules.residual(self._y, (mixed.detach() if mixed.requires_grad else mixed).float(), keep)
 
     def _unit(self) -> None:
         """The labels at their own scale again: one exact multiplication by a power of two, where any was left."""

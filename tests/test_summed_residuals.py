@@ -6,12 +6,13 @@ that power of two as the labels' scale and takes it out at the next event that n
 multiplication), or inside a block's folded matrix (``addmm``'s factors, no operator). Here: the tracker's events at a
 scale against a tracker that divides and averages, the fallbacks (a dropped branch kept, TL-Align without
 normalisation, the CPU's eager route, ``folded_residuals(False)``), and conv families on a GPU's routes against their
-reference, with a planted fault (the mass left out) that the family check must catch.
+reference, with a planted fault (the sum without its shortcut's labels) that the family check must catch.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -52,7 +53,9 @@ def _branch(seed: int) -> tuple[Tensor, Tensor]:
 def _summed_and_averaged(a: CompactTracker, b: CompactTracker, layer: int, seed: int, keep: Tensor | None = None) -> None:
     """One residual: ``a`` by ``residual_sum`` (the conv left undivided), ``b`` by ``residual`` of the divided map."""
     raw, mass = _branch(seed)
-    a.residual_sum(layer, keep, raw @ a.labels_at_scale(layer), mass)
+    held = a.labels_at_scale(layer)
+    assert held is not None
+    a.residual_sum(layer, keep, lambda: raw @ held / mass, lambda y: torch.addcdiv(y, raw @ held, mass))
     y = b.labels_for(layer)
     assert y is not None
     b.residual(layer, keep, mixed=raw @ y / mass)
@@ -108,7 +111,7 @@ def test_a_non_linear_aggregate_reads_the_labels_as_they_are() -> None:
         assert_close(seen[0], b.labels_for(1), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", ["a dropped branch kept", "TL-Align without normalisation", "no mass"])
+@pytest.mark.parametrize("case", ["a dropped branch kept", "TL-Align without normalisation", "no sum"])
 def test_residual_sum_falls_back_to_the_divided_residual(case: str) -> None:
     with launch_routes():
         a, b = _pair(TLAlign(normalize=case != "TL-Align without normalisation"))
@@ -116,10 +119,8 @@ def test_residual_sum_falls_back_to_the_divided_residual(case: str) -> None:
         raw, mass = _branch(0)
         y = a.labels_at_scale(0)
         assert y is not None
-        if case == "no mass":
-            a.residual_sum(0, keep, raw @ y / mass, None)
-        else:
-            a.residual_sum(0, keep, raw @ y, mass)
+        summed = None if case == "no sum" else (lambda held: torch.addcdiv(held, raw @ y, mass))
+        a.residual_sum(0, keep, lambda: raw @ y / mass, summed)
         mine = b.labels_for(0)
         assert mine is not None
         b.residual(0, keep, mixed=raw @ mine / mass)
@@ -133,23 +134,24 @@ def test_residual_sum_refuses_a_layer_the_scheme_does_not_align() -> None:
     assert isinstance(tracker, CompactTracker)
     raw, mass = _branch(0)
     with pytest.raises(ValueError, match=r"residual_sum\(layer=1.*labels_for\(1\) is None"):
-        tracker.residual_sum(1, None, torch.zeros(1), mass)
+        tracker.residual_sum(1, None, lambda: torch.zeros(1), None)
 
 
 class _Sums:
-    """Counts ``residual_sum``'s sums (calls with a mass), optionally planting a fault: the mass left out."""
+    """Counts ``residual_sum``'s offered sums, optionally planting a fault: the sum without its shortcut's labels."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, plant: bool = False) -> None:
         self.sums = 0
         real = CompactTracker.residual_sum
 
-        def counted(tracker: CompactTracker, layer: int, keep: Tensor | None, mixed: Tensor, mass: Tensor | None,
-                    grid: tuple[int, int] | None = None) -> None:
-            if mass is not None:
+        def counted(tracker: CompactTracker, layer: int, keep: Tensor | None, divided: Callable[[], Tensor],
+                    summed: Callable[[Tensor], Tensor] | None) -> None:
+            if summed is not None:
                 self.sums += 1
                 if plant:
-                    mass = torch.ones_like(mass)
-            real(tracker, layer, keep, mixed, mass, grid)
+                    whole = summed
+                    summed = lambda y: whole(y) - y  # noqa: E731
+            real(tracker, layer, keep, divided, summed)
 
         monkeypatch.setattr(CompactTracker, "residual_sum", counted)
 
@@ -186,7 +188,7 @@ def test_summed_residuals_on_a_gpus_route_equal_the_reference(family: str, schem
 
 
 @pytest.mark.parametrize("family", ["resnet", "convnext"])
-def test_a_sum_without_its_mass_fails_the_family_check(family: str, monkeypatch: pytest.MonkeyPatch, large_grids: None) -> None:
+def test_a_sum_without_its_shortcut_fails_the_family_check(family: str, monkeypatch: pytest.MonkeyPatch, large_grids: None) -> None:
     sums = _Sums(monkeypatch, plant=True)
     model = FAMILIES[family].example()
     with launch_routes(), pytest.raises(AssertionError):
