@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import NoReturn
@@ -33,6 +34,7 @@ from einops import rearrange, reduce
 from torch import Tensor
 
 from mixlabels._mask import BoxMask, CellMask, Mask
+from mixlabels._routes import rounding_matmuls
 
 __all__ = ["TokenLabelMap", "class_distributions", "check_labels", "check_token_targets"]
 
@@ -46,6 +48,16 @@ def fp32_labels(device: torch.device) -> AbstractContextManager[object]:
     if device.type == "meta" or not (torch.compiler.is_compiling() or torch.is_autocast_enabled(device.type)):
         return nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _weighted_sum(weights: Tensor, values: Callable[[int], Tensor]) -> Tensor:
+    """``sum_s weights[..., s] * values(s)``, ``weights`` ``(b, n, k)`` and ``values(s)`` broadcasting to ``(b, n, c)``:
+    a product over the sources by fp32 multiply-adds, which no matmul precision setting rounds (a label expansion's
+    ``k`` is 2 or a few). Accumulated in place: one ``(b, n, c)`` buffer, as the matmul's output."""
+    out = weights[..., 0:1] * values(0)
+    for s in range(1, int(weights.shape[-1])):
+        out.addcmul_(weights[..., s : s + 1], values(s))
+    return out
 
 
 def _fail(message: str) -> None:
@@ -623,8 +635,12 @@ class TokenLabelMap:
             )
         # sizes as the shape holds them (no int(): a dynamic batch stays symbolic under torch.compile); n, not -1: b may be 0
         b, n, k = weights.shape[0], math.prod(weights.shape[1:-1]), self.num_sources
-        with fp32_labels(self.device):  # einsum's own route (b, n, k) @ (b, k, c), without its host-side planning
-            flat = torch.bmm(weights.float().reshape(b, n, k), self.source_targets())
+        with fp32_labels(self.device):
+            flat_weights, sources = weights.float().reshape(b, n, k), self.source_targets()
+            if rounding_matmuls(self.device):  # exact products, as timm's Mixup mixes: b n 1 * b 1 c, source by source
+                flat = _weighted_sum(flat_weights, lambda s: sources[:, s : s + 1])
+            else:  # einsum's own route (b, n, k) @ (b, k, c), without its host-side planning
+                flat = torch.bmm(flat_weights, sources)
             return flat.reshape(*weights.shape[:-1], self.num_classes)
 
     def image_targets(self) -> Tensor:
@@ -678,7 +694,10 @@ class TokenLabelMap:
             targets = reduce(targets, "b (h ph w pw) c -> b (h w) c", "mean", h=h, ph=th // h, w=w, pw=tw // w)
         weights = self.token_weights(grid)  # b n k
         with fp32_labels(self.device):
-            mixed = torch.einsum("bknc,bnk->bnc", targets[self.sources], weights)
+            if rounding_matmuls(self.device):  # exact products (see targets), one source's maps gathered at a time
+                mixed = _weighted_sum(weights, lambda s: targets[self.sources[:, s]])
+            else:
+                mixed = torch.einsum("bknc,bnk->bnc", targets[self.sources], weights)
         s = self.label_smoothing
         return mixed * (1.0 - s) + s / self.num_classes if s else mixed
 

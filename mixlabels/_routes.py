@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["eager_cpu_routes", "eager_launch_routes", "launch_routes", "switched"]
+__all__ = ["eager_cpu_routes", "eager_launch_routes", "launch_routes", "rounding_matmuls", "switched"]
 
 _BYTE_ROUTES = [True]
 """Whether the CPU takes its own routes (the byte-saving ones, ``_byte_route``; folded label convs, ``fold_route``);
@@ -63,3 +63,27 @@ def eager_launch_routes(device: torch.device) -> bool:
     CPU's under ``launch_routes``), neither the CPU's eager route (whose bits the targets digest holds) nor a compiled
     graph (whose compiler fuses what the launch routes batch)."""
     return not eager_cpu_routes(device) and not torch.compiler.is_compiling()
+
+
+def rounding_matmuls(device: torch.device) -> bool:
+    """Whether an fp32 matmul on ``device`` may round its inputs under the caller's precision settings: TF32 on a GPU
+    (``torch.backends.cuda.matmul.allow_tf32 = True``, as many training scripts set, or
+    ``torch.set_float32_matmul_precision("high")``), bf16 on a CPU with bf16 kernels (``"medium"``). The label
+    expansions (``TokenLabelMap.targets``, ``mixed_token_targets``) then take exact fp32 products of their own: a
+    rounded product would move a CutMix target by up to 1e-3 (timm's ``Mixup`` mixes elementwise, exactly). True
+    while compiling (the precision getters do not trace, and the compiler fuses the products into one kernel), and
+    on a device whose settings this cannot read."""
+    if torch.compiler.is_compiling():
+        return True
+    if device.type == "meta":  # no values to round: the matmul's shapes, as ever
+        return False
+    backend = {"cuda": torch.backends.cuda, "cpu": torch.backends.mkldnn}.get(device.type)
+    if backend is None:
+        return True
+    # torch >= 2.9: the operator's effective setting, a backend's or the global one resolved ("none": IEEE, inherited)
+    precision = getattr(getattr(backend, "matmul", None), "fp32_precision", None)
+    if precision is not None:
+        return precision not in ("none", "ieee")
+    if device.type == "cuda":  # older torch: the legacy switches
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return torch.get_float32_matmul_precision() != "highest"
