@@ -421,8 +421,10 @@ def label_kernels(weights: Sequence[Tensor]) -> list[Tensor]:
     for i, w in enumerate(weights):
         groups.setdefault((int(w.shape[-2]), int(w.shape[-1]), w.dtype, w.device), {}).setdefault(tuple(w.shape), []).append(i)
     out: list[Tensor | None] = [None] * len(weights)
-    with torch.no_grad():
-        for (kh, kw, _, _), by_shape in groups.items():
+    for (kh, kw, _, device), by_shape in groups.items():
+        # fp32 under a caller's autocast too: the kernels are read together at a forward's start on the launch routes
+        # (Kernels), outside any tracker event, where addmm's means would otherwise come out bf16
+        with torch.no_grad(), fp32_labels(device):
             # shapes ordered by their trailing (i, kh, kw): weights sharing it concatenate along o without a view
             tails: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
             for shape in by_shape:

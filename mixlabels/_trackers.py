@@ -62,6 +62,10 @@ class CompactTracker:
         # ``_y`` is the aligned labels times ``_scale``, a power of two: summed residuals (``residual_sum``) leave it at
         # 2^k, every other event first brings it back to 1 (``_unit``), exactly
         self._scale = 1.0
+        # whether a residual brought labels mixed by the model's own activations (attention): their products ran in the
+        # activations' dtype (bf16 label channels under autocast, in a bf16 or FSDP2 mixed-precision model), so their
+        # rows sum to 1 only within its rounding, and the readout renormalises them on every route (``_finish``)
+        self._by_activations = False
         if self._dense and layout.pixel_windows is not None:
             raise ValueError(
                 "token targets (with_token_targets) cannot start on a layout's pixel_windows; start the labels on "
@@ -144,6 +148,7 @@ class CompactTracker:
             )
         if mixed.requires_grad:  # attention's labels may carry the graph; conv labels never do (no detach to dispatch)
             mixed = mixed.detach()
+        self._by_activations = True  # the conv families' launch routes mix by residual_sum/residual_by/projected_by
         self._unit()  # ``mixed`` came from ``labels_for``: at the labels' own scale
         self._y = self._rules.residual(self._y, mixed.float(), keep)
 
@@ -238,9 +243,13 @@ class CompactTracker:
             weights = rules.combine(image, self._class_weights)
             target = self._lm.targets(weights)
         elif rules.target == "aligned" and self._y is not None:
-            # renormalised where the digest's bits are (the CPU's eager route) and in a compiled graph (which fuses it);
-            # where every operator is a launch the rows' drift from 1 (a few units in the last place) is left alone
-            readout = rules.readout(self._y, *self._readout, renormalise=not eager_launch_routes(self._y.device))  # b l
+            # renormalised where the digest's bits are (the CPU's eager route), in a compiled graph (which fuses it) and
+            # wherever a residual mixed the labels by the model's activations: their rounding in the activations' dtype
+            # (bf16 under autocast) leaves the rows up to 1e-3 off 1. Where every operator is a launch and only the
+            # weights mixed them (the conv families' label convs, fp32), the rows' drift (a few units in the last
+            # place) is left alone: two launches fewer
+            renormalise = self._by_activations or not eager_launch_routes(self._y.device)
+            readout = rules.readout(self._y, *self._readout, renormalise=renormalise)  # b l
             target = self._expand(readout)
             weights = None if self._dense else readout
         else:

@@ -11,17 +11,20 @@ handed to or taken from the model's label path is fp32.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
 from test_backbones_common import B, IMG, C, WrappedScheme, cutmix_batch
-from test_backbones_cuda import ALIGNING, _model
+from test_backbones_cuda import ALIGNING, _frozen_statistics, _model
 from torch import Tensor
 from torch.testing import assert_close
 
 from mixlabels import TLAlign, TokenLabeling, backbones
 from mixlabels._align import Fork, LabelTracker
+from mixlabels._routes import launch_routes
+from mixlabels.backbones._common import label_kernels
 
 
 def _fp32(what: str, t: Tensor | None, seen: list[str]) -> None:
@@ -96,8 +99,74 @@ def check_bf16_step(family: backbones.Family, device: str) -> None:
 
 
 @pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
-def test_bf16_autocast_keeps_every_label_fp32(family: backbones.Family) -> None:
-    check_bf16_step(family, "cpu")
+@pytest.mark.parametrize("route", ["cpu", "launch"])
+def test_bf16_autocast_keeps_every_label_fp32(family: backbones.Family, route: str) -> None:
+    """On the CPU's eager route and on the GPU's (``launch_routes``: what a CUDA step runs; there the readout of
+    attention-mixed labels was not renormalised, and their rows summed to 1 only within bf16's rounding, up to
+    1.3e-3 off)."""
+    with launch_routes() if route == "launch" else nullcontext():
+        check_bf16_step(family, "cpu")
+
+
+@pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)
+def test_the_gpus_routes_give_the_cpus_targets_under_autocast(family: backbones.Family) -> None:
+    """Train mode (stochastic depth drawn alike, statistics frozen), bf16 autocast: the GPU's routes (``launch_routes``,
+    a cold step and a warm one) give the CPU's targets to fp32's rounding (all 74 within 2.4e-7 here), where MobileViT's
+    aggregations skipped their renormalisation after bf16 label channels (1.5e-4) and attention families' readouts
+    theirs (twins 6.8e-4)."""
+    model = _frozen_statistics(_model(family).train())
+    images, lm = cutmix_batch()
+    adapted = backbones.adapt(model, TLAlign())
+
+    def targets() -> Tensor:
+        torch.manual_seed(3)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return adapted(images, lm).target
+
+    want = targets()
+    with launch_routes():
+        for _ in range(2):
+            assert_close(targets(), want, rtol=0, atol=1e-6, msg=f"{family.name}: the GPU's routes under autocast")
+
+
+# Families whose labels read the weights alone, never an activation (no attention, no token mixing by the data): under
+# autocast their targets are their fp32 targets on every route, to fp32's rounding
+WEIGHTS_ONLY = ["convnext", "cspnet", "densenet", "efficientnet", "fasternet", "ghostnet", "hgnet", "inception_next",
+                "mobilenetv3", "regnet", "repvit", "res2net", "resnest", "resnet", "resnetv2", "rexnet", "selecsls",
+                "senet", "starnet", "tresnet", "vgg", "vovnet", "xception_aligned", "tv_resnet", "tv_efficientnet"]
+
+
+@pytest.mark.parametrize("name", WEIGHTS_ONLY)
+def test_labels_read_from_weights_do_not_follow_autocast(name: str) -> None:
+    """The label kernels of a forward's convs, read together on the GPU's routes (``Kernels``) outside any tracker
+    event, came out of ``addmm`` in bf16 under autocast (InceptionNeXt's targets moved 3e-5): the targets under a
+    bf16 autocast equal the fp32 ones, on the CPU's route and on the GPU's, cold and warm (grid plans)."""
+    family = next(f for f in ALIGNING if f.name == name)
+    model = family.example().eval()
+    images, lm = cutmix_batch()
+    adapted = backbones.adapt(model, TLAlign())
+    with torch.no_grad():
+        for route in (nullcontext(), launch_routes(), launch_routes()):
+            with route:
+                want = adapted(images, lm).target
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    got = adapted(images, lm).target
+            assert got.dtype == torch.float32
+            assert_close(got, want, rtol=0, atol=1e-6, msg=f"{name}: its labels followed the autocast")
+
+
+def test_label_kernels_read_together_stay_fp32_under_autocast() -> None:
+    """``label_kernels`` of weights of several shapes (the product route of their means), called outside any fp32
+    region under a bf16 autocast, as ``Kernels`` calls it: fp32, and the values without autocast."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, 3, 3, generator=g) for o, i in [(8, 1), (16, 1), (8, 1), (24, 1)]]
+    with launch_routes():
+        want = label_kernels(weights)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = label_kernels(weights)
+    for k, w in zip(got, want, strict=True):
+        assert k.dtype == torch.float32
+        assert_close(k, w, rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", ALIGNING, ids=lambda f: f.name)

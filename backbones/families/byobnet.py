@@ -504,12 +504,15 @@ def _shares(shares: tuple[float, ...], device: torch.device) -> Tensor:
     return torch.tensor(shares, dtype=torch.float32, device=device).view(-1, 1, 1)
 
 
-def _rows_sum_to_one(device: torch.device) -> bool:
+def _rows_sum_to_one(x: Tensor) -> bool:
     """Whether a MobileViT block's aggregations, whose rows sum to 1 already (the input beside its local path, the
     path's half, the fusion conv's mix, renormalised over both halves), skip the tracker's renormalisation: where
-    every operator is a launch (three a call); the CPU's eager route keeps it (its bits, which the targets digest
-    holds)."""
-    return not eager_cpu_routes(device)
+    every operator is a launch (three a call) and the block's activations ``x`` are fp32. The CPU's eager route keeps
+    it (its bits, which the targets digest holds), and so does every route under autocast or in a half-precision
+    model: there the attention's label channels round to the activations' dtype (``attention_with_labels``), the
+    rows after it sum to 1 only within that rounding, and renormalising here keeps a compiled or GPU step's
+    targets those of the CPU's eager one (a compiled bf16 step's moved by up to 1.4e-5 without it)."""
+    return not eager_cpu_routes(x.device) and x.dtype == torch.float32
 
 
 def _pad(conv: Any) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -640,7 +643,7 @@ class AdaptedByobNet(AdaptedBase):
         ph, pw, nh, nw = _patches(blk, grid, size)
         n, b = grid[0] * grid[1], int(x.shape[0])
         local = path_of(_flat(blk.conv_kxk))
-        whole = _rows_sum_to_one(x.device)
+        whole = _rows_sum_to_one(x)
         # both states side by side: the block's input, then its path (the local conv aggregates: no shortcut)
         tracker.aggregate(lambda y: torch.cat([y, apply_path(local, y, grid, kernels)[0]], dim=1), normalised=whole)
         shortcut, t = x, _unfold_v1(_local(blk, x), ph, pw)  # (b p) m c
