@@ -53,10 +53,13 @@ def fp32_labels(device: torch.device) -> AbstractContextManager[object]:
 def _weighted_sum(weights: Tensor, values: Callable[[int], Tensor]) -> Tensor:
     """``sum_s weights[..., s] * values(s)``, ``weights`` ``(b, n, k)`` and ``values(s)`` broadcasting to ``(b, n, c)``:
     a product over the sources by fp32 multiply-adds, which no matmul precision setting rounds (a label expansion's
-    ``k`` is 2 or a few). Accumulated in place: one ``(b, n, c)`` buffer, as the matmul's output."""
+    ``k`` is 2 or a few). Eagerly accumulated in place: one ``(b, n, c)`` buffer, as the matmul's output. While
+    compiling, out of place: the compiler fuses the sum into one kernel, where the in-place chain cost compiled
+    resnet18's CutMix step four kernels more (62 -> 66 launches, ``benchmarks/op_count.py --compiled``)."""
     out = weights[..., 0:1] * values(0)
+    compiling = torch.compiler.is_compiling()
     for s in range(1, int(weights.shape[-1])):
-        out.addcmul_(weights[..., s : s + 1], values(s))
+        out = out + weights[..., s : s + 1] * values(s) if compiling else out.addcmul_(weights[..., s : s + 1], values(s))
     return out
 
 
