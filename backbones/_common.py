@@ -561,6 +561,18 @@ convs of one kernel shape on the grid are built together in three (``Kernels.mat
 (7x7 kernels' tap matrices, cached: 7.2 MiB); at 28x28 they would be 2.3 MiB and 113 MiB."""
 
 
+def _tap_reads(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """For each tap ``t`` of a conv that keeps ``grid`` and each output position ``p`` (row-major): the input position
+    it reads (``(t, n)`` long, meaningless outside) and whether that lies inside the grid (``(t, n)`` bool)."""
+    h, w = grid
+    pos = torch.arange(h * w, device=device)  # n: output positions, row-major
+    ti = torch.arange(kernel[0], device=device).repeat_interleave(kernel[1])  # t: each tap's row offset
+    tj = torch.arange(kernel[1], device=device).repeat(kernel[0])  # t: its column offset
+    iy = (pos // w).unsqueeze(0) + (ti * dilation[0] - padding[0]).unsqueeze(1)  # t n: the input row read
+    ix = (pos % w).unsqueeze(0) + (tj * dilation[1] - padding[1]).unsqueeze(1)  # t n
+    return iy * w + ix, (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
+
+
 @shape_cache(maxsize=256)
 def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int], device: torch.device) -> Tensor:
     """``(kh*kw, n*n)`` fp32 0/1: for each tap, which input position every output position reads (shapes only: cached).
@@ -568,15 +580,9 @@ def _tap_matrices(grid: tuple[int, int], kernel: tuple[int, int], padding: tuple
     Built by comparisons only, no boolean indexing: every shape is a constant of the grid and kernel, so
     ``torch.compile`` traces it into the graph (``shape_cache``: not cached while traced) without a data-dependent shape.
     """
-    h, w = grid
-    pos = torch.arange(h * w, device=device)  # n: output positions, row-major
-    ti = torch.arange(kernel[0], device=device).repeat_interleave(kernel[1])  # t: each tap's row offset
-    tj = torch.arange(kernel[1], device=device).repeat(kernel[0])  # t: its column offset
-    iy = (pos // w).unsqueeze(0) + (ti * dilation[0] - padding[0]).unsqueeze(1)  # t n: the input row read
-    ix = (pos % w).unsqueeze(0) + (tj * dilation[1] - padding[1]).unsqueeze(1)  # t n
-    inside = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
-    reads = (iy * w + ix).unsqueeze(-1) == pos  # t n n: output row reads input column
-    return (reads & inside.unsqueeze(-1)).to(torch.float32).reshape(kernel[0] * kernel[1], -1)
+    reads, inside = _tap_reads(grid, kernel, padding, dilation, device)
+    hits = reads.unsqueeze(-1) == torch.arange(grid[0] * grid[1], device=device)  # t n n: output row reads input column
+    return (hits & inside.unsqueeze(-1)).to(torch.float32).reshape(kernel[0] * kernel[1], -1)
 
 
 @shape_cache(maxsize=32)
@@ -705,14 +711,15 @@ def tap_mixes(kernels: Tensor, taps: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 @shape_cache(maxsize=32)
 def _joint_tap_matrices(
-    grids: tuple[tuple[int, int], ...], kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
-    device: torch.device,
+    grids: tuple[tuple[int, int], ...], mass_grids: tuple[tuple[int, int], ...], kernel: tuple[int, int],
+    padding: tuple[int, int], dilation: tuple[int, int], device: torch.device,
 ) -> Tensor:
-    """``(kh*kw, 2 N)`` fp32 0/1, ``N`` the grids' ``n*n`` summed: every grid's ``_tap_matrices`` side by side, then
-    for each the in-grid indicator of every tap at every output position (``_weighted_tap_matrices``' last ``n``
-    columns), repeated along that row's ``n`` entries, so that one product with label kernels makes every grid's
-    matrix entries and, entry by entry, their rows' in-grid tap weights (``tap_mixes_on_grids``; shapes only:
-    cached)."""
+    """``(kh*kw, 2 N + M)`` fp32 0/1, ``N`` the ``grids``' ``n*n`` summed, ``M`` the ``mass_grids``' ``n``: every grid's
+    ``_tap_matrices`` side by side, then for each the in-grid indicator of every tap at every output position
+    (``_weighted_tap_matrices``' last ``n`` columns), repeated along that row's ``n`` entries, then each mass grid's
+    in-grid indicators alone, so that one product with label kernels makes every grid's matrix entries, entry by
+    entry their rows' in-grid tap weights, and every mass grid's in-grid tap weights (``labels_on_grids``; shapes
+    only: cached)."""
     t = kernel[0] * kernel[1]
     taps, weights = [], []
     for grid in grids:
@@ -720,61 +727,44 @@ def _joint_tap_matrices(
         weighted = _weighted_tap_matrices(grid, kernel, padding, dilation, device)  # t (n*n + n)
         taps.append(weighted[:, : n * n])
         weights.append(weighted[:, n * n :].unsqueeze(-1).expand(t, n, n).reshape(t, n * n))
-    return torch.cat([*taps, *weights], dim=1)
+    masses = [_tap_reads(grid, kernel, padding, dilation, device)[1].to(torch.float32) for grid in mass_grids]  # t n
+    return torch.cat([*taps, *weights, *masses], dim=1)
 
 
-def tap_mixes_on_grids(
-    kernels: Tensor, grids: Sequence[tuple[int, int]], kernel: tuple[int, int], padding: tuple[int, int],
-    dilation: tuple[int, int],
-) -> list[Tensor]:
-    """``tap_mixes`` of label kernels ``(g, kh*kw)`` on several small grids at once: one product with
-    ``_joint_tap_matrices`` and one division for all of them, where each grid took a product and a division of its
-    own. ``(g, n, n)`` per grid, in order, each a view of the one quotient (``Kernels`` on a GPU's eager route,
+def labels_on_grids(
+    kernels: Tensor, grids: Sequence[tuple[int, int]], mass_grids: Sequence[tuple[int, int]], kernel: tuple[int, int],
+    padding: tuple[int, int], dilation: tuple[int, int],
+) -> tuple[list[Tensor], list[tuple[Tensor, ...]]]:
+    """Label kernels ``(g, kh*kw)`` of a conv that keeps its grid (``keeps_grid``) on several grids at once: their
+    matrices ``tap_mixes`` ``(g, n, n)`` on each of ``grids`` (the small ones, mixed by matrices) and their in-grid tap
+    weights ``(1, h, w)`` on each of ``mass_grids`` (the large ones, mixed by depthwise convs that divide by them), by
+    one product with ``_joint_tap_matrices`` and one division, where each grid took a product and a division (a
+    matrix) or a convolution of ones (a mass) of its own. Per grid, in order: the matrices as one strided view of the
+    quotient, the masses a tuple of strided views of the product, one a kernel (``Kernels`` on a GPU's eager route,
     where the last forward asked for these grids: ``GridPlan``)."""
-    taps = _joint_tap_matrices(tuple(grids), kernel, padding, dilation, kernels.device)
-    half = int(taps.shape[1]) // 2
-    product = kernels @ taps  # g 2N: the entries, then each entry's row weight
-    mixes = product[:, :half] / product[:, half:]  # g N, fresh and contiguous
-    out, start, g = [], 0, int(kernels.shape[0])
-    for h, w in grids:  # each grid's block of columns as (g, n, n): one strided view (a slice and a view are two)
-        n = h * w
-        out.append(mixes.as_strided((g, n, n), (half, n, 1), start))
-        start += n * n
-    return out
+    taps = _joint_tap_matrices(tuple(grids), tuple(mass_grids), kernel, padding, dilation, kernels.device)
+    half = sum(h * w * h * w for h, w in grids)
+    product = kernels @ taps  # g (2N + M): the entries, each entry's row weight, then the masses
+    g = int(kernels.shape[0])
+    matrices, start = [], 0
+    if grids:
+        mixes = product[:, :half] / product[:, half : 2 * half]  # g N, fresh and contiguous
+        for h, w in grids:  # each grid's block of columns as (g, n, n): one strided view (a slice and a view are two)
+            n = h * w
+            matrices.append(mixes.as_strided((g, n, n), (half, n, 1), start))
+            start += n * n
+    masses, start = [], 2 * half
+    for h, w in mass_grids:  # each grid's block as (g, 1, h, w), then a view a kernel
+        stride = int(product.shape[1])
+        masses.append(product.as_strided((g, 1, h, w), (stride, h * w, w, 1), start).unbind(0))
+        start += h * w
+    return matrices, masses
 
 
 def keeps_grid(kernel: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int]) -> bool:
     """Whether a stride-1 conv of this kernel, padding and dilation maps a grid onto itself ('same': every output
     position reads as far on one side as on the other)."""
     return all((k - 1) * d == 2 * p for k, p, d in zip(kernel, padding, dilation))
-
-
-@shape_cache(maxsize=32)
-def _ones_side_by_side(grids: tuple[tuple[int, int], ...], gap: int, device: torch.device) -> tuple[Tensor, tuple[int, ...]]:
-    """``(1, 1, max h, sum w + gaps)`` fp32: a block of ones per grid, top-aligned, left to right, ``gap`` columns of
-    zeros between them, and each block's first column. A 'same' conv that reaches ``gap`` columns to either side
-    reads, over each block, just what it reads over that grid alone padded with zeros (cached: a constant of the
-    grids)."""
-    starts, x = [], 0
-    for _, w in grids:
-        starts.append(x)
-        x += w + gap
-    canvas = torch.zeros(1, 1, max(h for h, _ in grids), x - gap, device=device)
-    for (h, w), start in zip(grids, starts):
-        canvas[..., :h, start : start + w] = 1.0
-    return canvas, tuple(starts)
-
-
-def masses_on_grids(
-    stacked: Tensor, padding: tuple[int, int], dilation: tuple[int, int], grids: Sequence[tuple[int, int]],
-) -> list[tuple[Tensor, ...]]:
-    """Every kernel's in-grid tap weight ``(1, h, w)`` on each of several grids, by one convolution of their blocks of
-    ones side by side (``_ones_side_by_side``), where each grid took a convolution of its own: per grid, one view a
-    kernel of the one output. ``stacked``: ``(g, 1, kh, kw)`` kernels of a 'same' conv (``keeps_grid``)."""
-    canvas, starts = _ones_side_by_side(tuple(grids), int(padding[1]), stacked.device)
-    out = F.conv2d(canvas, stacked, padding=padding, dilation=dilation)  # 1 g H W, fresh and contiguous
-    # each grid's block (1, g, h, w) by one strided view (two slices otherwise), then a view a kernel
-    return [out.as_strided((1, int(out.shape[1]), h, w), out.stride(), start).unbind(1) for (h, w), start in zip(grids, starts)]
 
 
 def conv_chain(labels: Tensor, grid: tuple[int, int], steps: Sequence[ConvStep]) -> Tensor:

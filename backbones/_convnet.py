@@ -81,8 +81,7 @@ from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._grid_plan import current_plan
 from mixlabels.backbones._common import (
     AdaptedBase, _DENSE_LAUNCH_TOKENS, _ones, conv_chain, conv_steps_on_grid, conv_steps_undivided, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
-    fold_route, keeps_grid, kernel_labels, label_kernels, masses_on_grids, mix_token_space, shifted_route, start_on_windows,
-    tap_mixes_on_grids,
+    fold_route, keeps_grid, kernel_labels, label_kernels, labels_on_grids, mix_token_space, shifted_route, start_on_windows,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._windows import (
@@ -717,7 +716,8 @@ class Kernels:
         fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
         one convolution of ones (a conv and an unbind per grid: where a shape has at least ``_WIDE_GROUP`` convs,
         fewer operators than a conv of ones per step), and with a ``GridPlan`` on every grid the last forward asked
-        for at once; ``None``: not held here, or too few alike (``conv_steps_on_grid`` then computes it per step)."""
+        for at once, with the group's matrices on its small grids (``_planned_build``); ``None``: not held here, or
+        too few alike (``conv_steps_on_grid`` then computes it per step)."""
         kernel = self.get(conv)
         if kernel is None:
             return None
@@ -729,13 +729,7 @@ class Kernels:
             if stacked is None:
                 return None
             padding, dilation = _geometry(conv)
-            grids = [grid]
-            if self._plan is not None and keeps_grid((int(stacked.shape[-2]), int(stacked.shape[-1])), padding, dilation):
-                grids = [g for g in self._plan.planned("mass", (self._scope, key), grid) if (same[0], g) not in self._mass]
-            if len(grids) > 1:  # every grid the last forward asked for, in one convolution (``GridPlan``)
-                for g, built in zip(grids, masses_on_grids(stacked, padding, dilation, grids), strict=True):
-                    self._mass.update(((c, g), t) for c, t in zip(same, built, strict=True))
-            else:
+            if not self._planned_build(key, same, stacked, conv, "mass", grid):
                 ones = _ones((1, 1, grid[0], grid[1]), stacked.device)  # one channel to every kernel: see ``_ones``
                 built = F.conv2d(ones, stacked, padding=padding, dilation=dilation).unbind(1)  # 1 g h w -> (1 h w) each
                 self._mass.update(((c, grid), t) for c, t in zip(same, built, strict=True))
@@ -793,19 +787,48 @@ class Kernels:
             return None
         if self._plan is not None:
             self._plan.ask("matrix", (self._scope, key), grid)
-        if (key, grid) not in self._matrices:
+        if (key, grid) not in self._matrices and not self._planned_build(key, same, stacked, conv, "matrix", grid):
             g, shape, n = int(stacked.shape[0]), (int(stacked.shape[-2]), int(stacked.shape[-1])), grid[0] * grid[1]
-            if key not in self._tap_rows:  # the stack as rows of taps, one view for every grid it is asked on
-                self._tap_rows[key] = stacked.view(g, -1)
-            grids = [grid] if self._plan is None else [
-                x for x in self._plan.planned("matrix", (self._scope, key), grid) if (key, x) not in self._matrices]
-            if len(grids) > 1:  # every small grid the last forward asked for, in one product (``GridPlan``)
-                built = tap_mixes_on_grids(self._tap_rows[key], grids, shape, *_geometry(conv))
-                self._matrices.update(((key, x), (same, m)) for x, m in zip(grids, built, strict=True))
-            else:
-                taps = tap_matrices_for(grid, shape, *_geometry(conv), stacked.device)
-                self._matrices[(key, grid)] = (same, tap_mixes(self._tap_rows[key], taps, (g, n, n)))
+            taps = tap_matrices_for(grid, shape, *_geometry(conv), stacked.device)
+            self._matrices[(key, grid)] = (same, tap_mixes(self._rows_of_stack(key, stacked), taps, (g, n, n)))
         return self._matrices[(key, grid)]
+
+    def _rows_of_stack(self, key: tuple[Any, ...], stacked: Tensor) -> Tensor:
+        """The stack of ``key`` as rows of taps ``(g, kh kw)``: one view for every grid it is asked on."""
+        if key not in self._tap_rows:
+            self._tap_rows[key] = stacked.view(int(stacked.shape[0]), -1)
+        return self._tap_rows[key]
+
+    def _planned_build(
+        self, key: tuple[Any, ...], same: list[nn.Module | KernelConv], stacked: Tensor, conv: nn.Module | KernelConv,
+        what: str, grid: tuple[int, int],
+    ) -> bool:
+        """At a group's ask for its ``what`` (``"mass"`` or ``"matrix"``) on ``grid``, with a ``GridPlan``: its masses
+        on every large grid and its matrices on every small grid the last forward asked for (``grid`` among them, or
+        with them), in one product and one division (``labels_on_grids``), where each grid took its own call and a
+        group's masses and its matrices one each. Whether it built; not where the plan holds ``grid`` alone or the
+        conv changes its grid (then the ask builds its own)."""
+        plan = self._plan
+        if plan is None:
+            return False
+        padding, dilation = _geometry(conv)
+        shape = (int(stacked.shape[-2]), int(stacked.shape[-1]))
+        if not keeps_grid(shape, padding, dilation):
+            return False
+        scoped = (self._scope, key)
+
+        def grids_of(kind: str) -> tuple[tuple[int, int], ...]:  # the asked kind's plan holds ``grid``; the other's as it is
+            return plan.planned(kind, scoped, grid) if kind == what else plan.last.get((kind, scoped), ())
+
+        masses = [x for x in grids_of("mass") if (same[0], x) not in self._mass]
+        matrices = [x for x in grids_of("matrix") if (key, x) not in self._matrices]
+        if len(masses) + len(matrices) < 2:
+            return False
+        built_matrices, built_masses = labels_on_grids(self._rows_of_stack(key, stacked), matrices, masses, shape, padding, dilation)
+        self._matrices.update(((key, x), (same, m)) for x, m in zip(matrices, built_matrices, strict=True))
+        for x, per_conv in zip(masses, built_masses, strict=True):
+            self._mass.update(((c, x), t) for c, t in zip(same, per_conv, strict=True))
+        return True
 
 
 @shape_cache(maxsize=16)
@@ -1298,21 +1321,55 @@ def _summing(tracker: LabelTracker) -> bool:
     return _FOLDED[0] and isinstance(tracker, CompactTracker) and tracker.on_launch_routes()
 
 
-def _residual_of(tracker: LabelTracker, layer: int, keep: Tensor | None, labels: Tensor, branch: Path, grid: tuple[int, int], kernels: Kernels | None) -> None:
+def _residual_of(
+    tracker: LabelTracker, layer: int, keep: Tensor | None, labels: Tensor, branch: Path, grid: tuple[int, int],
+    kernels: Kernels | None, shortcut: Path = (),
+) -> None:
     """The residual of ``branch``'s labels of ``labels`` (read from ``tracker`` with no event since, but a linear
-    ``aggregate``): by ``residual_sum`` where ``_summing``, else ``residual``."""
+    ``aggregate``): by ``residual_sum`` where ``_summing``, else ``residual``. ``shortcut``: a downsampling block's
+    shortcut path, not yet applied to the tracker's labels: aggregated first, or, where it only subsamples them
+    (``_subsampling``) and the sum takes the branch's last conv, read by the sum as a strided view (the pool of
+    1x1 windows it stands for copies them: one kernel fewer a block, the same bits)."""
     if _summing(tracker):
         assert isinstance(tracker, CompactTracker)
         mixed, mass = walk_summed(branch, labels, grid, path_kernels([branch]) if kernels is None else kernels)
+        stride = _subsampling(shortcut, grid) if mass is not None else None
+        if shortcut and stride is None:
+            aggregate_path(tracker, shortcut, grid, kernels)
         if mass is None:
             tracker.residual_sum(layer, keep, lambda: mixed, None)
             return
         out = path_grid(branch, grid)
-        # the labels' grid view and back: one view each (channels-last memory, as the conv's output on it)
-        tracker.residual_sum(layer, keep, lambda: as_tokens(mixed / mass),
-                             lambda y: as_tokens(torch.addcdiv(as_grid(y, out), mixed, mass)))
+        if stride is None:
+            # the labels' grid view and back: one view each (channels-last memory, as the conv's output on it)
+            tracker.residual_sum(layer, keep, lambda: as_tokens(mixed / mass),
+                                 lambda y: as_tokens(torch.addcdiv(as_grid(y, out), mixed, mass)))
+            return
+        sh, sw = stride
+        tracker.residual_sum(
+            layer, keep, lambda: as_tokens(mixed / mass),
+            lambda y: as_tokens(torch.addcdiv(as_grid(y, grid)[:, :, ::sh, ::sw], mixed, mass)),
+            shortcut=lambda y: apply_path(shortcut, y, grid, kernels)[0],
+        )
         return
+    if shortcut:
+        aggregate_path(tracker, shortcut, grid, kernels)
     tracker.residual(layer, keep, mixed=apply_path(branch, labels, grid, kernels)[0])
+
+
+def _subsampling(shortcut: Path, grid: tuple[int, int]) -> tuple[int, int] | None:
+    """The strides ``(sh, sw)`` where ``shortcut`` is one window of 1x1 windows without padding on ``grid`` (a
+    ResNet's strided 1x1 projection): its labels are the grid's every ``sh``-th row and ``sw``-th column, each a
+    window's mean over one position (exact); else ``None``."""
+    if len(shortcut) != 1 or not isinstance(shortcut[0], Window):
+        return None
+    axes = shortcut[0].axes(grid)
+    if any(k != 1 or before or after for k, _, before, after, _ in axes):
+        return None
+    sh, sw = axes[0][1], axes[1][1]
+    if shortcut[0].out_grid(grid) != (len(range(0, grid[0], sh)), len(range(0, grid[1], sw))):
+        return None  # not the slices' grid (no such window is known): pooled as it is
+    return sh, sw
 
 
 def aggregate_path(tracker: LabelTracker, path: Path, grid: tuple[int, int], kernels: Kernels | None = None) -> None:
@@ -1373,11 +1430,11 @@ def block_labels(
                 lambda y, share, scale: mix_tokens(projected_map(b_maps, s_maps, share, scale), y.float()),
             )
             return out
-    if shortcut:
-        aggregate_path(tracker, shortcut, grid, kernels)
     if labels is not None and branch:
-        _residual_of(tracker, layer, keep, labels, branch, grid, kernels)
+        _residual_of(tracker, layer, keep, labels, branch, grid, kernels, shortcut)  # which aggregates the shortcut
     else:
+        if shortcut:
+            aggregate_path(tracker, shortcut, grid, kernels)
         tracker.residual(layer, keep, mixed=None)
     if fork is not None:  # the plain channels: the branch alone, aggregating as a block without shortcut does
         tracker.join(fork, plain, merge=lambda y: apply_path(branch, y, grid, kernels)[0], keep=keep, normalised=True)

@@ -55,10 +55,10 @@ def grid_plans(on: bool) -> AbstractContextManager[None]:
 class GridPlan:
     """The grids a forward asked ``Kernels`` for each group's tap weights (``"mass"``) and matrices (``"matrix"``) on,
     in order, and the last forward's, which this one builds from: a group's first ask on a grid the last forward
-    asked for too builds that group on every grid the last forward asked for, in one call (the masses of all its
-    large grids by one convolution of ones, ``masses_on_grids``; its matrices on all its small grids by one product
-    and one division, ``tap_mixes_on_grids``), where each grid took its own. A forward that asks for another grid
-    builds that one alone; one that asks for fewer builds a few small tensors it does not read."""
+    asked for too builds that group on every grid the last forward asked for (the masses of all its large grids and
+    its matrices on all its small grids) by one product and one division (``labels_on_grids``), where each grid took
+    its own call and a group's masses and matrices one each. A forward that asks for another grid builds that one
+    alone; one that asks for fewer builds a few small tensors it does not read."""
 
     def __init__(self, last: Mapping[PlanKey, tuple[Grid, ...]] | None = None) -> None:
         self.last = dict(last or {})

@@ -105,13 +105,18 @@ class CompactTracker:
 
     def residual_sum(
         self, layer: int, keep: Tensor | None, divided: Callable[[], Tensor], summed: Callable[[Tensor], Tensor] | None,
+        shortcut: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         """``residual(layer, keep, mixed=divided())`` for a branch whose labels are a linear map of the labels as the
         tracker holds them (``labels_at_scale(layer)``, or ``labels_for(layer)``, with no event between). ``summed(y)``
         (or ``None``) returns ``y`` plus those labels in one operator (``addcdiv``: the branch's last conv divided by its
         in-grid tap weights within the sum, where a division and a ``lerp`` took two). Where the residual is the mean of
         shortcut and branch and no dropped branch is kept, it is taken so: twice the mean, exactly (a power of two),
-        which the tracker keeps as its scale (``_unit``)."""
+        which the tracker keeps as its scale (``_unit``).
+
+        ``shortcut``: a linear map of the labels (a downsampling block's shortcut, ``aggregate(shortcut,
+        normalised=True, linear=True)``) not yet applied: ``summed(y)`` then applies it to ``y`` itself (a strided view
+        the sum reads), and the labels go through it first where the sum is not taken."""
         if self._y is None or not self._rules.wants_labels(layer):
             raise ValueError(
                 f"residual_sum(layer={layer}, ...) for a layer this scheme does not align (labels_for({layer}) is None); "
@@ -119,8 +124,13 @@ class CompactTracker:
             )
         if summed is not None and self._rules.residual_share == 0.5 and (keep is None or not self._rules.follow_drop):
             self._y = summed(self._y).float()
+            if shortcut is not None and self._static is not None:  # unaligned labels kept for token targets
+                with _fp32(self._lm.device):
+                    self._static = shortcut(self._static).float()
             self._scale *= 2.0
             return
+        if shortcut is not None:
+            self.aggregate(shortcut, normalised=True, linear=True)
         mixed = divided()
         self._y = self._rules.residual(self._y, (mixed.detach() if mixed.requires_grad else mixed).float(), keep)
 

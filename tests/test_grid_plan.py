@@ -23,7 +23,7 @@ from benchmarks._op_counter import OpCounter
 from mixlabels import NoAlign, TLAlign, TokenLabelMap
 from mixlabels.backbones import _common, _convnet, _grid_plan, adapt
 from mixlabels.backbones._common import (
-    _ones_side_by_side, keeps_grid, launch_routes, masses_on_grids, tap_matrices_for, tap_mixes, tap_mixes_on_grids,
+    keeps_grid, labels_on_grids, launch_routes, tap_matrices_for, tap_mixes,
 )
 
 GEOMETRIES = {"3x3": ((3, 3), (1, 1), (1, 1)), "5x5 dilated": ((5, 5), (4, 4), (2, 2)), "1x5": ((1, 5), (0, 2), (1, 1))}
@@ -36,43 +36,46 @@ def _kernels(shape: tuple[int, int], count: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_masses_and_matrices_on_many_grids_equal_each_grids_own(geometry: str) -> None:
+    """One product and one division: every large grid's in-grid tap weights as a convolution of ones on that grid
+    alone makes them, every small grid's matrices as ``tap_mixes`` with that grid's own tap matrices."""
     shape, padding, dilation = GEOMETRIES[geometry]
     stacked = _kernels(shape, 5, seed=len(geometry))
-    large = [(16, 16), (9, 13), (8, 8)]
-    for got, (h, w) in zip(masses_on_grids(stacked, padding, dilation, large), large, strict=True):
-        own = F.conv2d(torch.ones(1, 1, h, w), stacked, padding=padding, dilation=dilation).unbind(1)
-        assert len(got) == 5
-        for a, b in zip(got, own, strict=True):
-            assert a.shape == (1, h, w)
-            assert_close(a, b, rtol=0.0, atol=1e-7)
-    assert (got[0] < 1 - 1e-3).any()  # the borders' weights are below 1: what the gutters must keep apart
-    small = [(7, 7), (4, 4), (2, 3)]
     rows = stacked.view(5, -1)
-    for got_m, grid in zip(tap_mixes_on_grids(rows, small, shape, padding, dilation), small, strict=True):
-        n = grid[0] * grid[1]
-        own_m = tap_mixes(rows, tap_matrices_for(grid, shape, padding, dilation, rows.device), (5, n, n))
-        assert_close(got_m, own_m, rtol=1e-6, atol=1e-7)
-        assert_close(got_m.sum(-1), torch.ones(5, n))
+    large = [(16, 16), (9, 13), (8, 8)]
+    small = [(7, 7), (4, 4), (2, 3)]
+    for matrix_grids, mass_grids in ((small, large), (small, []), ([], large), (small[1:2], large[:1])):
+        matrices, masses = labels_on_grids(rows, matrix_grids, mass_grids, shape, padding, dilation)
+        assert len(matrices) == len(matrix_grids) and len(masses) == len(mass_grids)
+        for got, (h, w) in zip(masses, mass_grids, strict=True):
+            own = F.conv2d(torch.ones(1, 1, h, w), stacked, padding=padding, dilation=dilation).unbind(1)
+            assert len(got) == 5
+            for a, b in zip(got, own, strict=True):
+                assert a.shape == (1, h, w)
+                assert_close(a, b, rtol=0.0, atol=1e-7)
+            assert (got[0] < 1 - 1e-3).any()  # the borders' weights are below 1: each grid's own borders
+        for got_m, grid in zip(matrices, matrix_grids, strict=True):
+            n = grid[0] * grid[1]
+            own_m = tap_mixes(rows, tap_matrices_for(grid, shape, padding, dilation, rows.device), (5, n, n))
+            assert_close(got_m, own_m, rtol=1e-6, atol=1e-7)
+            assert_close(got_m.sum(-1), torch.ones(5, n))
 
 
-def test_grids_side_by_side_without_gutters_mix_their_borders() -> None:
-    """The control: blocks of ones that touch (no gutter) let a 3x3 conv read the neighbour's ones across the seam,
-    so the border positions there weigh more than on the grid alone."""
+def test_each_grids_masses_are_its_own() -> None:
+    """The control: the masses of two grids of different sizes built together differ from each other where their
+    borders differ (a mass grid read at another's offset would not), and a grid's interior weighs 1."""
     stacked = _kernels((3, 3), 5, seed=3)
-    grids = ((8, 8), (8, 8))
-    canvas, starts = _ones_side_by_side(grids, 0, torch.device("cpu"))
-    assert starts == (0, 8)
-    touching = F.conv2d(canvas, stacked, padding=1)[:, :, :, 0:8]
-    alone = F.conv2d(torch.ones(1, 1, 8, 8), stacked, padding=1)
-    assert not torch.allclose(touching, alone, atol=1e-4)
+    _, (a, b) = labels_on_grids(stacked.view(5, -1), [], [(8, 8), (6, 9)], (3, 3), (1, 1), (1, 1))
+    assert_close(a[2][0, 1:-1, 1:-1], torch.ones(6, 6))
+    assert_close(b[2][0, 1:-1, 1:-1], torch.ones(4, 7))
+    assert_close(a[2][0, 0, 0], stacked[2, 0, 1:, 1:].sum())  # the corner reads its 2x2 in-grid taps
     assert keeps_grid((3, 3), (1, 1), (1, 1)) and not keeps_grid((3, 3), (0, 0), (1, 1))
 
 
 class _Joint:
-    """Counts the joint builds (``masses_on_grids``, ``tap_mixes_on_grids``) that ``Kernels`` calls."""
+    """Counts the joint builds (``labels_on_grids``) that ``Kernels`` calls."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = {"masses_on_grids": 0, "tap_mixes_on_grids": 0}
+        self.calls = {"labels_on_grids": 0}
         for name in self.calls:
             real = getattr(_convnet, name)
 
@@ -108,10 +111,10 @@ def _planned_resnet(monkeypatch: pytest.MonkeyPatch) -> tuple[_Joint, torch.Tens
 
 def test_a_second_forward_builds_every_grid_it_planned_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """ResNet-18 at 64 px on a GPU's routes, matrices up to 16 positions: its 3x3 convs' tap weights on the 16x16
-    and 8x8 grids, and their matrices on 4x4 and 2x2. The first forward builds each grid alone; the next ones one
-    convolution and one product for each. Counted warm (the shape caches filled, as on a GPU after its first steps),
-    against a forward built grid by grid (``grid_plans(False)``): one convolution fewer for the masses and a product
-    and a division fewer for the matrices, the same targets to rounding, and the reference's."""
+    and 8x8 grids, and their matrices on 4x4 and 2x2. The first forward builds each grid alone; the next ones all
+    four in one product and one division. Counted warm (the shape caches filled, as on a GPU after its first
+    steps), against a forward built grid by grid (``grid_plans(False)``): both convolutions of ones for the masses
+    and a product and a division for the matrices fewer, the same targets to rounding, and the reference's."""
     joint, images, lm, fast = _planned_resnet(monkeypatch)
     reference = adapt(_resnet18(), TLAlign(), reference=True)
     with launch_routes():
@@ -121,15 +124,15 @@ def test_a_second_forward_builds_every_grid_it_planned_at_once(monkeypatch: pyte
                 a = fast(images, lm)
         assert "_grid_plans" not in vars(fast)
         fast(images, lm)  # learns the plan
-        assert joint.calls == {"masses_on_grids": 0, "tap_mixes_on_grids": 0}  # no plan yet: grid by grid
+        assert joint.calls == {"labels_on_grids": 0}  # no plan yet: grid by grid
         fast(images, lm)  # the first planned forward: the joint builds' shape caches filled
-        assert joint.calls == {"masses_on_grids": 1, "tap_mixes_on_grids": 1}, joint.calls
+        assert joint.calls == {"labels_on_grids": 1}, joint.calls
         with OpCounter() as planned:
             b = fast(images, lm)
-        assert joint.calls == {"masses_on_grids": 2, "tap_mixes_on_grids": 2}, joint.calls
+        assert joint.calls == {"labels_on_grids": 2}, joint.calls
     fewer = by_grid.ops - planned.ops
-    assert (fewer["convolution"], fewer["mm"], fewer["div"]) == (1, 1, 1), (fewer, planned.ops - by_grid.ops)
-    assert by_grid.kernels - planned.kernels == 3  # those three, and no computing operator more (views move: slices)
+    assert (fewer["convolution"], fewer["mm"], fewer["div"]) == (2, 1, 1), (fewer, planned.ops - by_grid.ops)
+    assert by_grid.kernels - planned.kernels == 4  # those four, and no computing operator more (views move: slices)
     assert_close(b.target, a.target, rtol=1e-6, atol=1e-6)
     want = reference(images, lm)
     assert_close(b.target, want.target, rtol=1e-5, atol=1e-5)
@@ -139,7 +142,7 @@ def test_a_second_forward_builds_every_grid_it_planned_at_once(monkeypatch: pyte
     other, other_lm = _batch(96)  # another input size: its own plan, built grid by grid on its first forward
     with launch_routes():
         c = fast(other, other_lm)
-    assert joint.calls == {"masses_on_grids": 2, "tap_mixes_on_grids": 2}
+    assert joint.calls == {"labels_on_grids": 2}
     assert_close(c.target, reference(other, other_lm).target, rtol=1e-5, atol=1e-5)
     assert len(vars(fast)["_grid_plans"]) == 2
 
@@ -152,9 +155,10 @@ def test_a_plan_that_forgot_a_grid_builds_it_alone(monkeypatch: pytest.MonkeyPat
         a = fast(images, lm)
         plans = vars(fast)["_grid_plans"]
         plan = plans[(64, 64)]
-        plans[(64, 64)] = {key: grids[:1] for key, grids in plan.items()}  # every group's first grid alone
+        # every group's first large grid alone, and none of its small ones: nothing to build together
+        plans[(64, 64)] = {key: grids[:1] for key, grids in plan.items() if key[0] == "mass"}
         b = fast(images, lm)
-    assert joint.calls == {"masses_on_grids": 0, "tap_mixes_on_grids": 0}
+    assert joint.calls == {"labels_on_grids": 0}
     assert_close(b.target, a.target, rtol=1e-6, atol=1e-6)
     assert vars(fast)["_grid_plans"][(64, 64)] == plan  # the asks, learnt again
 
@@ -163,7 +167,7 @@ def test_the_cpus_eager_route_builds_grid_by_grid_and_keeps_no_plan(monkeypatch:
     """Off the launch routes (the CPU's eager route, whose bits the targets digest holds) no plan is kept or read."""
     joint, images, lm, fast = _planned_resnet(monkeypatch)
     a, b = fast(images, lm), fast(images, lm)
-    assert joint.calls == {"masses_on_grids": 0, "tap_mixes_on_grids": 0}
+    assert joint.calls == {"labels_on_grids": 0}
     assert "_grid_plans" not in vars(fast)
     assert torch.equal(a.target, b.target)
 
@@ -176,9 +180,9 @@ def test_grid_plans_off_builds_grid_by_grid_on_a_gpus_route(monkeypatch: pytest.
         a = fast(images, lm)
         with _grid_plan.grid_plans(False):
             b = fast(images, lm)
-        assert joint.calls == {"masses_on_grids": 0, "tap_mixes_on_grids": 0}
+        assert joint.calls == {"labels_on_grids": 0}
         c = fast(images, lm)  # the plan the first forward kept
-    assert joint.calls == {"masses_on_grids": 1, "tap_mixes_on_grids": 1}
+    assert joint.calls == {"labels_on_grids": 1}
     assert_close(b.target, a.target, rtol=1e-6, atol=1e-6)
     assert_close(c.target, a.target, rtol=1e-6, atol=1e-6)
 

@@ -5,8 +5,9 @@ residual's mean (``lerp(y, mixed, 0.5)``) are one ``addcdiv``: ``y + c / m``, tw
 that power of two as the labels' scale and takes it out at the next event that needs the labels as they are (one
 multiplication), or inside a block's folded matrix (``addmm``'s factors, no operator). Here: the tracker's events at a
 scale against a tracker that divides and averages, the fallbacks (a dropped branch kept, TL-Align without
-normalisation, the CPU's eager route, ``folded_residuals(False)``), and conv families on a GPU's routes against their
-reference, with a planted fault (the sum without its shortcut's labels) that the family check must catch.
+normalisation, the CPU's eager route, ``folded_residuals(False)``), conv families on a GPU's routes against their
+reference, with a planted fault (the sum without its shortcut's labels) that the family check must catch, and a
+downsampling block's strided 1x1 shortcut read by the sum as a view (bit for bit the pool it stands for).
 """
 
 from __future__ import annotations
@@ -128,6 +129,30 @@ def test_residual_sum_falls_back_to_the_divided_residual(case: str) -> None:
         assert_close(a.labels_for(1), b.labels_for(1), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("case", ["summed", "a dropped branch kept", "TL-Align without normalisation"])
+def test_a_shortcut_the_sum_takes_in_equals_its_aggregate_first(case: str) -> None:
+    """``residual_sum(..., shortcut=s)``: the sum applies ``s`` to the labels itself; where it is not taken, the labels
+    go through ``s`` first, as ``aggregate(s)`` and then the residual."""
+    with launch_routes():
+        a, b = _pair(TLAlign(normalize=case != "TL-Align without normalisation"))
+        keep = torch.arange(B) % 2 == 0 if case == "a dropped branch kept" else None
+        g = torch.Generator().manual_seed(5)
+        n = GRID[0] * GRID[1]
+        short = torch.rand(n, n, generator=g)
+        short = short / short.sum(-1, keepdim=True)  # a row-normalised linear map: the shortcut's
+        raw, mass = _branch(1)
+        y = a.labels_at_scale(0)
+        assert y is not None
+        a.residual_sum(0, keep, lambda: raw @ y / mass, lambda held: torch.addcdiv(short @ held, raw @ y, mass),
+                       shortcut=lambda held: short @ held)
+        mine = b.labels_for(0)
+        assert mine is not None
+        b.aggregate(lambda held: short @ held, normalised=True)
+        b.residual(0, keep, mixed=raw @ mine / mass)
+        assert a._scale == (2.0 if case == "summed" else 1.0)
+        assert_close(a.labels_for(1), b.labels_for(1), rtol=1e-6, atol=1e-7)
+
+
 def test_residual_sum_refuses_a_layer_the_scheme_does_not_align() -> None:
     _, lm = cutmix_batch()
     tracker = TLAlign(layers=[0]).start(lm, TokenLayout(grid=GRID, num_prefix=0, depth=2, class_token=False))
@@ -142,16 +167,18 @@ class _Sums:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, plant: bool = False) -> None:
         self.sums = 0
+        self.through_shortcut = 0  # sums that take a downsampling block's shortcut in too (a strided view)
         real = CompactTracker.residual_sum
 
         def counted(tracker: CompactTracker, layer: int, keep: Tensor | None, divided: Callable[[], Tensor],
-                    summed: Callable[[Tensor], Tensor] | None) -> None:
+                    summed: Callable[[Tensor], Tensor] | None, shortcut: Callable[[Tensor], Tensor] | None = None) -> None:
             if summed is not None:
                 self.sums += 1
+                self.through_shortcut += shortcut is not None
                 if plant:
                     whole = summed
-                    summed = lambda y: whole(y) - y  # noqa: E731
-            real(tracker, layer, keep, divided, summed)
+                    summed = lambda y: whole(y) - (y if shortcut is None else shortcut(y))  # noqa: E731
+            real(tracker, layer, keep, divided, summed, shortcut)
 
         monkeypatch.setattr(CompactTracker, "residual_sum", counted)
 
@@ -194,6 +221,35 @@ def test_a_sum_without_its_shortcut_fails_the_family_check(family: str, monkeypa
     with launch_routes(), pytest.raises(AssertionError):
         _fast_and_reference(copy.deepcopy(model), copy.deepcopy(model), "tl_align")
     assert sums.sums > 0
+
+
+@pytest.mark.parametrize("family", ["senet", "tv_resnet"])
+def test_a_strided_1x1_shortcut_is_read_by_the_sum_as_a_view(family: str, monkeypatch: pytest.MonkeyPatch, large_grids: None) -> None:
+    """A downsampling block whose shortcut is a strided 1x1 projection: its labels are the grid's every other row and
+    column, which the sum reads as a strided view where a pool of 1x1 windows copied them (``_subsampling``): the
+    same targets bit for bit (each window's mean of one position is that position), one ``avg_pool2d`` fewer a
+    block."""
+    sums = _Sums(monkeypatch)
+    model = FAMILIES[family].example().eval()
+    images, lm = cutmix_batch()
+
+    def step() -> tuple[Tensor, Any, int]:
+        adapted = backbones.adapt(copy.deepcopy(model), TLAlign())
+        with launch_routes():
+            adapted(images, lm)  # the shape caches and grid plans filled, as a GPU's after its first steps
+            adapted(images, lm)
+            with OpCounter() as counter:
+                out = adapted(images, lm)
+        return out.target, counter.ops, counter.kernels
+
+    got, ops, kernels = step()
+    viewed = sums.through_shortcut // 3
+    assert viewed > 0, "no shortcut read as a view: this test checked nothing new"
+    monkeypatch.setattr(_convnet, "_subsampling", lambda shortcut, grid: None)  # the pool, aggregated first
+    want, pooled, pooled_kernels = step()
+    assert torch.equal(got, want)
+    assert pooled["avg_pool2d"] - ops.get("avg_pool2d", 0) == viewed
+    assert pooled_kernels - kernels == viewed  # no copy instead: the sum's output lies as the tokens' view needs
 
 
 def _kernels(model: torch.nn.Module, folded: bool, sums: _Sums) -> tuple[int, Any]:
