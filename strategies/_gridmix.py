@@ -16,6 +16,7 @@ Shapes: ``g`` groups (independent draws), ``gh gw`` common grid.
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 from einops import rearrange, repeat
@@ -23,8 +24,9 @@ from torch import Tensor
 
 from mixlabels.strategies._base import PairMixer
 from mixlabels.strategies._cutmix import grid_of
+from mixlabels.strategies._host_draws import HostPairs, draw_beta, to_fp32
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._patch import CellParams
+from mixlabels.strategies._patch import CellParams, host_cell_params
 from mixlabels.strategies._paste import apply_cells
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
@@ -41,6 +43,7 @@ class GridSampler(MixSampler[CellParams]):
     """
 
     params_type = CellParams
+    host_draws = True
 
     def __init__(
         self,
@@ -85,6 +88,41 @@ class GridSampler(MixSampler[CellParams]):
             cells = torch.where(rearrange(choice == k, "g -> g 1 1"), fine, cells)
         cells = cells[pairs.group] & pairs.applied[:, None, None]
         return CellParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, cells=cells, grid=grid)
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> CellParams:
+        """``draw``'s law with Python numbers: per group a size, a lambda (rounded to fp32, as the tensor draw keeps
+        it) and a uniform subset of that size's cells, spread onto the common grid; one buffer with the label map's
+        values (``host_cell_params``)."""
+        grid = grid_of(image_size, self.unit, "cell size")
+        rows = []
+        for _ in range(pairs.num_groups):
+            s = self.cell_sizes[min(math.floor(rng.random() * len(self.cell_sizes)), len(self.cell_sizes) - 1)]
+            lam = to_fp32(draw_beta(self.alpha, rng))
+            sh, sw = image_size[0] // s, image_size[1] // s
+            n, count = sh * sw, math.floor((1.0 - lam) * (sh * sw))
+            # a uniform subset of count cells; past half of them, the complement of a uniform subset of the rest (the
+            # same law, half the Python draws at most)
+            flip = count > n - count
+            coarse = bytearray(b"\x01" * n if flip else bytes(n))  # row-major, 1: the partner's
+            for i in rng.sample(range(n), n - count if flip else count):
+                coarse[i] = 0 if flip else 1
+            rows.append(_spread(bytes(coarse), sh, s // self.unit))
+        return host_cell_params(pairs, rows, image_size, grid, device)
+
+
+def _spread(coarse: bytes, rows: int, f: int) -> bytes:
+    """Row-major 0/1 bytes of ``rows`` rows of cells as the common grid's, each cell ``f`` x ``f`` common cells: each
+    byte repeated ``f`` times along its row, each row ``f`` times (bytes work, in C, not a Python step a cell).
+
+    Example:
+        >>> _spread(bytes([1, 0, 0, 1]), 2, 2).hex()
+        '01010000010100000000010100000101'
+    """
+    if f == 1:
+        return coarse
+    wide = coarse.replace(b"\x00", b"\x00" * f).replace(b"\x01", b"\x01" * f)  # zeros first: ones stay single
+    width = len(wide) // rows
+    return b"".join(wide[y * width : (y + 1) * width] * f for y in range(rows))
 
 
 class GridMix(PairMixer[CellParams]):

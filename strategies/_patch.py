@@ -100,33 +100,50 @@ class _CellSampler(MixSampler[CellParams]):
     def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> CellParams:
         grid = grid_of(image_size, self.cell_size, "cell_size")
         n = grid[0] * grid[1]
-        rows = [self.cells_of(self.partner_count(n, rng), grid, rng) for _ in range(pairs.num_groups)]
-        # Every sample's cells, keep mask, label cells [w0, 1 - w0] and lambda (the mean of w0: the
-        # cells kept over n, one fp32 division as the CPU's mean) are built per group as bytes and
-        # repeated per sample on the host, so the device only takes views (no gather, no not, no mean).
-        # An unmixed sample takes the last row: nothing from the partner.
-        rows.append([False] * n)
-        cell_rows = [bytes(row) for row in rows]  # bytes 0/1 are bools; the byte work below runs in C
-        keep_rows = [row.translate(_NOT) for row in cell_rows]
-        label_rows = [array("f", list(keep + cell)).tobytes() for keep, cell in zip(keep_rows, cell_rows)]
-        lams = [to_fp32((n - sum(row)) / n) for row in cell_rows]
-        picks = [g if a else len(rows) - 1 for g, a in zip(pairs.group, pairs.applied)]
-        b, (gh, gw) = len(picks), grid
-        partner, applied, cells, keep, sources, weights, label_cells = columns_on(
-            [
-                column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
-                column(b"".join(cell_rows[r] for r in picks), torch.bool, b, gh, gw),
-                column(b"".join(keep_rows[r] for r in picks), torch.bool, b, gh, gw),
-                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
-                column([w for r in picks for w in (lams[r], to_fp32(1.0 - lams[r]))], torch.float32, b, 2),
-                column(b"".join(label_rows[r] for r in picks), torch.float32, b, 2, gh, gw),
-            ],
-            device,
-        )  # fmt: skip
-        return CellParams(
-            partner=partner, applied=applied, image_size=image_size, cells=cells, grid=grid, keep=keep,
-            label_sources=sources, label_weights=weights, label_cells=label_cells,
-        )  # fmt: skip
+        rows = [bytes(self.cells_of(self.partner_count(n, rng), grid, rng)) for _ in range(pairs.num_groups)]
+        return host_cell_params(pairs, rows, image_size, grid, device)
+
+
+def host_cell_params(
+    pairs: HostPairs, rows: list[bytes], image_size: tuple[int, int], grid: tuple[int, int], device: torch.device,
+) -> CellParams:
+    """``CellParams`` of Python-drawn cells, one row-major ``gh * gw`` bytes per group (1: the partner's), with the
+    label map's values, in one buffer on ``device``."""
+    n = grid[0] * grid[1]
+    # Every sample's cells, keep mask, label cells [w0, 1 - w0] and lambda (the mean of w0: the
+    # cells kept over n, one fp32 division as the CPU's mean) are built per group as bytes and
+    # repeated per sample on the host, so the device only takes views (no gather, no not, no mean).
+    # An unmixed sample takes the last row: nothing from the partner.
+    cell_rows = [*rows, bytes(n)]  # bytes 0/1 are bools; the byte work below runs in C
+    keep_rows = [row.translate(_NOT) for row in cell_rows]
+    label_rows = [_as_fp32(keep + cell) for keep, cell in zip(keep_rows, cell_rows)]
+    lams = [to_fp32((n - sum(row)) / n) for row in cell_rows]
+    picks = [g if a else len(cell_rows) - 1 for g, a in zip(pairs.group, pairs.applied)]
+    b, (gh, gw) = len(picks), grid
+    partner, applied, cells, keep, sources, weights, label_cells = columns_on(
+        [
+            column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
+            column(b"".join(cell_rows[r] for r in picks), torch.bool, b, gh, gw),
+            column(b"".join(keep_rows[r] for r in picks), torch.bool, b, gh, gw),
+            column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+            column([w for r in picks for w in (lams[r], to_fp32(1.0 - lams[r]))], torch.float32, b, 2),
+            column(b"".join(label_rows[r] for r in picks), torch.float32, b, 2, gh, gw),
+        ],
+        device,
+    )  # fmt: skip
+    return CellParams(
+        partner=partner, applied=applied, image_size=image_size, cells=cells, grid=grid, keep=keep,
+        label_sources=sources, label_weights=weights, label_cells=label_cells,
+    )  # fmt: skip
+
+
+_FP32_ONE = array("f", [1.0]).tobytes()  # 1.0 as fp32 bytes, in the machine's order (as ``array`` writes a column)
+
+
+def _as_fp32(bits: bytes) -> bytes:
+    """0/1 bytes as fp32 0.0/1.0 bytes, ``array("f", list(bits)).tobytes()`` by three byte replacements (in C, where the
+    list took a Python object a byte): ones to a marker first, so that the zeros' expansion leaves them alone."""
+    return bits.replace(b"\x01", b"\x02").replace(b"\x00", bytes(4)).replace(b"\x02", _FP32_ONE)
 
 
 class RandomCellSampler(_CellSampler):

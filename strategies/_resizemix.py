@@ -14,7 +14,10 @@ Boxes live on pixels or on ``patch_size`` cells, like CutMix's.
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -22,6 +25,7 @@ from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._cutmix import box_inside, box_mask, grid_of
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_uniform
 
 __all__ = ["ResizeMix", "ResizeParams", "ResizeSampler", "resize_index"]
@@ -34,10 +38,15 @@ class ResizeParams(MixParams):
     Attributes:
         boxes: ``(b, 4)`` long ``(y0, y1, x0, x1)`` in cells of ``grid``, half-open; empty where unmixed.
         grid: ``(gh, gw)`` cells; a cell covers ``(H / gh, W / gw)`` pixels.
+        pixels: ``boxes`` in pixels, when the sampler computed them with its draws (Python draws, in the
+            params' one buffer); ``None``: computed from ``boxes``.
     """
 
     boxes: Tensor
     grid: tuple[int, int]
+    pixels: Tensor | None = None
+
+    DERIVED: ClassVar[tuple[str, ...]] = (*MixParams.DERIVED, "pixels")
 
     def source_weight(self) -> Tensor:
         return box_mask(self.boxes, self.grid)
@@ -47,6 +56,9 @@ class ResizeParams(MixParams):
 
     def pixel_boxes(self) -> Tensor:
         """``(b, 4)`` long boxes in pixels."""
+        current = self.current()
+        if current.pixels is not None:
+            return current.pixels
         ch, cw = self.image_size[0] // self.grid[0], self.image_size[1] // self.grid[1]
         return self.boxes * torch.tensor([ch, ch, cw, cw], device=self.boxes.device)
 
@@ -77,6 +89,7 @@ class ResizeSampler(MixSampler[ResizeParams]):
     """
 
     params_type = ResizeParams
+    host_draws = True
 
     def __init__(
         self,
@@ -127,6 +140,42 @@ class ResizeSampler(MixSampler[ResizeParams]):
         applied = pairs.applied & ((bh > 0) & (bw > 0))[pairs.group]
         boxes = torch.where(applied[:, None], boxes, torch.zeros_like(boxes))  # empty box: unmixed
         return ResizeParams(partner=pairs.partner, applied=applied, image_size=image_size, boxes=boxes, grid=(gh, gw))
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> ResizeParams:
+        """``draw``'s law with Python numbers: per group a side ratio and a corner, in one buffer with the boxes in
+        pixels and the label map's sources and weights (the box's cells over the grid's, one fp32 division, as
+        ``BoxMask.source_mean``)."""
+        gh, gw = grid_of(image_size, self.cell, "patch_size")
+        lo, hi = self.scale
+        boxes: list[tuple[int, int, int, int] | None] = []
+        for _ in range(pairs.num_groups):
+            u = [rng.random() for _ in range(3)]
+            tau = lo + u[0] * (hi - lo)
+            bh, bw = math.floor(tau * gh), math.floor(tau * gw)
+            y0 = min(math.floor(u[1] * (gh - bh + 1)), gh - bh)
+            x0 = min(math.floor(u[2] * (gw - bw + 1)), gw - bw)
+            # a draw whose box rounds to nothing mixes nothing: say so in the params (applied False, box zeroed)
+            boxes.append((y0, y0 + bh, x0, x0 + bw) if bh > 0 and bw > 0 else None)
+        rows = [boxes[g] if a else None for g, a in zip(pairs.group, pairs.applied)]
+        picked = [(0, 0, 0, 0) if r is None else r for r in rows]
+        n = gh * gw
+        lams = [to_fp32((n - (y1 - y0) * (x1 - x0)) / n) for y0, y1, x0, x1 in picked]
+        b = len(picked)
+        ch, cw = image_size[0] // gh, image_size[1] // gw
+        partner, applied, boxes_t, pixels, sources, weights = columns_on(
+            [
+                column(pairs.partner, torch.int64), column([r is not None for r in rows], torch.bool),
+                column([v for box in picked for v in box], torch.int64, b, 4),
+                column([v * c for box in picked for v, c in zip(box, (ch, ch, cw, cw))], torch.int64, b, 4),
+                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                column([w for lam in lams for w in (lam, to_fp32(1.0 - lam))], torch.float32, b, 2),
+            ],
+            device,
+        )  # fmt: skip
+        return ResizeParams(
+            partner=partner, applied=applied, image_size=image_size, boxes=boxes_t, grid=(gh, gw), pixels=pixels,
+            label_sources=sources, label_weights=weights,
+        )  # fmt: skip
 
 
 class ResizeMix(PairMixer[ResizeParams]):

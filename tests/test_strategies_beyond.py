@@ -348,14 +348,15 @@ def test_fmix_noise_is_low_frequency() -> None:
 def test_gridmix_cells_are_blocks_of_the_drawn_size(b: int, sizes: tuple[int, ...], seed: int) -> None:
     hh, ww = 16, 24
     mixer = GridMix(NC, cell_sizes=sizes, mode="elem")
-    beta = Recorder(grid_module.sample_beta)
-    with mock.patch.object(grid_module, "sample_beta", beta):
+    beta = Recorder(grid_module.draw_beta)  # Python draws: one lambda a group, rounded to fp32 as the params keep it
+    with mock.patch.object(grid_module, "draw_beta", beta):
         out, lm = mixer(id_images(b, hh, ww), torch.zeros(b, dtype=torch.long), generator=torch.Generator().manual_seed(seed))
     p = mixer.last_params
     assert isinstance(p, CellParams)
     unit = math.gcd(*sizes)
     assert p.grid == (hh // unit, ww // unit)
-    lam = beta.values[0]
+    assert len(beta.values) == b  # elem: a group a sample
+    lam = torch.tensor(beta.values, dtype=torch.float32)
     for i in range(b):
         if not p.applied[i]:
             assert not p.cells[i].any()

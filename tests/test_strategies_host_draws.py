@@ -1,7 +1,7 @@
 """Draws as Python numbers (issue 28): no tensor work on the host, the same laws, the same seeds.
 
 The mixers drawing Python numbers (CutMix, MixToken, MixUp, RandomPatchMix, BlockwiseMix, TokenMix,
-Switch's choice) are sampled with the params built on the ``meta`` device: every operator on a real
+ResizeMix, GridMix, Switch's choice) are sampled with the params built on the ``meta`` device: every operator on a real
 (CPU) tensor is then host work that a CUDA batch would pay, and only the seed draw may be one. The
 label map's values (sources, weights, the mask and its mean) come in the same buffer: building the
 map from meta params runs no operator at all, and gives the bits the CPU computes from the params.
@@ -21,7 +21,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mixlabels.strategies import BlockwiseMix, CutMix, MixToken, MixUp, RandomPatchMix, Switch, TokenMix
+from mixlabels.strategies import BlockwiseMix, CutMix, GridMix, MixToken, MixUp, RandomPatchMix, ResizeMix, Switch, TokenMix
 from mixlabels.strategies._base import pair_label_map
 from mixlabels.strategies._host_draws import column, columns_on, draw_pairs, host_rng, to_fp32
 from mixlabels.strategies._sampling import sample_pairs
@@ -55,6 +55,10 @@ def mixers() -> list[tuple[str, Any]]:
         ("random_patch elem", RandomPatchMix(NC, cell_size=4, mode="elem")),
         ("blockwise", BlockwiseMix(NC, cell_size=4, min_cells=4)),
         ("tokenmix elem", TokenMix(NC, patch_size=4, min_tokens=4, mode="elem")),
+        ("resizemix", ResizeMix(NC)),
+        ("gridmix", GridMix(NC, cell_sizes=(4, 8))),
+        ("gridmix elem", GridMix(NC, cell_sizes=(2, 4, 16), alpha=0.5, mode="elem", prob=0.8)),
+        ("resizemix cells elem", ResizeMix(NC, scale=(0.0, 0.5), patch_size=4, mode="elem", pairing="derangement", prob=0.7)),
         ("switch", Switch([MixUp(NC), CutMix(NC)])),
     ]
 
@@ -175,6 +179,47 @@ def test_a_replaced_draw_drops_the_values_derived_from_it(index: int) -> None:
     assert torch.equal(got_images, want_images), name
     moved = other.to("cpu")  # moving does not revive them either
     assert moved.label_sources is None and moved.current() is moved, name
+
+
+def test_resizemix_host_boxes_follow_the_tensor_draws_law() -> None:
+    """ResizeMix's Python draws (a side ratio and a corner per group) against its tensor draws: the same law for every
+    corner (two-sample KS), empty draws marked unmixed and zeroed on both."""
+    sampler = ResizeMix(NC, scale=(0.0, 0.8), mode="elem").sampler
+    b, size = 3000, (64, 48)
+    host = sampler((b, 3, *size), generator=torch.Generator().manual_seed(0))
+    pairs = sample_pairs(b, "elem", "flip", 1.0, torch.Generator().manual_seed(1), torch.device("cpu"))
+    tensor = sampler.draw(pairs, size, torch.Generator().manual_seed(2), torch.device("cpu"))
+    for p in (host, tensor):
+        empty = (p.boxes[:, 1] == p.boxes[:, 0]) | (p.boxes[:, 3] == p.boxes[:, 2])
+        assert torch.equal(~empty, p.applied) and not p.boxes[empty].any()
+        assert 0.0 < empty.float().mean() < 0.1  # tau * 48 < 1: about 1 in 38
+    for col in range(4):
+        assert stats.ks_2samp(host.boxes[:, col].numpy(), tensor.boxes[:, col].numpy()).pvalue > 1e-3, col
+
+
+def test_gridmix_host_cells_follow_the_tensor_draws_law() -> None:
+    """GridMix's Python draws against its tensor draws: per sample the drawn size (the blocks the cells make), and for
+    each size the number of the partner's cells (two-sample KS); each of that size's cells as likely as another."""
+    sampler = GridMix(NC, cell_sizes=(4, 8, 16), alpha=0.7, mode="elem").sampler
+    b, size = 3000, (16, 32)
+    host = sampler((b, 3, *size), generator=torch.Generator().manual_seed(0))
+    pairs = sample_pairs(b, "elem", "flip", 1.0, torch.Generator().manual_seed(1), torch.device("cpu"))
+    tensor = sampler.draw(pairs, size, torch.Generator().manual_seed(2), torch.device("cpu"))
+
+    def by_size(cells: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each sample's cells by the largest size whose blocks they are (4 px cells: the common grid's)."""
+        out: dict[int, list[torch.Tensor]] = {4: [], 8: [], 16: []}
+        for c in cells:
+            f = next(s for s in (16, 8, 4) if torch.equal(c, c[:: s // 4, :: s // 4].repeat_interleave(s // 4, 0).repeat_interleave(s // 4, 1)))
+            out[f].append(c[:: f // 4, :: f // 4].flatten())
+        return {f: torch.stack(v) for f, v in out.items() if v}
+
+    a, t = by_size(host.cells), by_size(tensor.cells)
+    for f in (4, 8):  # 16 px cells: 2 of them, their counts too coarse for a KS test (and 16 px blocks are 8 px ones too)
+        assert abs(len(a[f]) / b - len(t[f]) / b) < 0.06, f
+        assert stats.ks_2samp(a[f].sum(1).numpy(), t[f].sum(1).numpy()).pvalue > 1e-3, f
+        per_cell = a[f].float().mean(0)  # every cell equally likely the partner's
+        assert (per_cell - per_cell.mean()).abs().max() < 0.08, (f, per_cell)
 
 
 @pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
