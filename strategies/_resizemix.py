@@ -23,12 +23,13 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from mixlabels._shape_cache import shape_cache
 from mixlabels.strategies._base import MixParams, PairMixer
-from mixlabels.strategies._cutmix import box_inside, box_mask, grid_of
+from mixlabels.strategies._cutmix import box_mask, grid_of
 from mixlabels.strategies._host_draws import HostPairs, column, columns_on, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_uniform
 
-__all__ = ["ResizeMix", "ResizeParams", "ResizeSampler", "resize_index"]
+__all__ = ["ResizeMix", "ResizeParams", "ResizeSampler", "resize_index", "resize_indices"]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -77,6 +78,33 @@ def resize_index(start: Tensor, stop: Tensor, size: int) -> Tensor:
     extent = (stop - start).clamp(min=1).double()
     src = torch.floor((pos[None, :] - start[:, None].double() + 0.5) * size / extent[:, None]).long()
     return src.clamp(0, size - 1)
+
+
+@shape_cache(maxsize=16)
+def _axis_constants(size: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per axis (rows, then columns) of an image of ``size``: its side ``(2, 1)`` float64, its first and last index
+    ``(2, 1)`` long, and the positions ``(L,)`` float64 of the longer side (constants of the size: cached)."""
+    sides = torch.tensor([[float(size[0])], [float(size[1])]], dtype=torch.float64, device=device)
+    first = torch.zeros((2, 1), dtype=torch.long, device=device)
+    return sides, first, sides.long() - 1, torch.arange(max(size), dtype=torch.float64, device=device)
+
+
+def resize_indices(boxes: Tensor, size: tuple[int, int], inside: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``resize_index`` of both axes at once, bit for bit (the same float64 arithmetic, each axis' side as a float64
+    tensor), and with ``inside`` the pixels inside each box: rows ``(b, H)``, columns ``(b, W)`` long (views of one
+    ``(b, 2, L)`` tensor), inside ``(b, H, W)`` bool. Boxes ``(b, 4)`` long ``(y0, y1, x0, x1)`` in pixels. A dozen
+    operators where each axis' own and the box mask took about thirty (on a GPU, each one a launch)."""
+    hh, ww = size
+    sides, first, last, pos = _axis_constants((int(hh), int(ww)), boxes.device)
+    start, stop = boxes.reshape(-1, 2, 2).unbind(2)  # b 2: each axis' start and stop
+    extent = (stop - start).clamp(min=1).double().unsqueeze(-1)  # b 2 1
+    src = torch.floor((pos - start.double().unsqueeze(-1) + 0.5) * sides / extent).long()  # b 2 L
+    src = src.clamp(first, last)
+    within = None
+    if inside:
+        along = (pos >= start.unsqueeze(-1)) & (pos < stop.unsqueeze(-1))  # b 2 L: inside the box along each axis
+        within = along[:, 0, :hh, None] & along[:, 1, None, :ww]
+    return src[:, 0, :hh], src[:, 1, :ww], within
 
 
 class ResizeSampler(MixSampler[ResizeParams]):
@@ -216,9 +244,9 @@ class ResizeMix(PairMixer[ResizeParams]):
         hh, ww = images.shape[2], images.shape[3]
         boxes = params.pixel_boxes().to(images.device)
         partner = params.partner.to(images.device)
-        rows = resize_index(boxes[:, 0], boxes[:, 1], hh)  # b H
-        cols = resize_index(boxes[:, 2], boxes[:, 3], ww)  # b W
-        if images.device.type == "cpu" and not torch.compiler.is_compiling():
+        on_host = images.device.type == "cpu" and not torch.compiler.is_compiling()
+        rows, cols, inside = resize_indices(boxes, (hh, ww), inside=not on_host)  # b H, b W, b H W
+        if on_host:
             # Only the boxes are read and written, instead of gathering every pixel of every partner
             # (the traced path below, whose shapes do not depend on the draw): one batched paste when
             # every mixed sample has the same box (mode "batch"), else one small gather per sample.
@@ -243,6 +271,6 @@ class ResizeMix(PairMixer[ResizeParams]):
                     src = images[j].index_select(1, rows[i, y0:y1]).index_select(2, cols[i, x0:x1])
                     out[i, :, y0:y1, x0:x1] = src
             return out
-        inside = box_inside(boxes, (hh, ww))  # b H W, boxes already in pixels
+        assert inside is not None
         shrunk = images[rearrange(partner, "b -> b 1 1"), :, rearrange(rows, "b h -> b h 1"), rearrange(cols, "b w -> b 1 w")]
         return torch.where(rearrange(inside, "b h w -> b 1 h w"), rearrange(shrunk, "b h w c -> b c h w"), images)

@@ -45,6 +45,7 @@ from mixlabels.strategies import (
 from mixlabels.strategies._base import pair_label_map, select_images
 from mixlabels.strategies._cutmix import box_inside
 from mixlabels.strategies._paste import paste_boxes, paste_cells, shared_cells
+from mixlabels.strategies._resizemix import resize_index, resize_indices
 from mixlabels.strategies._saliencymix import saliency_peaks, spectral_residual_saliency
 from test_strategies_kornia import CELL, NC, H, W, batch, maps_equal
 
@@ -246,6 +247,23 @@ def test_feature_resizemix_pastes_the_shrunk_partner() -> None:
             ref = F.interpolate(x[p.partner[i]][None], size=(y1 - y0, x1 - x0), mode="nearest-exact")[0]
             assert torch.equal(out[i, :, y0:y1, x0:x1], ref)
         assert math.isclose(lm.image_weights[i, 1].item(), (y1 - y0) * (x1 - x0) / (24 * 20), abs_tol=1e-6)
+
+
+@given(st.integers(1, 6), st.sampled_from([(24, 20), (16, 16), (7, 33)]), seeds)
+def test_resize_indices_of_both_axes_are_each_axis_own(b: int, size: tuple[int, int], seed: int) -> None:
+    """``resize_indices`` (both axes in one pass, the device path's) against ``resize_index`` per axis and the box mask,
+    bit for bit, empty and full boxes included."""
+    g = torch.Generator().manual_seed(seed)
+    hh, ww = size
+    y = torch.randint(0, hh + 1, (b, 2), generator=g).sort(dim=1).values
+    x = torch.randint(0, ww + 1, (b, 2), generator=g).sort(dim=1).values
+    boxes = torch.cat([y, x], dim=1)
+    boxes[0] = torch.tensor([0, hh, 0, ww])  # one whole image
+    rows, cols, inside = resize_indices(boxes, size, inside=True)
+    assert torch.equal(rows, resize_index(boxes[:, 0], boxes[:, 1], hh))
+    assert torch.equal(cols, resize_index(boxes[:, 2], boxes[:, 3], ww))
+    assert inside is not None and torch.equal(inside, box_inside(boxes, size))
+    assert resize_indices(boxes, size, inside=False)[2] is None
 
 
 def test_feature_resizemix_box_sides_follow_the_scale() -> None:
