@@ -753,10 +753,9 @@ def labels_on_grids(
             n = h * w
             matrices.append(mixes.as_strided((g, n, n), (half, n, 1), start))
             start += n * n
-    masses, start = [], 2 * half
+    masses, start, row = [], 2 * half, int(product.shape[1])
     for h, w in mass_grids:  # each grid's block as (g, 1, h, w), then a view a kernel
-        stride = int(product.shape[1])
-        masses.append(product.as_strided((g, 1, h, w), (stride, h * w, w, 1), start).unbind(0))
+        masses.append(product.as_strided((g, 1, h, w), (row, h * w, w, 1), start).unbind(0))
         start += h * w
     return matrices, masses
 

@@ -1340,16 +1340,13 @@ def _residual_of(
             tracker.residual_sum(layer, keep, lambda: mixed, None)
             return
         out = path_grid(branch, grid)
-        if stride is None:
-            # the labels' grid view and back: one view each (channels-last memory, as the conv's output on it)
-            tracker.residual_sum(layer, keep, lambda: as_tokens(mixed / mass),
-                                 lambda y: as_tokens(torch.addcdiv(as_grid(y, out), mixed, mass)))
-            return
-        sh, sw = stride
+
+        def held(y: Tensor) -> Tensor:  # the labels' grid view (and back below): one view each, channels-last memory
+            return as_grid(y, out) if stride is None else as_grid(y, grid)[:, :, :: stride[0], :: stride[1]]
+
         tracker.residual_sum(
-            layer, keep, lambda: as_tokens(mixed / mass),
-            lambda y: as_tokens(torch.addcdiv(as_grid(y, grid)[:, :, ::sh, ::sw], mixed, mass)),
-            shortcut=lambda y: apply_path(shortcut, y, grid, kernels)[0],
+            layer, keep, lambda: as_tokens(mixed / mass), lambda y: as_tokens(torch.addcdiv(held(y), mixed, mass)),
+            shortcut=None if stride is None else lambda y: apply_path(shortcut, y, grid, kernels)[0],
         )
         return
     if shortcut:

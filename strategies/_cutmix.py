@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
-from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, to_fp32
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, sources_column, to_fp32
 from mixlabels.strategies._mixup import check_alpha
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
@@ -182,6 +182,14 @@ def host_minmax_box(minmax: tuple[float, float], grid: tuple[int, int], rng: ran
     return y0, y0 + cut_h, x0, x0 + cut_w
 
 
+def host_box_lam(box: tuple[int, int, int, int], cells: int) -> float:
+    """The label's lambda of a box ``(y0, y1, x0, x1)`` on a grid of ``cells`` cells, as ``BoxMask.source_mean``
+    computes it on the CPU: the cells left to the sample over the cell count, one fp32 division (the quotient
+    rounded to float64, then to fp32, rounds as fp32 division does)."""
+    y0, y1, x0, x1 = box
+    return to_fp32((cells - (y1 - y0) * (x1 - x0)) / cells)
+
+
 def grid_of(image_size: tuple[int, int], cell: int | None, what: str) -> tuple[int, int]:
     """The cell grid of an image, or a clear error if ``cell`` does not divide it."""
     hh, ww = image_size
@@ -281,12 +289,11 @@ class BoxSampler(MixSampler[BoxParams]):
                 boxes.append(host_box(lam, rng.randrange(grid[0]), rng.randrange(grid[1]), grid))
             lams.append(to_fp32(lam))
         # Per group, then an unmixed row (empty box, lambda 1); samples pick rows. The label's lambda is
-        # ``BoxMask.source_mean``'s on the CPU: the cells left to the sample over the cell count, one fp32
-        # division (the quotient rounded to float64, then to fp32, rounds as fp32 division does).
+        # ``BoxMask.source_mean``'s on the CPU (``host_box_lam``).
         n = grid[0] * grid[1]
         boxes.append((0, 0, 0, 0))
         lams.append(1.0)
-        label_lams = [to_fp32((n - (y1 - y0) * (x1 - x0)) / n) for y0, y1, x0, x1 in boxes] if self.correct_lam else lams
+        label_lams = [host_box_lam(box, n) for box in boxes] if self.correct_lam else lams
         weight_rows = [(v, to_fp32(1.0 - v)) for v in label_lams]
         picks = [g if a else len(boxes) - 1 for g, a in zip(pairs.group, pairs.applied)]
         b = len(picks)
@@ -295,7 +302,7 @@ class BoxSampler(MixSampler[BoxParams]):
                 column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
                 column([lams[r] for r in picks], torch.float32),
                 column([v for r in picks for v in boxes[r]], torch.int64, b, 4),
-                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                sources_column(pairs),
                 column([w for r in picks for w in weight_rows[r]], torch.float32, b, 2),
             ],
             device,

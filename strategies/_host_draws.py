@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mixlabels.strategies._sampling import Mode, Pairing, check_pairing, check_prob
 
-__all__ = ["HostPairs", "host_rng", "draw_pairs", "draw_beta", "to_fp32", "Column", "column", "columns_on"]
+__all__ = ["HostPairs", "host_rng", "draw_pairs", "draw_beta", "to_fp32", "Column", "column", "columns_on", "sources_column"]
 
 _PHILOX_STEP = 4  # a philox generator's offset advances in multiples of 4 (one 128-bit draw)
 
@@ -125,6 +125,11 @@ def column(values: Iterable[float] | bytes, dtype: torch.dtype, *shape: int) -> 
     data = values if isinstance(values, bytes) else array(_TYPECODES[dtype], values).tobytes()
     count = len(data) // dtype.itemsize
     return Column(data, dtype, shape if shape else (count,))
+
+
+def sources_column(pairs: HostPairs) -> Column:
+    """The label map's sources ``[i, partner[i]]`` of every sample, ``(b, 2)`` long."""
+    return column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, len(pairs.partner), 2)
 
 
 def columns_on(columns: Sequence[Column], device: torch.device) -> list[Tensor]:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from mixlabels.strategies._base import MixParams, PairMixer
-from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, to_fp32
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, sources_column, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
 __all__ = ["MixUp", "MixUpParams", "MixUpSampler", "check_alpha"]
@@ -75,7 +75,7 @@ class MixUpSampler(MixSampler[MixUpParams]):
         partner, applied, lam_t, sources, weights_t = columns_on(
             [
                 column(pairs.partner, torch.int64), column(pairs.applied, torch.bool), column(lam, torch.float32),
-                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                sources_column(pairs),
                 column([w for r in picks for w in weight_rows[r]], torch.float32, b, 2),
             ],
             device,

@@ -25,7 +25,7 @@ from torch import Tensor
 from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, host_rng, to_fp32
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, host_rng, sources_column, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing
 
 __all__ = ["CellParams", "RandomPatchMix", "BlockwiseMix", "RandomCellSampler", "BlockCellSampler"]
@@ -125,7 +125,7 @@ def host_cell_params(
             column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
             column(b"".join(cell_rows[r] for r in picks), torch.bool, b, gh, gw),
             column(b"".join(keep_rows[r] for r in picks), torch.bool, b, gh, gw),
-            column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+            sources_column(pairs),
             column([w for r in picks for w in (lams[r], to_fp32(1.0 - lams[r]))], torch.float32, b, 2),
             column(b"".join(label_rows[r] for r in picks), torch.float32, b, 2, gh, gw),
         ],

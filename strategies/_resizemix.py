@@ -25,8 +25,8 @@ from torch import Tensor
 
 from mixlabels._shape_cache import shape_cache
 from mixlabels.strategies._base import MixParams, PairMixer
-from mixlabels.strategies._cutmix import box_mask, grid_of
-from mixlabels.strategies._host_draws import HostPairs, column, columns_on, to_fp32
+from mixlabels.strategies._cutmix import box_mask, grid_of, host_box_lam
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, sources_column, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_uniform
 
 __all__ = ["ResizeMix", "ResizeParams", "ResizeSampler", "resize_index", "resize_indices"]
@@ -171,8 +171,7 @@ class ResizeSampler(MixSampler[ResizeParams]):
 
     def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> ResizeParams:
         """``draw``'s law with Python numbers: per group a side ratio and a corner, in one buffer with the boxes in
-        pixels and the label map's sources and weights (the box's cells over the grid's, one fp32 division, as
-        ``BoxMask.source_mean``)."""
+        pixels and the label map's sources and weights (``host_box_lam``)."""
         gh, gw = grid_of(image_size, self.cell, "patch_size")
         lo, hi = self.scale
         boxes: list[tuple[int, int, int, int] | None] = []
@@ -187,7 +186,7 @@ class ResizeSampler(MixSampler[ResizeParams]):
         rows = [boxes[g] if a else None for g, a in zip(pairs.group, pairs.applied)]
         picked = [(0, 0, 0, 0) if r is None else r for r in rows]
         n = gh * gw
-        lams = [to_fp32((n - (y1 - y0) * (x1 - x0)) / n) for y0, y1, x0, x1 in picked]
+        lams = [host_box_lam(box, n) for box in picked]
         b = len(picked)
         ch, cw = image_size[0] // gh, image_size[1] // gw
         partner, applied, boxes_t, pixels, sources, weights = columns_on(
@@ -195,7 +194,7 @@ class ResizeSampler(MixSampler[ResizeParams]):
                 column(pairs.partner, torch.int64), column([r is not None for r in rows], torch.bool),
                 column([v for box in picked for v in box], torch.int64, b, 4),
                 column([v * c for box in picked for v, c in zip(box, (ch, ch, cw, cw))], torch.int64, b, 4),
-                column([s for i, j in enumerate(pairs.partner) for s in (i, j)], torch.int64, b, 2),
+                sources_column(pairs),
                 column([w for lam in lams for w in (lam, to_fp32(1.0 - lam))], torch.float32, b, 2),
             ],
             device,
