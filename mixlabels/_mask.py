@@ -129,6 +129,23 @@ def _overlaps(bounds: Tensor, starts: Tensor, ends: Tensor) -> Tensor:
 
 
 @shape_cache(maxsize=32)
+def _cell_positions(longest: int, device: torch.device) -> Tensor:
+    """``(1, longest)`` long ``0 .. longest - 1``: every cell's index along either axis (a constant of the grid)."""
+    return torch.arange(longest, device=device)[None]
+
+
+def box_cells(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
+    """The cells inside each box, ``(b, gh, gw)`` bool; ``boxes`` ``(b, 4)`` integer ``(y0, y1, x0, x1)``, half-open,
+    any corner past the grid clipped by the comparisons. Both axes against their bounds at once (four operators, on a
+    GPU four launches, where an axis at a time with its own positions took nine)."""
+    gh, gw = grid
+    lo, hi = _axis_bounds(boxes).unbind(2)  # b 2 1: each axis' start and end
+    pos = _cell_positions(max(gh, gw), boxes.device)  # 1 L: the longer axis' cells (the shorter one's tail unused)
+    along = (pos >= lo) & (pos < hi)  # b 2 L
+    return along[:, 0, :gh, None] & along[:, 1, None, :gw]
+
+
+@shape_cache(maxsize=32)
 def _f32_scalar(value: int) -> Tensor:
     """``value`` as a 0-dim fp32 CPU tensor: the divisor that makes an integer tensor's quotients fp32 (a CPU scalar,
     as a Python number is, so a CUDA division takes the same kernel)."""
@@ -278,17 +295,8 @@ class BoxMask:
     def pin_memory(self) -> BoxMask:
         return replace(self, boxes=self.boxes.pin_memory())
 
-    def _partner_cells(self) -> Tensor:
-        """Cells inside each box (source 1's), ``(b, gh, gw)`` bool."""
-        gh, gw = self.grid
-        rows = torch.arange(gh, device=self.boxes.device)
-        cols = torch.arange(gw, device=self.boxes.device)
-        in_rows = (rows >= self.boxes[:, 0:1]) & (rows < self.boxes[:, 1:2])  # b gh
-        in_cols = (cols >= self.boxes[:, 2:3]) & (cols < self.boxes[:, 3:4])  # b gw
-        return rearrange(in_rows, "b gh -> b gh 1") & rearrange(in_cols, "b gw -> b 1 gw")
-
     def dense(self) -> Tensor:
-        inside = self._partner_cells()
+        inside = box_cells(self.boxes, self.grid)
         return torch.stack([~inside, inside], dim=1).float()  # 0/1 weights: 1 - w0 is exact
 
     def pixel_weights(self, image_size: tuple[int, int]) -> Tensor:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
+from mixlabels._mask import box_cells
 from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, sources_column, to_fp32
 from mixlabels.strategies._mixup import check_alpha
@@ -86,14 +86,7 @@ class BoxParams(MixParams):
         return self.lam.float()
 
 
-def box_inside(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Cells inside each box, ``(b, gh, gw)`` bool."""
-    gh, gw = grid
-    rows = torch.arange(gh, device=boxes.device)
-    cols = torch.arange(gw, device=boxes.device)
-    in_rows = (rows >= boxes[:, 0:1]) & (rows < boxes[:, 1:2])  # b gh
-    in_cols = (cols >= boxes[:, 2:3]) & (cols < boxes[:, 3:4])  # b gw
-    return rearrange(in_rows, "b gh -> b gh 1") & rearrange(in_cols, "b gw -> b 1 gw")
+box_inside = box_cells  # the cells inside each box, (b, gh, gw) bool
 
 
 def box_mask(boxes: Tensor, grid: tuple[int, int]) -> Tensor:

@@ -14,13 +14,18 @@ Shapes: ``g`` groups (independent draws), ``gh gw`` mask grid, ``n = gh * gw``.
 
 from __future__ import annotations
 
+import math
+import random
+
 import torch
 from einops import rearrange
 from torch import Tensor
 
 from mixlabels import CellMask, TokenLabelMap
+from mixlabels._shape_cache import shape_cache
 from mixlabels.strategies._base import PairMixer
 from mixlabels.strategies._cutmix import grid_of
+from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, sources_column, to_fp32
 from mixlabels.strategies._mixup import check_alpha
 from mixlabels.strategies._patch import CellParams
 from mixlabels.strategies._paste import apply_cells, fast_paths, shared_cells
@@ -39,14 +44,38 @@ def fourier_noise(
         torch.Size([2, 8, 6])
     """
     gh, gw = grid
+    if n == 0:  # no draw to make (and MKL's FFT refuses a batch of 0)
+        return torch.empty((0, gh, gw), dtype=torch.float64, device=device)
+    parts = torch.randn((n, gh, gw // 2 + 1, 2), generator=generator, dtype=torch.float64, device=device)
+    spectrum = torch.view_as_complex(parts * _spectrum_scale((gh, gw), float(decay_power), parts.device))
+    noise: Tensor = torch.fft.irfft2(spectrum, s=(gh, gw))
+    return noise
+
+
+@shape_cache(maxsize=16)
+def _spectrum_scale(grid: tuple[int, int], decay_power: float, device: torch.device) -> Tensor:
+    """``(1, gh, fw, 1)`` float64 ``1 / f ** decay_power`` of the real spectrum's frequencies (a constant of the grid)."""
+    gh, gw = grid
     fy = rearrange(torch.fft.fftfreq(gh, dtype=torch.float64, device=device), "gh -> gh 1")
     fx = rearrange(torch.fft.rfftfreq(gw, dtype=torch.float64, device=device), "fw -> 1 fw")
     freq = torch.sqrt(fy * fy + fx * fx)
     scale = freq.clamp(min=1.0 / max(gh, gw)).pow(-decay_power)  # the DC term gets the lowest frequency's scale
-    parts = torch.randn((n, gh, gw // 2 + 1, 2), generator=generator, dtype=torch.float64, device=device)
-    spectrum = torch.view_as_complex(parts * rearrange(scale, "gh fw -> 1 gh fw 1"))
-    noise: Tensor = torch.fft.irfft2(spectrum, s=(gh, gw))
-    return noise
+    return rearrange(scale, "gh fw -> 1 gh fw 1")
+
+
+@shape_cache(maxsize=16)
+def _rank_values(n: int, device: torch.device) -> Tensor:
+    """``(1, n)`` fp32 ``0 .. n - 1``: the ranks ``noise_ranks`` scatters (exact integers in fp32 below 2 ** 24)."""
+    return torch.arange(n, dtype=torch.float32, device=device)[None]
+
+
+def noise_ranks(noise: Tensor) -> Tensor:
+    """``(g, n)`` fp32: each cell's rank in its draw's descending order of noise (0: the highest), ties broken by
+    position, as ``top_cells`` ranks them."""
+    g, n = int(noise.shape[0]), math.prod(int(d) for d in noise.shape[1:])
+    order = noise.reshape(g, n).argsort(dim=1, descending=True, stable=True)
+    ranks = torch.empty((g, n), dtype=torch.float32, device=noise.device)
+    return ranks.scatter_(1, order, _rank_values(n, noise.device).expand(g, n))
 
 
 def top_cells(noise: Tensor, keep: Tensor) -> Tensor:
@@ -71,6 +100,7 @@ class FMixSampler(MixSampler[CellParams]):
     """
 
     params_type = CellParams
+    host_draws = True  # lambdas and pairs as Python numbers; the noise, per pixel, as a tensor (draw_host_and_pixels)
 
     def __init__(
         self,
@@ -106,6 +136,59 @@ class FMixSampler(MixSampler[CellParams]):
         noise = fourier_noise(pairs.num_groups, grid, self.decay_power, generator, device)
         cells = top_cells(noise, keep)[pairs.group] & pairs.applied[:, None, None]
         return CellParams(partner=pairs.partner, applied=pairs.applied, image_size=image_size, cells=cells, grid=grid)
+
+    def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> CellParams:
+        return self.draw_host_and_pixels(pairs, image_size, rng, None, device)
+
+    def draw_host_and_pixels(
+        self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, generator: torch.Generator | None,
+        device: torch.device,
+    ) -> CellParams:
+        """``draw``'s law: per group a lambda (a Python number, rounded to fp32 as the tensor draw keeps it) and a
+        noise image (``fourier_noise``, from ``generator`` on its device, then on ``device``); the cells kept are the
+        ``round(lam * n)`` of highest noise (``top_cells``, to the bit).
+
+        What the host knows goes in one buffer with the partners: every sample's kept count (``n`` where unmixed),
+        its label weights (the kept count over ``n``: the mask mean, one fp32 division) and sources. The device ranks
+        the noise (a sort and a scatter) and compares the ranks with the counts once, for both label cells
+        ``[kept, partner's]``: the keep and partner masks are views of that comparison. In ``mode="batch"`` with every
+        sample mixed alike the cells are built once and expanded over the batch.
+        """
+        grid = grid_of(image_size, self.cell_size, "cell_size")
+        (gh, gw), n, b = grid, grid[0] * grid[1], len(pairs.partner)
+        keeps = [round(to_fp32(draw_beta(self.alpha, rng)) * n) for _ in range(pairs.num_groups)]  # half to even, as torch
+        kept = [keeps[g] if a else n for g, a in zip(pairs.group, pairs.applied)]  # an unmixed sample keeps every cell
+        shared = self.mode == "batch" and len(set(kept)) <= 1
+        own_groups = pairs.group == list(range(b))  # mode "elem": every sample its own draw, ranks already in order
+        rows = kept[:1] if shared else kept
+        lams = [to_fp32(k / n) for k in kept]
+        partner, applied, sources, weights, signs, bounds, group = columns_on(
+            [
+                column(pairs.partner, torch.int64), column(pairs.applied, torch.bool), sources_column(pairs),
+                column([w for v in lams for w in (v, to_fp32(1.0 - v))], torch.float32, b, 2),
+                # rank * sign < bound: kept where rank < k, the partner's where -rank < 1 - k (rank >= k)
+                column([1.0, -1.0], torch.float32, 1, 2, 1),
+                column([t for k in rows for t in (float(k), float(1 - k))], torch.float32, len(rows), 2, 1),
+                column([] if self.mode == "batch" or own_groups else pairs.group, torch.int64),
+            ],
+            device,
+        )  # fmt: skip
+        noise_device = generator.device if generator is not None else device
+        noise = fourier_noise(pairs.num_groups, grid, self.decay_power, generator, noise_device).to(device)
+        ranks = noise_ranks(noise)
+        if self.mode == "batch":
+            ranks = ranks.expand(len(rows), n)
+        elif not own_groups:
+            ranks = ranks[group]
+        both = torch.lt(ranks[:, None] * signs, bounds)  # rows 2 n: [kept, partner's]
+        label_cells = both.float().view(len(rows), 2, gh, gw)
+        keep, cells = both[:, 0].view(len(rows), gh, gw), both[:, 1].view(len(rows), gh, gw)
+        if shared:
+            keep, cells, label_cells = keep.expand(b, gh, gw), cells.expand(b, gh, gw), label_cells.expand(b, 2, gh, gw)
+        return CellParams(
+            partner=partner, applied=applied, image_size=image_size, cells=cells, grid=grid, keep=keep,
+            label_sources=sources, label_weights=weights, label_cells=label_cells,
+        )  # fmt: skip
 
 
 class FMix(PairMixer[CellParams]):
@@ -154,7 +237,8 @@ class FMix(PairMixer[CellParams]):
         (In ``mode="batch"`` with every sample mixed. Building ``(b, 2, H, W)`` copies of one
         mask cost about a quarter of timm's whole CutMix at 224 px; the weights are the same bits.)
         """
-        if fast_paths(labels) and params.cells.device.type == "cpu" and bool(params.applied.all()):
+        params = params.current()
+        if params.label_cells is None and fast_paths(labels) and params.cells.device.type == "cpu" and bool(params.applied.all()):
             cells = shared_cells(params)
             if cells is not None:
                 b = params.batch_size

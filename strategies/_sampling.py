@@ -178,7 +178,8 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
     # ``host_draws`` draw them as Python numbers (``draw_host``, seeded by one draw from the
     # generator: ``_host_draws``), so sampling runs no tensor operator on the host, reads no device
     # value, and builds the params where the images are in one buffer (one copy to an accelerator).
-    # Kinds that draw per pixel (FMix's spectra) draw tensors (``draw``) on the images' device.
+    # A kind that also draws per pixel (FMix's spectra) draws its Python numbers so and the pixels'
+    # tensor from the generator (``draw_host_and_pixels``); ``draw`` draws everything as tensors.
     host_draws: ClassVar[bool] = False
 
     def __init__(self, mode: Mode = "batch", pairing: Pairing = "flip", prob: float = 1.0) -> None:
@@ -227,13 +228,22 @@ class MixSampler(RandomGeneratorBase, Generic[P]):
             if device is not None:  # the params go where they are used; the draws never touch a device
                 dev = torch.device(device)
             rng = host_rng(generator)
-            return self.draw_host(draw_pairs(b, self.mode, self.pairing, self.prob, rng), (hh, ww), rng, dev)
+            host_pairs = draw_pairs(b, self.mode, self.pairing, self.prob, rng)
+            return self.draw_host_and_pixels(host_pairs, (hh, ww), rng, generator, dev)
         pairs = sample_pairs(b, self.mode, self.pairing, self.prob, generator, dev)
         return self.draw(pairs, (hh, ww), generator, dev)
 
     def draw_host(self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, device: torch.device) -> P:
         """``draw`` with Python numbers from ``rng``; the params' tensors are built on ``device``."""
         raise NotImplementedError
+
+    def draw_host_and_pixels(
+        self, pairs: HostPairs, image_size: tuple[int, int], rng: random.Random, generator: torch.Generator | None,
+        device: torch.device,
+    ) -> P:
+        """``draw_host``; a kind whose Python draws come with a per-pixel tensor draw (FMix's noise) overrides this
+        and draws that tensor from ``generator`` (``None``: torch's default generator of ``device``)."""
+        return self.draw_host(pairs, image_size, rng, device)
 
     def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> P:
         """Draw this kind's randomness for ``pairs.num_groups`` groups and build the params."""

@@ -7,6 +7,7 @@ Images are non-square (16 x 12) so a swapped height and width shows; cells are 4
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 from unittest import mock
@@ -24,6 +25,7 @@ from torch.testing import assert_close
 
 import mixlabels.strategies._fmix as fmix_module
 import mixlabels.strategies._gridmix as grid_module
+from mixlabels.strategies._host_draws import draw_beta, draw_pairs, host_rng, to_fp32
 from mixlabels import TokenLabelMap
 from mixlabels import BoxMask
 from mixlabels.strategies import (
@@ -249,6 +251,32 @@ def test_feature_resizemix_pastes_the_shrunk_partner() -> None:
         assert math.isclose(lm.image_weights[i, 1].item(), (y1 - y0) * (x1 - x0) / (24 * 20), abs_tol=1e-6)
 
 
+@pytest.mark.parametrize("cell", [None, 4])
+def test_feature_resizemix_planned_batch_paste_is_the_shrunk_partner(cell: int | None) -> None:
+    """``mode="batch"``: the paste planned with the draws (one box, its source rows and columns, the mixed samples)
+    writes ``F.interpolate(partner, box size, "nearest-exact")`` into every mixed sample's box and nothing else; an
+    unmixed sample (the middle of an odd flipped batch, or the whole batch gated off) keeps its pixels; the same
+    images as the params without the plan."""
+    for b, prob, seed in ((6, 1.0, 0), (7, 1.0, 1), (7, 0.5, 2), (7, 0.5, 5), (1, 1.0, 3), (0, 1.0, 4)):
+        x = torch.rand(b, 3, 24, 20, generator=torch.Generator().manual_seed(seed))
+        mixer = ResizeMix(NC, scale=(0.2, 0.9), patch_size=cell, prob=prob)
+        out, _ = mixer(x, torch.arange(b) % NC, generator=torch.Generator().manual_seed(seed))
+        p = mixer.last_params
+        assert isinstance(p, ResizeParams) and p.paste is not None and p.paste_samples is not None
+        y0, y1, x0, x1 = p.paste
+        assert p.paste_samples.tolist() == p.applied.nonzero()[:, 0].tolist()
+        for i in range(b):
+            if not p.applied[i]:
+                assert torch.equal(out[i], x[i])
+                continue
+            assert p.pixel_boxes()[i].tolist() == [y0, y1, x0, x1]
+            want = x[i].clone()
+            want[:, y0:y1, x0:x1] = F.interpolate(x[p.partner[i]][None], size=(y1 - y0, x1 - x0), mode="nearest-exact")[0]
+            assert torch.equal(out[i], want)
+        bare = dataclasses.replace(p, **{n: None for n in type(p).DERIVED}, drawn_from=None)
+        assert torch.equal(mixer.mix(x, torch.arange(b) % NC, bare)[0], out)
+
+
 @given(st.integers(1, 6), st.sampled_from([(24, 20), (16, 16), (7, 33)]), seeds)
 def test_resize_indices_of_both_axes_are_each_axis_own(b: int, size: tuple[int, int], seed: int) -> None:
     """``resize_indices`` (both axes in one pass, the device path's) against ``resize_index`` per axis and the box mask,
@@ -333,22 +361,54 @@ class Recorder:
 @given(st.integers(1, 6), st.sampled_from([None, 2, 4]), st.sampled_from([0.5, 1.0, 3.0]), seeds)
 def test_fmix_keeps_the_top_lambda_quantile_of_the_noise(b: int, cell: int | None, alpha: float, seed: int) -> None:
     mixer = FMix(NC, alpha=alpha, cell_size=cell, mode="elem", pairing="derangement")
-    noise_rec, beta_rec = Recorder(fmix_module.fourier_noise), Recorder(fmix_module.sample_beta)
-    with mock.patch.object(fmix_module, "fourier_noise", noise_rec), mock.patch.object(fmix_module, "sample_beta", beta_rec):
+    noise_rec, beta_rec = Recorder(fmix_module.fourier_noise), Recorder(fmix_module.draw_beta)
+    with mock.patch.object(fmix_module, "fourier_noise", noise_rec), mock.patch.object(fmix_module, "draw_beta", beta_rec):
         _, lm = mixer(torch.rand(b, 1, H, W), torch.zeros(b, dtype=torch.long), generator=torch.Generator().manual_seed(seed))
     p = mixer.last_params
     assert isinstance(p, CellParams)
-    noise, lam = noise_rec.values[0], beta_rec.values[0]
+    noise, lam = noise_rec.values[0], beta_rec.values  # elem: a group, a lambda (a Python number) and a noise a sample
+    assert len(lam) == b and noise.shape == (b, *p.grid)
     n = p.grid[0] * p.grid[1]
     for i in range(b):
         if not p.applied[i]:
             assert not p.cells[i].any()
             continue
         own = ~p.cells[i]
-        assert int(own.sum()) == round(float(lam[i].double()) * n)
+        assert int(own.sum()) == round(to_fp32(lam[i]) * n)  # lambda kept as fp32, then the nearest count
         if own.any() and (~own).any():
             assert noise[i][own].min() > noise[i][~own].max()  # the sample keeps the highest noise
     assert_close(lm.image_weights[:, 0], 1 - p.cells.float().mean((1, 2)), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
+@pytest.mark.parametrize("cell", [None, 4])
+@pytest.mark.parametrize("b", [0, 1, 5, 6])
+def test_fmix_draws_equal_the_composed_reference(mode: str, cell: int | None, b: int) -> None:
+    """The sampler's one-buffer build equals its reference composed from the draws: the same generator's seed
+    (``host_rng``), pairs and lambdas as Python numbers, then ``fourier_noise`` and ``top_cells`` on the same
+    generator, bit for bit: the cells, their keep mask, the label cells and weights (the mask mean), and the
+    pixels (an unmixed sample, from ``prob`` or the odd one out of a flipped batch, keeps everything)."""
+    for prob, seed in ((1.0, 0), (0.5, 1), (0.5, 2), (1.0, 3)):
+        mixer = FMix(NC, alpha=0.7, decay_power=2.5, cell_size=cell, mode=mode, prob=prob)  # type: ignore[arg-type]
+        x, y = torch.rand(b, 3, H, W), torch.randint(0, NC, (b,))
+        out, lm = mixer(x, y, generator=torch.Generator().manual_seed(seed))
+        p = mixer.last_params
+        assert isinstance(p, CellParams)
+        gen = torch.Generator().manual_seed(seed)
+        rng = host_rng(gen)
+        pairs = draw_pairs(b, mode, "flip", prob, rng)  # type: ignore[arg-type]
+        n = p.grid[0] * p.grid[1]
+        keep = torch.tensor([round(to_fp32(draw_beta(0.7, rng)) * n) for _ in range(pairs.num_groups)], dtype=torch.long)
+        noise = fmix_module.fourier_noise(pairs.num_groups, p.grid, 2.5, gen, torch.device("cpu"))
+        group, applied = torch.tensor(pairs.group, dtype=torch.long), torch.tensor(pairs.applied, dtype=torch.bool)
+        cells = fmix_module.top_cells(noise, keep)[group] & applied[:, None, None]
+        assert torch.equal(p.cells, cells) and torch.equal(p.keep_cells(), ~cells)
+        assert torch.equal(lm.mask.dense(), torch.stack([(~cells).float(), cells.float()], dim=1))
+        assert torch.equal(lm.image_weights[:, 0], (~cells).float().mean((1, 2)))
+        assert torch.equal(lm.image_weights[:, 1], 1.0 - lm.image_weights[:, 0])
+        assert lm.sources.tolist() == [[i, j] for i, j in enumerate(pairs.partner)]
+        pixels = cells.repeat_interleave(H // p.grid[0], 1).repeat_interleave(W // p.grid[1], 2)
+        assert torch.equal(out, torch.where(pixels[:, None], x[torch.tensor(pairs.partner, dtype=torch.long)], x))
 
 
 def test_fmix_noise_is_low_frequency() -> None:

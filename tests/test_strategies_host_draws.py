@@ -1,7 +1,7 @@
 """Draws as Python numbers (issue 28): no tensor work on the host, the same laws, the same seeds.
 
 The mixers drawing Python numbers (CutMix, MixToken, MixUp, RandomPatchMix, BlockwiseMix, TokenMix,
-ResizeMix, GridMix, Switch's choice) are sampled with the params built on the ``meta`` device: every operator on a real
+ResizeMix, GridMix, FMix's lambdas, SaliencyMix's lambdas and box sides, Switch's choice) are sampled with the params built on the ``meta`` device: every operator on a real
 (CPU) tensor is then host work that a CUDA batch would pay, and only the seed draw may be one. The
 label map's values (sources, weights, the mask and its mean) come in the same buffer: building the
 map from meta params runs no operator at all, and gives the bits the CPU computes from the params.
@@ -21,8 +21,12 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mixlabels.strategies import BlockwiseMix, CutMix, GridMix, MixToken, MixUp, RandomPatchMix, ResizeMix, Switch, TokenMix
+from mixlabels.strategies import (
+    BlockwiseMix, CutMix, FMix, GridMix, MixToken, MixUp, RandomPatchMix, ResizeMix, SaliencyMix, SaliencyParams, Switch, TokenMix,
+)  # fmt: skip
 from mixlabels.strategies._base import pair_label_map
+from mixlabels.strategies._cutmix import cutmix_boxes
+from mixlabels.strategies._saliencymix import saliency_peaks
 from mixlabels.strategies._host_draws import column, columns_on, draw_pairs, host_rng, to_fp32
 from mixlabels.strategies._sampling import sample_pairs
 
@@ -60,15 +64,23 @@ def mixers() -> list[tuple[str, Any]]:
         ("gridmix elem", GridMix(NC, cell_sizes=(2, 4, 16), alpha=0.5, mode="elem", prob=0.8)),
         ("resizemix cells elem", ResizeMix(NC, scale=(0.0, 0.5), patch_size=4, mode="elem", pairing="derangement", prob=0.7)),
         ("switch", Switch([MixUp(NC), CutMix(NC)])),
+        ("fmix", FMix(NC)),
+        ("fmix cells pair", FMix(NC, alpha=0.5, cell_size=4, mode="pair", pairing="derangement", prob=0.7)),
     ]
+
+
+PIXEL_DRAWS = {"fmix", "fmix cells pair"}
+"""Mixers that also draw a tensor per pixel (FMix's noise): from the call's generator, on that generator's device."""
 
 
 @pytest.mark.parametrize("index", range(len(mixers())))
 def test_sampling_runs_no_tensor_operator_on_the_host_but_the_seed_draw(index: int) -> None:
     name, mixer = mixers()[index]
     mixer.sample((16, 3, 32, 32), generator=torch.Generator().manual_seed(0))  # warm-up
+    # FMix's noise comes from the generator on its device: torch's default one draws it where the params go
+    gen = None if name in PIXEL_DRAWS else torch.Generator().manual_seed(0)
     with HostOps() as counter:
-        params = mixer.sample((16, 3, 32, 32), generator=torch.Generator().manual_seed(0), device="meta")
+        params = mixer.sample((16, 3, 32, 32), generator=gen, device="meta")
     seeds = 2 if name == "switch" else 1  # Switch draws its choice, then the chosen mixer its params
     assert set(counter.host) <= SEED_DRAW and all(n == seeds for n in counter.host.values()), (name, counter.host)
     inner = getattr(params, "params", params)
@@ -270,3 +282,71 @@ def test_one_seed_per_call_advances_the_generator() -> None:
     first = host_rng(gen).random()
     assert host_rng(gen).random() != first
     assert host_rng(torch.Generator().manual_seed(5)).random() == first
+
+
+def saliency_reference(params: SaliencyParams, images: torch.Tensor) -> torch.Tensor:
+    """SaliencyMix's boxes from the draws alone: every partner's peak, then ``cutmix_boxes`` of the lambda there."""
+    cy, cx = saliency_peaks(images, params.grid)
+    boxes = cutmix_boxes(params.lam, cy[params.partner], cx[params.partner], params.grid)
+    return torch.where(params.applied[:, None], boxes, torch.zeros_like(boxes))
+
+
+@pytest.mark.parametrize("mode", ["batch", "pair", "elem"])
+@pytest.mark.parametrize("cell", [None, 4])
+def test_saliencymix_host_sides_place_the_reference_boxes(mode: str, cell: int | None) -> None:
+    """The sides the sampler fixed from its Python lambdas, clamped around the partners' peaks, are the reference boxes
+    (``cutmix_boxes`` at ``saliency_peaks``) bit for bit, and the label weights the box mask's mean (``BoxMask``): for
+    every batch size (0, one, odd with its unmixed middle sample), gated or not; the pixels are the reference's."""
+    mixer = SaliencyMix(NC, alpha=0.6, patch_size=cell, mode=mode, prob=0.6)  # type: ignore[arg-type]
+    for b, seed in ((0, 0), (1, 1), (7, 2), (8, 3), (8, 4)):
+        x, y = torch.rand(b, 3, 32, 24, generator=torch.Generator().manual_seed(seed)), torch.arange(b) % NC
+        out, lm = mixer(x, y, generator=torch.Generator().manual_seed(seed))
+        placed = mixer.last_params
+        assert isinstance(placed, SaliencyParams) and placed.boxes is not None and placed.box_reach is not None
+        boxes = saliency_reference(placed, x)
+        assert torch.equal(placed.boxes, boxes), (b, seed)
+        bare = SaliencyParams(partner=placed.partner, applied=placed.applied, image_size=placed.image_size, lam=placed.lam, grid=placed.grid)
+        again, want = mixer(x, y, params=bare)  # placed from lam alone (the tensor draws' way)
+        assert torch.equal(out, again) and torch.equal(lm.image_weights, want.image_weights)
+        assert torch.equal(lm.sources, want.sources) and torch.equal(lm.mask.dense(), want.mask.dense())
+        assert torch.equal(lm.image_weights[:, 0], lm.mask.dense()[:, 0].mean((1, 2)))
+
+
+def test_saliencymix_places_on_the_device_with_no_host_operator() -> None:
+    """Sampling takes the seed draw on the host alone; placing on the images' device (meta: every operator there would
+    be a launch) runs no host operator, and the map takes the placed values with no operator at all."""
+    mixer = SaliencyMix(NC, patch_size=4, mode="elem", prob=0.7)
+    with HostOps() as counter:
+        params = mixer.sample((16, 3, 32, 32), generator=torch.Generator().manual_seed(0), device="meta")
+        placed = mixer.place(params, torch.empty(16, 3, 32, 32, device="meta"))
+    assert set(counter.host) <= SEED_DRAW and all(n == 1 for n in counter.host.values()), counter.host
+    assert placed.boxes is not None and placed.boxes.is_meta and placed.label_weights is not None
+    with DeviceOps() as device, HostOps() as host:
+        lm = mixer.label_map_from(placed, torch.empty(16, dtype=torch.long, device="meta"))
+    assert not device.device and not host.host and lm.image_weights.is_meta
+
+
+def test_saliencymix_a_replaced_lambda_places_from_the_lambda() -> None:
+    """A replaced lambda drops the sides fixed from the old one: the boxes follow the new lambda."""
+    mixer = SaliencyMix(NC, mode="elem")
+    x = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    params = mixer.sample(x.shape, generator=torch.Generator().manual_seed(1))
+    other = dataclasses.replace(params, lam=torch.where(params.applied, torch.full_like(params.lam, 0.25), params.lam))
+    assert other.current().box_reach is None
+    assert torch.equal(mixer.place(other, x).boxes, saliency_reference(other, x))
+    assert torch.equal(mixer.place(params, x).boxes, saliency_reference(params, x))
+
+
+def test_saliencymix_and_fmix_host_lambdas_follow_the_tensor_draws_law() -> None:
+    """The Python lambdas against the tensor draws (``draw``): the same Beta law (two-sample KS), SaliencyMix's lambda
+    directly, FMix's through the count of cells it keeps."""
+    b = 3000
+    pairs = sample_pairs(b, "elem", "flip", 1.0, torch.Generator().manual_seed(1), torch.device("cpu"))
+    sal = SaliencyMix(NC, alpha=0.5, mode="elem").sampler
+    host = sal((b, 3, 16, 16), generator=torch.Generator().manual_seed(0)).lam
+    tensor = sal.draw(pairs, (16, 16), torch.Generator().manual_seed(2), torch.device("cpu")).lam
+    assert stats.ks_2samp(host.numpy(), tensor.numpy()).pvalue > 1e-3
+    fmix = FMix(NC, alpha=0.5, mode="elem").sampler
+    host_kept = (~fmix((b, 1, 8, 8), generator=torch.Generator().manual_seed(0)).cells).sum((1, 2))
+    tensor_kept = (~fmix.draw(pairs, (8, 8), torch.Generator().manual_seed(2), torch.device("cpu")).cells).sum((1, 2))
+    assert stats.ks_2samp(host_kept.numpy(), tensor_kept.numpy()).pvalue > 1e-3
