@@ -37,6 +37,9 @@ class BoxParams(MixParams):
         shared: every mixed sample has the same box (``mode="batch"``).
         pixel_box: that shared box in pixels ``(y0, y1, x0, x1)``, when it was drawn on the host
             (Python draws): read without touching ``boxes``, wherever they live.
+        keep_axes: ``(b, 2, L)`` bool, ``L = max(gh, gw)``: per sample, the rows (then the columns) outside its
+            box, when they were drawn on the host (a box per sample: ``mode`` ``"pair"`` or ``"elem"``); a cell
+            keeps the sample's pixels where its row or its column is outside. ``None``: from ``boxes``.
     """
 
     boxes: Tensor
@@ -45,8 +48,9 @@ class BoxParams(MixParams):
     correct_lam: bool = True
     shared: bool = False  # one box for the whole batch (mode "batch"); unmixed samples hold empty boxes
     pixel_box: tuple[int, int, int, int] | None = None
+    keep_axes: Tensor | None = None
 
-    DERIVED: ClassVar[tuple[str, ...]] = (*MixParams.DERIVED, "pixel_box")
+    DERIVED: ClassVar[tuple[str, ...]] = (*MixParams.DERIVED, "pixel_box", "keep_axes")
 
     def source_weight(self) -> Tensor:
         return box_mask(self.boxes, self.grid)
@@ -55,7 +59,11 @@ class BoxParams(MixParams):
         return self.boxes, self.grid
 
     def keep_cells(self) -> Tensor:
-        return ~box_inside(self.boxes, self.grid)
+        current = self.current()
+        if current.keep_axes is None:
+            return ~box_inside(self.boxes, self.grid)
+        gh, gw = self.grid
+        return current.keep_axes[:, 0, :gh, None] | current.keep_axes[:, 1, None, :gw]  # one launch on a GPU
 
     def shared_box(self) -> tuple[int, int, int, int] | None:
         # Only when the params live on the CPU (the default generator's device): reading the
@@ -158,6 +166,17 @@ def host_box(lam: float, cy: int, cx: int, grid: tuple[int, int]) -> tuple[int, 
         min(max(cy - cut_h // 2, 0), gh), min(max(cy + (cut_h + 1) // 2, 0), gh),
         min(max(cx - cut_w // 2, 0), gw), min(max(cx + (cut_w + 1) // 2, 0), gw),
     )  # fmt: skip
+
+
+def _outside(box: tuple[int, int, int, int], length: int) -> bytes:
+    """Bool bytes of a box's rows outside it, then its columns, each axis over ``length`` cells (1: outside).
+
+    Example:
+        >>> _outside((1, 3, 0, 2), 4).hex()
+        '0100000100000101'
+    """
+    y0, y1, x0, x1 = box
+    return b"".join(b"\x01" * lo + bytes(hi - lo) + b"\x01" * (length - hi) for lo, hi in ((y0, y1), (x0, x1)))
 
 
 def host_minmax_box(minmax: tuple[float, float], grid: tuple[int, int], rng: random.Random) -> tuple[int, int, int, int]:
@@ -290,13 +309,17 @@ class BoxSampler(MixSampler[BoxParams]):
         weight_rows = [(v, to_fp32(1.0 - v)) for v in label_lams]
         picks = [g if a else len(boxes) - 1 for g, a in zip(pairs.group, pairs.applied)]
         b = len(picks)
-        partner, applied, lam_t, boxes_t, sources, weights = columns_on(
+        # a box per sample: the rows and columns outside each, as bytes (the device then takes one "or" for the keep
+        # mask, where comparing the boxes with every cell took five launches)
+        axes = [] if self.mode == "batch" else [column(b"".join(_outside(boxes[r], max(grid)) for r in picks), torch.bool, b, 2, max(grid))]
+        partner, applied, lam_t, boxes_t, sources, weights, *keep_axes = columns_on(
             [
                 column(pairs.partner, torch.int64), column(pairs.applied, torch.bool),
                 column([lams[r] for r in picks], torch.float32),
                 column([v for r in picks for v in boxes[r]], torch.int64, b, 4),
                 sources_column(pairs),
                 column([w for r in picks for w in weight_rows[r]], torch.float32, b, 2),
+                *axes,
             ],
             device,
         )  # fmt: skip
@@ -307,6 +330,7 @@ class BoxSampler(MixSampler[BoxParams]):
             boxes=boxes_t, lam=lam_t, grid=grid, correct_lam=self.correct_lam,
             shared=self.mode == "batch",
             pixel_box=(shared[0] * ch, shared[1] * ch, shared[2] * cw, shared[3] * cw) if self.mode == "batch" else None,
+            keep_axes=keep_axes[0] if keep_axes else None,
             label_sources=sources, label_weights=weights,
         )  # fmt: skip
 

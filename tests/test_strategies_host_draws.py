@@ -25,7 +25,7 @@ from mixlabels.strategies import (
     BlockwiseMix, CutMix, FMix, GridMix, MixToken, MixUp, RandomPatchMix, ResizeMix, SaliencyMix, SaliencyParams, Switch, TokenMix,
 )  # fmt: skip
 from mixlabels.strategies._base import pair_label_map
-from mixlabels.strategies._cutmix import cutmix_boxes
+from mixlabels.strategies._cutmix import box_inside, cutmix_boxes
 from mixlabels.strategies._saliencymix import saliency_peaks
 from mixlabels.strategies._host_draws import column, columns_on, draw_pairs, host_rng, to_fp32
 from mixlabels.strategies._sampling import sample_pairs
@@ -350,3 +350,18 @@ def test_saliencymix_and_fmix_host_lambdas_follow_the_tensor_draws_law() -> None
     host_kept = (~fmix((b, 1, 8, 8), generator=torch.Generator().manual_seed(0)).cells).sum((1, 2))
     tensor_kept = (~fmix.draw(pairs, (8, 8), torch.Generator().manual_seed(2), torch.device("cpu")).cells).sum((1, 2))
     assert stats.ks_2samp(host_kept.numpy(), tensor_kept.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["pair", "elem"])
+@pytest.mark.parametrize("kw", [{}, {"patch_size": 4}, {"minmax": (0.2, 0.7)}])
+def test_cutmix_host_keep_axes_are_the_cells_outside_the_boxes(mode: str, kw: dict[str, Any]) -> None:
+    """A box per sample: the rows and columns outside each box, drawn with it, give the cells outside it (the keep
+    mask the pixels are selected by), empty boxes of unmixed samples keeping everything; a replaced box drops them."""
+    mixer = CutMix(NC, mode=mode, prob=0.7, **kw)  # type: ignore[arg-type]
+    for b, seed in ((0, 0), (1, 1), (7, 2), (16, 3)):
+        params = mixer.sample((b, 3, 32, 24), generator=torch.Generator().manual_seed(seed))
+        assert params.keep_axes is not None and params.keep_axes.shape == (b, 2, max(params.grid))
+        assert torch.equal(params.keep_cells(), ~box_inside(params.boxes, params.grid)), (b, seed)
+        assert params.keep_cells()[~params.applied].all()
+        other = dataclasses.replace(params, boxes=params.boxes.flip(0))
+        assert torch.equal(other.keep_cells(), ~box_inside(other.boxes, other.grid))
