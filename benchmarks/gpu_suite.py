@@ -52,7 +52,7 @@ from benchmarks._provenance import finish, provenance
 from benchmarks.gpu_report import outcomes_of, summary_table
 
 PARTS = ("routes", "deit", "mixers", "tests", "families")
-CUDA_TESTS = ("tests/test_attention.py", "tests/test_backbones_cuda.py", "tests/test_compile_cuda.py")
+CUDA_TESTS = ("tests/test_attention.py", "tests/test_backbones_cuda.py", "tests/test_compile_cuda.py", "tests/test_strategies_cuda.py")
 
 
 # --------------------------------------------------------------------------- 1. routes
