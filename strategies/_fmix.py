@@ -23,12 +23,11 @@ from torch import Tensor
 
 from mixlabels import CellMask, TokenLabelMap
 from mixlabels._shape_cache import shape_cache
-from mixlabels.strategies._base import PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, sources_column, to_fp32
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._patch import CellParams
-from mixlabels.strategies._paste import apply_cells, fast_paths, shared_cells
+from mixlabels.strategies._patch import CellMixer, CellParams
+from mixlabels.strategies._paste import fast_paths, shared_cells
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
 __all__ = ["FMix", "FMixSampler", "fourier_noise", "top_cells"]
@@ -126,7 +125,12 @@ class FMixSampler(MixSampler[CellParams]):
 
     def check_image_size(self, image_size: tuple[int, int]) -> None:
         super().check_image_size(image_size)
-        grid_of(image_size, self.cell_size, "cell_size")
+        gh, gw = grid_of(image_size, self.cell_size, "cell_size")
+        if gh * gw > 2**24:  # the cells' ranks and counts are fp32 integers (noise_ranks): exact up to 2 ** 24
+            raise ValueError(
+                f"FMix ranks its mask's cells in fp32, exact up to 2**24 cells; a {gh}x{gw} mask has {gh * gw}: "
+                f"give a cell_size (e.g. the patch size) so the mask has fewer cells"
+            )
 
     def draw(self, pairs: Pairs, image_size: tuple[int, int], generator: torch.Generator | None, device: torch.device) -> CellParams:
         grid = grid_of(image_size, self.cell_size, "cell_size")
@@ -191,7 +195,7 @@ class FMixSampler(MixSampler[CellParams]):
         )  # fmt: skip
 
 
-class FMix(PairMixer[CellParams]):
+class FMix(CellMixer):
     """FMix as a kornia augmentation producing a ``TokenLabelMap``: a smooth random binary mask.
 
     Args:
@@ -225,11 +229,6 @@ class FMix(PairMixer[CellParams]):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__(FMixSampler(alpha, decay_power, cell_size, mode, pairing, prob), num_classes, label_smoothing, generator)
-
-    def apply_images(self, images: Tensor, params: CellParams) -> Tensor:
-        """On the CPU copy only what moves (``apply_cells``); elsewhere the select."""
-        out = apply_cells(images, params)
-        return super().apply_images(images, params) if out is None else out
 
     def label_map_from(self, params: CellParams, labels: Tensor) -> TokenLabelMap:
         """The map; on the CPU a per-pixel mask that every sample shares is stored once, expanded over the batch.

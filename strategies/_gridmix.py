@@ -22,12 +22,10 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from mixlabels.strategies._base import PairMixer
 from mixlabels.strategies._cutmix import grid_of
 from mixlabels.strategies._host_draws import HostPairs, draw_beta, to_fp32
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._patch import CellParams, host_cell_params
-from mixlabels.strategies._paste import apply_cells
+from mixlabels.strategies._patch import CellMixer, CellParams, host_cell_params
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta, sample_uniform
 
 __all__ = ["GridMix", "GridSampler"]
@@ -125,7 +123,7 @@ def _spread(coarse: bytes, rows: int, f: int) -> bytes:
     return b"".join(wide[y * width : (y + 1) * width] * f for y in range(rows))
 
 
-class GridMix(PairMixer[CellParams]):
+class GridMix(CellMixer):
     """GridMix / MaskMix as a kornia augmentation producing a ``TokenLabelMap``: random cells of a random size.
 
     Args:
@@ -158,7 +156,3 @@ class GridMix(PairMixer[CellParams]):
     ) -> None:
         super().__init__(GridSampler(cell_sizes, alpha, mode, pairing, prob), num_classes, label_smoothing, generator)
 
-    def apply_images(self, images: Tensor, params: CellParams) -> Tensor:
-        """On the CPU copy only what moves (``apply_cells``); elsewhere the select."""
-        out = apply_cells(images, params)
-        return super().apply_images(images, params) if out is None else out

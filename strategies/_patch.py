@@ -28,7 +28,7 @@ from mixlabels.strategies._mixup import check_alpha
 from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, host_rng, sources_column, to_fp32
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing
 
-__all__ = ["CellParams", "RandomPatchMix", "BlockwiseMix", "RandomCellSampler", "BlockCellSampler"]
+__all__ = ["CellParams", "CellMixer", "RandomPatchMix", "BlockwiseMix", "RandomCellSampler", "BlockCellSampler"]
 
 _NOT = bytes.maketrans(b"\x00\x01", b"\x01\x00")  # a bool byte negated
 
@@ -231,7 +231,19 @@ class BlockCellSampler(_CellSampler):
         return cells
 
 
-class RandomPatchMix(PairMixer[CellParams]):
+class CellMixer(PairMixer[CellParams]):
+    """A mixer of binary cells: on the CPU, where every mixed sample takes the same cells (``mode="batch"``), the
+    partners are copied and the kept runs of cells copied back (``apply_cells``, the same pixels as the select);
+    elsewhere, or for a per-pixel mask, the select."""
+
+    def apply_images(self, images: Tensor, params: CellParams) -> Tensor:
+        from mixlabels.strategies._paste import apply_cells  # it imports this module
+
+        out = apply_cells(images, params)
+        return super().apply_images(images, params) if out is None else out
+
+
+class RandomPatchMix(CellMixer):
     """Random cell mixing (MAE-style masking as mixing): each cell comes from the partner or not.
 
     Exactly ``floor((1 - lam) * n)`` of the ``n`` cells come from the partner,
@@ -271,7 +283,7 @@ class RandomPatchMix(PairMixer[CellParams]):
         super().__init__(sampler, num_classes, label_smoothing, generator)
 
 
-class BlockwiseMix(PairMixer[CellParams]):
+class BlockwiseMix(CellMixer):
     """Block-wise cell mixing (BEiT-style masking as mixing): rectangles of cells from the partner.
 
     Args:

@@ -160,7 +160,7 @@ def box_weights(boxes: Tensor, grid: tuple[int, int]) -> Tensor:
     if n > 2**24:  # counts past fp32's integers: the mask's own mean
         lam = BoxMask(boxes, grid).source_mean().view(b, 1)
     else:
-        area = boxes.view(b, 2, 2).diff(dim=2).prod(dim=1)  # b 1: height times width
+        area = boxes.reshape(b, 2, 2).diff(dim=2).prod(dim=1)  # b 1: height times width
         lam = (n - area) / _f32_scalar(n)  # integers over an fp32 scalar: fp32 quotients (exact counts), one division
     base, sign = _weight_constants(boxes.device)
     return torch.addcmul(base, lam, sign)

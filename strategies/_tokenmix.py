@@ -13,10 +13,8 @@ scheme) follows them through the network.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
-from mixlabels.strategies._paste import apply_cells
-from mixlabels.strategies._patch import BlockwiseMix, CellParams
+from mixlabels.strategies._patch import BlockwiseMix
 from mixlabels.strategies._sampling import Mode, Pairing
 
 __all__ = ["TokenMix"]
@@ -59,7 +57,3 @@ class TokenMix(BlockwiseMix):
     ) -> None:
         super().__init__(num_classes, patch_size, alpha, None, min_tokens, None, min_aspect, None, label_smoothing, prob, mode, pairing, generator)
 
-    def apply_images(self, images: Tensor, params: CellParams) -> Tensor:
-        """On the CPU copy only what moves (``apply_cells``); elsewhere the select."""
-        out = apply_cells(images, params)
-        return super().apply_images(images, params) if out is None else out

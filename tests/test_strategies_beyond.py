@@ -140,6 +140,7 @@ def _bad_calls() -> list[tuple[str, Callable[[], object], str]]:
         ("fmix decay inf", lambda: FMix(NC, decay_power=float("inf")), "decay_power must be"),
         ("fmix cell 0", lambda: FMix(NC, cell_size=0), "cell_size must be a positive number"),
         ("fmix cell not dividing", lambda: FMix(NC, cell_size=5)(x, y), "cell_size=5 does not divide the image size 16x12"),
+        ("fmix past 2**24 cells", lambda: FMix(NC).sample((1, 1, 4097, 4097)), r"exact up to 2\*\*24 cells.*give a cell_size"),
         ("resize scale reversed", lambda: ResizeMix(NC, scale=(0.8, 0.1)), r"scale must satisfy 0 <= min <= max <= 1.*\(0.8, 0.1\)"),
         ("resize scale > 1", lambda: ResizeMix(NC, scale=(0.1, 1.5)), "scale must satisfy"),
         ("resize patch not dividing", lambda: ResizeMix(NC, patch_size=5)(x, y), "patch_size=5 does not divide"),
