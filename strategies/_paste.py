@@ -1,10 +1,11 @@
-"""Copying only what moves: the CPU paths of the box and cell mixers beyond the papers.
+"""Copying only what moves: the CPU paths of the box mixers and of every binary cell mixer.
 
 ``PairMixer``'s select gathers every partner pixel and selects (about three passes
 over the batch); timm's CutMix copies the batch once and the box twice. On the
-CPU, outside tracing by dynamo, these helpers do the same as timm: copy the batch,
-then copy the partner's regions only (a box per sample, or the runs of partner
-cells of a cell mask that every mixed sample shares, as in ``mode="batch"``).
+CPU, outside tracing by dynamo, these helpers copy about as much as timm: the batch
+once, then only regions (a box per sample from its partner; for a cell mask that
+every mixed sample shares, as in ``mode="batch"``, the partners whole and then the
+runs of cells each sample keeps, back from itself, one copy a run for the batch).
 Results are bit-identical to the select: the same pixels are copied.
 """
 
