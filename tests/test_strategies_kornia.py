@@ -452,3 +452,40 @@ def test_sequential_on_gpu_equals_cpu(kind: str) -> None:
     mixed = no_jitter(x.cuda(), params=seq._params[:2])
     flipped = x.cuda().flip(-1)
     assert_close(mixed, flipped if lm.token_space else lm.mix_pixels(flipped))
+
+
+# ====================================================================== the CPU's copy paths
+@pytest.mark.parametrize("pairing", ["flip", "roll", "derangement"])
+def test_gather_partners_of_every_pairing_is_the_indexing(pairing: str) -> None:
+    """On the CPU the fixed pairings are gathered as a flip or a roll of the batch: the same pixels as the indexing,
+    in the images' memory format, with a gradient."""
+    import random
+
+    from mixlabels.strategies._base import gather_partners
+    from mixlabels.strategies._host_draws import draw_pairs
+
+    for b in (1, 2, 7):
+        partner = torch.tensor(draw_pairs(b, "elem", pairing, 1.0, random.Random(b)).partner)  # type: ignore[arg-type]
+        for x in (torch.rand(b, 3, H, W), torch.rand(b, 3, H, W).contiguous(memory_format=torch.channels_last)):
+            got = gather_partners(x, partner)
+            assert torch.equal(got, x[partner]) and got.stride() == x[partner].stride()
+        x = torch.rand(b, 3, H, W, requires_grad=True)
+        gather_partners(x, partner).sum().backward()
+        assert x.grad is not None and torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("mode", ["pair", "elem"])
+@pytest.mark.parametrize("patch", [None, CELL])
+def test_cutmix_boxes_per_sample_pasted_on_the_cpu_are_the_select(mode: str, patch: int | None) -> None:
+    """A box per sample, on the CPU: the batch copied and each box pasted from its partner gives the select's pixels,
+    unmixed samples (gate, odd batch) their own; with a gradient the select itself runs, with the same pixels."""
+    from mixlabels.strategies._base import select_images
+
+    for b, seed in ((7, 0), (8, 1), (1, 2)):
+        x, y = batch(b, seed=seed)
+        mixer = CutMix(NC, mode=mode, prob=0.7, patch_size=patch)  # type: ignore[arg-type]
+        out, _ = mixer(x, y, generator=torch.Generator().manual_seed(seed))
+        p = mixer.last_params
+        assert torch.equal(out, select_images(x, p.partner, p.keep_cells()))
+        xg = x.clone().requires_grad_()
+        assert torch.equal(mixer.mix(xg, y, p)[0], out)
