@@ -380,14 +380,12 @@ class CutMix(PairMixer[BoxParams]):
 
     def apply_images(self, images: Tensor, params: BoxParams) -> Tensor:
         """A box per sample (``mode`` pair or elem) on the CPU, eager: the batch copied, then each box from its partner
-        (``paste_boxes``: the select's pixels, a copy a box, as timm's elem CutMix); otherwise ``PairMixer``'s (the
+        (``apply_boxes``: the select's pixels, a copy a box, as timm's elem CutMix); otherwise ``PairMixer``'s (the
         batch's one box pasted, or the select)."""
-        if params.shared or params.token_space or images.device.type != "cpu" or torch.compiler.is_compiling():
-            return super().apply_images(images, params)
-        if torch.is_grad_enabled() and images.requires_grad:  # a graph node a box: the select instead
-            return super().apply_images(images, params)
-        from mixlabels.strategies._paste import paste_boxes, pixel_boxes  # it imports this module (through _patch)
+        if not params.shared and not params.token_space:
+            from mixlabels.strategies._paste import apply_boxes  # it imports this module (through _patch)
 
-        moved = params.to(images.device)
-        return paste_boxes(images, moved.partner, pixel_boxes(moved.boxes, moved.grid, moved.image_size))
-
+            out = apply_boxes(images, params)
+            if out is not None:
+                return out
+        return super().apply_images(images, params)

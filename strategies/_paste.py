@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mixlabels.strategies._base import MixParams
 from mixlabels.strategies._patch import CellParams
 
-__all__ = ["paste_boxes", "pixel_boxes", "shared_cells", "paste_cells", "fast_paths", "apply_cells"]
+__all__ = ["paste_boxes", "pixel_boxes", "shared_cells", "paste_cells", "fast_paths", "apply_cells", "apply_boxes"]
 
 
 def fast_paths(images: Tensor) -> bool:
@@ -88,6 +89,17 @@ def paste_cells(images: Tensor, partner: Tensor, cells: Tensor) -> Tensor:
         rows, cols = slice(r * ch, (r + 1) * ch), slice(q0 * cw, q1 * cw)
         out[:, :, rows, cols] = images[:, :, rows, cols]
     return out
+
+
+def apply_boxes(images: Tensor, params: MixParams) -> Tensor | None:
+    """The copy path for params with a box per sample (``cell_boxes``: CutMix's pair and elem modes, SaliencyMix's
+    placed boxes), or ``None`` where the select must run: traced, off the CPU, without boxes, or under autograd (a
+    graph node a box, where the select is one)."""
+    drawn = params.cell_boxes()
+    if drawn is None or not fast_paths(images) or (torch.is_grad_enabled() and images.requires_grad):
+        return None
+    boxes, grid = drawn
+    return paste_boxes(images, params.partner, pixel_boxes(boxes, grid, params.image_size))
 
 
 def apply_cells(images: Tensor, params: CellParams) -> Tensor | None:

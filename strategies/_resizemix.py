@@ -287,18 +287,9 @@ class ResizeMix(PairMixer[ResizeParams]):
             applied = params.applied.to(images.device)
             mixed = applied.nonzero()[:, 0]
             if mixed.numel() and bool((boxes[mixed] == boxes[mixed[0]]).all()):
-                y0, y1, x0, x1 = boxes[mixed[0]].tolist()
-                out = images.clone()
-                if y1 > y0 and x1 > x0:
-                    r, c = rows[mixed[0], y0:y1], cols[mixed[0], x0:x1]
-                    # one gather of just the pasted pixels, straight from each partner: m bh bw c
-                    shrunk = images[rearrange(partner[mixed], "m -> m 1 1"), :, rearrange(r, "h -> 1 h 1"), rearrange(c, "w -> 1 1 w")]
-                    shrunk = rearrange(shrunk, "m h w c -> m c h w")
-                    if mixed.numel() == images.shape[0]:
-                        out[:, :, y0:y1, x0:x1] = shrunk  # every sample: a slice, no scattered write
-                    else:
-                        out[mixed, :, y0:y1, x0:x1] = shrunk
-                return out
+                first = int(mixed[0])
+                y0, y1, x0, x1 = boxes[first].tolist()
+                return _paste_shrunk(images, partner, mixed, (y0, y1, x0, x1), rows[first, y0:y1], cols[first, x0:x1])
             out = images.clone()
             for i, ((y0, y1, x0, x1), j) in enumerate(zip(boxes.tolist(), partner.tolist())):
                 if y1 > y0 and x1 > x0:
@@ -311,25 +302,36 @@ class ResizeMix(PairMixer[ResizeParams]):
 
 
 def _paste_planned(images: Tensor, params: ResizeParams) -> Tensor:
-    """The batch's one box, planned with the draws (``ResizeParams.paste``): a copy of the images, then one gather of
-    just the box's pixels from the mixed samples' partners and one write of them (on a GPU: three launches, where
-    computing every sample's indices and selecting every pixel took about twenty)."""
+    """The batch's one box, planned with the draws (``ResizeParams.paste``): ``_paste_shrunk`` with no index
+    arithmetic on the device (on a GPU: three launches, where computing every sample's indices and selecting every
+    pixel took about twenty)."""
     assert params.paste is not None and params.paste_rows is not None and params.paste_cols is not None
     assert params.paste_samples is not None
-    y0, y1, x0, x1 = params.paste
+    dev = images.device
+    return _paste_shrunk(
+        images, params.partner.to(dev), params.paste_samples.to(dev), params.paste, params.paste_rows.to(dev),
+        params.paste_cols.to(dev),
+    )
+
+
+def _paste_shrunk(
+    images: Tensor, partner: Tensor, samples: Tensor, box: tuple[int, int, int, int], rows: Tensor, cols: Tensor,
+) -> Tensor:
+    """A copy of ``images`` where the one pixel box ``(y0, y1, x0, x1)`` of each of ``samples`` (``(m,)`` long: the
+    mixed ones) shows its partner shrunk: the partner's pixels at ``rows`` ``(y1 - y0,)`` and ``cols`` ``(x1 - x0,)``.
+    One gather of just the pasted pixels, straight from the partners, and one write (a slice where every sample is
+    mixed, no scattered write)."""
+    y0, y1, x0, x1 = box
     out = images.clone()
-    m = int(params.paste_samples.shape[0])
+    m = int(samples.shape[0])
     if m and y1 > y0 and x1 > x0:
-        samples = params.paste_samples.to(images.device)
-        partner = params.partner.to(images.device)
-        rows, cols = params.paste_rows.to(images.device), params.paste_cols.to(images.device)
         every = m == images.shape[0]
         source = partner if every else partner[samples]
         # m bh bw c: the advanced indices around the channel slice come first
         shrunk = images[rearrange(source, "m -> m 1 1"), :, rearrange(rows, "h -> 1 h 1"), rearrange(cols, "w -> 1 1 w")]
         shrunk = rearrange(shrunk, "m h w c -> m c h w")
         if every:
-            out[:, :, y0:y1, x0:x1] = shrunk  # every sample: a slice, no scattered write
+            out[:, :, y0:y1, x0:x1] = shrunk
         else:
             out[samples, :, y0:y1, x0:x1] = shrunk
     return out

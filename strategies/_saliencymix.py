@@ -35,7 +35,7 @@ from mixlabels.strategies._base import MixParams, PairMixer
 from mixlabels.strategies._cutmix import box_inside, box_mask, cutmix_boxes, grid_of
 from mixlabels.strategies._host_draws import HostPairs, column, columns_on, draw_beta, sources_column, to_fp32
 from mixlabels.strategies._mixup import check_alpha
-from mixlabels.strategies._paste import fast_paths, paste_boxes, pixel_boxes
+from mixlabels.strategies._paste import apply_boxes
 from mixlabels.strategies._sampling import MixSampler, Mode, Pairing, Pairs, sample_beta
 
 __all__ = ["SaliencyMix", "SaliencyParams", "SaliencySampler", "spectral_residual_saliency", "saliency_peaks", "box_weights"]
@@ -296,8 +296,8 @@ class SaliencyMix(PairMixer[SaliencyParams]):
         )
 
     def apply_images(self, images: Tensor, params: SaliencyParams) -> Tensor:
-        """Paste each partner's box; on the CPU box by box, elsewhere (or traced) as one select."""
-        if fast_paths(images):
-            return paste_boxes(images, params.partner, pixel_boxes(params.placed_boxes(), params.grid, params.image_size))
-        return super().apply_images(images, params)
+        """Paste each partner's box; on the CPU box by box (``apply_boxes``), elsewhere (traced, autograd) as one
+        select."""
+        out = apply_boxes(images, params)
+        return super().apply_images(images, params) if out is None else out
 
