@@ -50,6 +50,8 @@ from mixlabels.strategies._paste import paste_boxes, paste_cells, shared_cells
 from mixlabels.strategies._resizemix import resize_index, resize_indices
 from mixlabels.strategies._saliencymix import saliency_peaks, spectral_residual_saliency
 from test_strategies_kornia import CELL, NC, H, W, batch, maps_equal
+from test_strategies_kornia import KINDS as PAPER_KINDS
+from test_strategies_kornia import make as make_paper
 
 KINDS = ("fmix", "fmix_cell", "resizemix", "resizemix_patch", "saliencymix", "saliencymix_patch", "gridmix", "tokenmix", "switch")
 PAIR_KINDS = [k for k in KINDS if k != "switch"]
@@ -561,6 +563,37 @@ def test_mixed_pixels_follow_the_map(kind: str, b: int, mode: str, pairing: str,
     xc = x.to(compute)
     assert torch.equal(out, (w * xc + (1.0 - w) * xc[partner]).to(dtype))
     assert ((out == x) | (out == x[partner])).all()  # binary masks copy pixels
+
+
+ALL_KINDS = [*(("paper", k) for k in PAPER_KINDS), *(("beyond", k) for k in KINDS)]
+
+
+@given(st.sampled_from(ALL_KINDS), st.integers(0, 6), modes, st.sampled_from(["flip", "derangement", "roll"]),
+       st.sampled_from([0.5, 1.0]), seeds, st.sampled_from([torch.float32, torch.bfloat16]),
+       st.sampled_from(["channels_last", "slice"]))
+def test_memory_layouts_and_the_autograd_path_mix_alike(
+    kind: tuple[str, str], b: int, mode: str, pairing: str, prob: float, seed: int, dtype: torch.dtype, layout: str
+) -> None:
+    """The CPU's copy paths (cells and boxes pasted run by run, the fixed pairings' partners flipped or rolled,
+    ResizeMix's one planned box) read the images' strides: a channels-last batch and a strided view give the
+    contiguous batch's pixels and map bit for bit, and so does the select that a batch needing a gradient takes;
+    the output keeps the input's dtype and shape. Every mixer, the paper's and the beyond ones."""
+    x, y = batch(b, seed=seed % 1000, dtype=dtype)
+    if pairing == "roll" and mode == "pair":
+        pairing = "flip"  # roll forms a cycle, not pairs (refused)
+    mixer = (make_paper if kind[0] == "paper" else make)(kind[1], mode=mode, pairing=pairing, prob=prob)
+    if layout == "channels_last":
+        laid = x.contiguous(memory_format=torch.channels_last)
+    else:
+        wide = torch.zeros(b, 3, H, W + 3, dtype=dtype)
+        wide[..., 1 : 1 + W] = x
+        laid = wide[..., 1 : 1 + W]
+    out, lm = mixer(x, y, generator=torch.Generator().manual_seed(seed))
+    out_laid, lm_laid = mixer(laid, y, generator=torch.Generator().manual_seed(seed))
+    out_grad, lm_grad = mixer(laid.clone().requires_grad_(True), y, generator=torch.Generator().manual_seed(seed))
+    assert out_laid.dtype == out_grad.dtype == dtype and out_laid.shape == out_grad.shape == x.shape
+    assert torch.equal(out_laid, out) and maps_equal(lm_laid, lm)
+    assert torch.equal(out_grad.detach(), out) and maps_equal(lm_grad, lm)
 
 
 @given(st.sampled_from(PAIR_KINDS), st.integers(1, 5), modes, pairings, st.sampled_from([0.5, 1.0]), seeds, st.data())
