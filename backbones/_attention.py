@@ -32,6 +32,10 @@ picks one for a block of code, ``MIXLABELS_ATTENTION_ROUTE`` for a process):
   CUDA's default without a mask, and under ``torch.compile`` on CUDA.
 - ``"explicit"``: ordinary attention, and the labels by the explicit head-mean matrix
   ``mean_h(softmax(q k^T s + mask)) @ Y`` under no grad (short sequences: one small product).
+- ``"wider-v"``: cuDNN's fused attention with the labels appended to v alone (q and k at their own head
+  dim: no padding, and a kernel for DeiT's 64 where FlashAttention-2 runs 72 as 96), the ordinary cuDNN
+  backward at the original width; without a mask, where cuDNN takes those head dims; else (the CPU, cuDNN
+  off or too old, a mask) the ``separate`` route. A candidate the GPU suite times beside the others.
 - ``"widened-autograd"``: autograd through the widened call (devices without a fused kernel).
 
 Every route gives the same ``out`` (the ordinary attention's) and the same labels up to the
@@ -68,7 +72,7 @@ __all__ = [
     "widened_autograd",
 ]
 
-Route = Literal["widened", "separate", "explicit", "widened-autograd"]
+Route = Literal["widened", "separate", "explicit", "wider-v", "widened-autograd"]
 ROUTES: tuple[Route, ...] = get_args(Route)
 
 
@@ -139,6 +143,7 @@ class _Kernel(NamedTuple):
     takes_mask: bool
     forward: Callable[[Tensor, Tensor, Tensor, Tensor | None, float], tuple[Tensor, _Saved]]
     backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor, _Saved, float], tuple[Tensor, Tensor, Tensor]]
+    pads_qk: bool = True  # the forward takes q and k zero-padded to v's widened head dim (else at their own)
 
 
 def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, _Saved]:
@@ -221,6 +226,66 @@ _CUDA_FLASH = _Kernel(8, True, False, _cuda_flash_forward, _cuda_flash_backward)
 _CUDA_EFFICIENT = _Kernel(8, True, True, _cuda_efficient_forward, _cuda_efficient_backward)  # fp32 too, masks
 
 
+def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, _Saved]:
+    assert mask is None  # the wider-v route takes no mask: _wider_v_kernel never picks cuDNN for one
+    # out, lse (b h n 1), cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset, debug mask
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)
+    return res[0], tuple(res[1:8])
+
+
+def _cudnn_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: _Saved, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+    # the log-sum-exp of the call with the wider v is the narrow call's (it reads q and k alone), and ``out`` the
+    # wide output's first d channels, laid out as cuDNN lays out its own output (q's order; see _WidenedForward)
+    grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, False, scale=scale
+    )
+    return grads[0], grads[1], grads[2]
+
+
+# q and k at their own head dim, v (and the output) widened to a multiple of 8; the output stored in q's order
+_CUDNN_WIDER_V = _Kernel(8, False, False, _cudnn_forward, _cudnn_backward, pads_qk=False)
+
+
+def _wider_v_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor | None = None) -> _Kernel | None:
+    """cuDNN's kernel, if it takes q and k at their head dim with v widened by the labels (the forward) and q, k
+    and v at one (the backward), on these lengths, dtype and SDPA settings, without a mask (a shift mask or a bias:
+    the widened route measured faster there, and cuDNN's bias layout rules are left untried); else ``None`` (the
+    ``separate`` route)."""
+    d = int(q.shape[-1])
+    if q.device.type != "cuda" or mask is not None or d % 8 or int(k.shape[-1]) != d or int(v.shape[-1]) != d:
+        return None
+    settings = (bool(torch.backends.cuda.cudnn_sdp_enabled()), q.device.index)  # type: ignore[no-untyped-call]
+    lengths = (int(q.shape[2]), int(k.shape[2]))
+    width = _widened_dim(d, int(labels.shape[-1]), 8)
+    ok = _cudnn_probe(_compute_dtype(q, k, v), (d, width), lengths, q.requires_grad, settings)
+    return _CUDNN_WIDER_V if ok else None
+
+
+@functools.lru_cache(maxsize=64)
+def _cudnn_probe(
+    dtype: torch.dtype, dims: tuple[int, int], lengths: tuple[int, int], requires_grad: bool, settings: tuple[bool, int | None],
+) -> bool:
+    """Whether cuDNN takes q and k of head dim ``dims[0]`` with v of ``dims[1]`` (the forward) and all three of
+    ``dims[0]`` (the backward), at these query and key lengths: probed once per combination on one-sample stand-ins
+    (the checks read head dims, lengths, dtype, strides and the GPU, not the batch)."""
+    if not settings[0]:
+        return False
+    device = torch.device("cuda", settings[1]) if settings[1] is not None else torch.device("cuda")
+    (d, width), (n, m) = dims, lengths
+
+    def takes(value_dim: int) -> bool:
+        q = torch.empty((1, 1, n, d), dtype=dtype, device=device).requires_grad_(requires_grad)
+        k = torch.empty((1, 1, m, d), dtype=dtype, device=device).requires_grad_(requires_grad)
+        v = torch.empty((1, 1, m, value_dim), dtype=dtype, device=device).requires_grad_(requires_grad)
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)
+        return bool(torch.backends.cuda.can_use_cudnn_attention(params, False))
+
+    return takes(width) and takes(d)
+
+
 def _widened_dim(d: int, ll: int, multiple: int) -> int:
     """Head dim of the widened call: ``d`` value channels and ``ll`` label channels, padded to ``multiple``."""
     return d + ll + (-(d + ll) % multiple)
@@ -234,6 +299,15 @@ def _widen(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, multiple: int) -> tu
     if extra:  # the padding on the narrow labels, so that v is copied once (by the cat); F.pad copies even where
         y = F.pad(y, (0, extra))  # it pads nothing, so none where nothing is padded (the CPU kernel's multiple is 1)
     return F.pad(q, (0, ll + extra)), F.pad(k, (0, ll + extra)), torch.cat([v, y], dim=-1)
+
+
+def _widen_values(v: Tensor, labels: Tensor, multiple: int) -> Tensor:
+    """The labels appended to v (broadcast over the heads), to a head dim that is a multiple of ``multiple``: v of
+    the ``wider-v`` route, whose kernel takes q and k at their own head dim."""
+    h, d, ll = v.shape[1], v.shape[-1], labels.shape[-1]
+    y = repeat(labels.to(v.dtype), "b m l -> b h m l", h=h)
+    extra = _widened_dim(d, ll, multiple) - d - ll
+    return torch.cat([v, F.pad(y, (0, extra)) if extra else y], dim=-1)
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -349,7 +423,10 @@ class _WidenedForward(torch.autograd.Function):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         mask = None if mask is None else mask.to(dtype)
         d = v.shape[-1]
-        qw, kw, vw = _widen(q, k, v, labels, kernel.multiple)
+        if kernel.pads_qk:
+            qw, kw, vw = _widen(q, k, v, labels, kernel.multiple)
+        else:
+            qw, kw, vw = q, k, _widen_values(v, labels, kernel.multiple)
         out_wide, saved = kernel.forward(qw, kw, vw, mask, scale)  # b h n (d + l + pad)
         # b h n d, stored as the plain kernel would store it (b n h d for timm's q, a view
         # of (b, n, 3, h, d)): the block's reshape to (b, n, h d) is then a view, not a
@@ -441,7 +518,10 @@ def attention_with_labels(
         # No CPU kernel returns a mask's gradient, so plain SDPA takes its math path and
         # builds the attention matrix: mix the labels with that same matrix.
         return explicit_attention(q, k, v, labels, scale, attn_mask)
-    elif (route := _route_for(q, attn_mask)) in ("separate", "explicit"):
+    elif (route := _route_for(q, attn_mask)) == "wider-v" and (kernel := _wider_v_kernel(q, k, v, labels, attn_mask)) is not None:
+        out, mean = _WidenedForward.apply(q, k, v, labels, scale, kernel, attn_mask)  # the head mean, fp32
+        return out, mean
+    elif route in ("separate", "explicit", "wider-v"):  # wider-v where cuDNN takes no wider v: the labels' own call
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
         mask = None if attn_mask is None else attn_mask.detach()
         with torch.no_grad():

@@ -9,11 +9,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Deadline", "OutOfTime", "summarise", "timed_rounds"]
+__all__ = ["Deadline", "OutOfTime", "summarise", "timed_rounds", "working_calls"]
 
 
 class Deadline:
@@ -28,6 +28,31 @@ class Deadline:
 
 class OutOfTime(Exception):
     """The suite's deadline came before a unit of work could start."""
+
+
+_Call = TypeVar("_Call", bound=Callable[[], object])
+
+
+def working_calls(
+    calls: dict[str, _Call], log: Callable[[str], None], keep: str | None = None,
+) -> tuple[dict[str, _Call], dict[str, str]]:
+    """``calls`` that ran once without an error, and each failing one's error (``Type: first line``): a route a GPU
+    refuses (a candidate kernel, an op this torch lacks) is recorded and left out, not the end of its part. ``keep``
+    (the baseline) is not tried apart: its error ends the part, as nothing could be compared with it."""
+    working: dict[str, _Call] = {}
+    errors: dict[str, str] = {}
+    for name, call in calls.items():
+        if name == keep:
+            working[name] = call
+            continue
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001  # recorded beside the figures, the others still timed
+            errors[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+            log(f"  {name} left out: {errors[name]}")
+            continue
+        working[name] = call
+    return working, errors
 
 
 def timed_rounds(

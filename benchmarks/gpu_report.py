@@ -31,6 +31,10 @@ def _missing(part: dict[str, Any]) -> str | None:
 def _rows(table: dict[str, Any], memory: bool = False) -> list[str]:
     lines = []
     for name, row in table.items():
+        if isinstance(row, dict) and "ms_median" not in row and "error" in row:  # a variant that failed: say so
+            why = str(row["error"]).splitlines()[0][:160].replace("|", "\\|") if str(row["error"]) else "?"
+            lines.append(f"| {name} | - | left out: {why}{' | - | - | - | -' if memory else ''} |")
+            continue
         if not isinstance(row, dict) or "ms_median" not in row:
             continue
         mem = f" | {row['peak_mb']:.0f} | {row.get('memory_ratio', float('nan')):.3f}" if memory else ""

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from benchmarks import _families
 from benchmarks._gpu_steps import Steps, compiled_pair, eager_pair, timed_with_memory
-from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds
+from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds, working_calls
 from benchmarks._mixer_timing import measure_mixers as time_mixers
 from benchmarks._provenance import finish, provenance
 from benchmarks.gpu_report import outcomes_of, summary_table
@@ -92,8 +92,10 @@ def measure_routes(args: argparse.Namespace, deadline: Deadline, log: Callable[[
 
         calls: dict[str, Callable[[], object]] = {"plain SDPA (no labels)": plain, **{r: routed(r) for r in ROUTES}}
         log(f"routes: {shape_name}")
+        calls, errors = working_calls(calls, log, keep="plain SDPA (no labels)")
         times = timed_rounds(calls, args.rounds, args.steps, args.warmup, device, deadline, log)
         result[shape_name] = summarise(times, "plain SDPA (no labels)")
+        result[shape_name].update({name: {"error": why} for name, why in errors.items()})
     return result
 
 
@@ -113,7 +115,9 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     for route in ROUTES:
         calls[f"tlalign/{route}"] = steps.call("tlalign", route)
     log(f"deit eager: {args.deit_model} batch {args.batch_size}")
-    into["eager"] = timed_with_memory(steps, calls, args, deadline, log)
+    working, errors = working_calls(calls, log, keep="cutmix")
+    into["eager"] = timed_with_memory(steps, working, args, deadline, log)
+    into["eager"].update({name: {"error": why} for name, why in errors.items()})
     save()
     log("deit compiled")
     into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes)

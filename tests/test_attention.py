@@ -20,6 +20,7 @@ from mixlabels.backbones._attention import (
     _CPU,
     _CUDA_EFFICIENT,
     _CUDA_FLASH,
+    _CUDNN_WIDER_V,
     ROUTES,
     _Kernel,
     _WidenedForward,
@@ -162,14 +163,23 @@ def test_cuda_path_equals_plain_attention_and_keeps_no_more(dtype: torch.dtype, 
         plain = saved_by(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125))
     if route == "separate":
         plain = saved_by(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125))
+    assert_plain_and_explicit(out, mixed, ref, (q, k, v), labels, tol)
+    # q, k, v, out and the log-sum-exp, in the same layouts (the rest: the kernel's RNG state)
+    assert [x for x in ours_kept if len(x[0]) >= 3] == [x for x in plain if len(x[0]) >= 3]
+
+
+def assert_plain_and_explicit(
+    out: Tensor, mixed: Tensor, ref: Tensor, qkv: tuple[Tensor, Tensor, Tensor], labels: Tensor, tol: float
+) -> None:
+    """``out`` is plain SDPA's ``ref`` (scale 0.125), with its gradients, and ``mixed`` the labels mixed by the
+    explicit head-mean attention matrix."""
+    q, k, _ = qkv
     assert_close(out, ref, atol=tol, rtol=tol)
     a = torch.softmax(q.float() @ k.float().transpose(-1, -2) * 0.125, -1).mean(1)
     assert_close(mixed, a.detach() @ labels, atol=tol, rtol=tol)
     g = torch.randn_like(ref)
-    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+    for ours, theirs in zip(torch.autograd.grad(out, qkv, g), torch.autograd.grad(ref, qkv, g)):
         assert_close(ours, theirs, atol=tol, rtol=tol)
-    # q, k, v, out and the log-sum-exp, in the same layouts (the rest: the kernel's RNG state)
-    assert [x for x in ours_kept if len(x[0]) >= 3] == [x for x in plain if len(x[0]) >= 3]
 
 
 def _bias(requires_grad: bool, shape: tuple[int, ...] = (1, H, N, N)) -> Tensor:
@@ -232,6 +242,88 @@ def test_bool_mask_is_refused() -> None:
     q, k, v, labels = qkv_labels()
     with pytest.raises(TypeError, match="additive float mask"):
         attention_with_labels(q, k, v, labels, scale=0.3, attn_mask=torch.ones(N, N, dtype=torch.bool))
+
+
+def test_cudnn_wider_v_plumbing_on_meta() -> None:
+    """cuDNN's forward with q and k at their head dim and v widened by the labels (64 + 2 -> 72), and its backward
+    at 64, on meta tensors: argument order and shapes; the step keeps nothing widened."""
+    q, k, v = (torch.empty(B, H, N, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    labels = torch.empty(B, N, L, device="meta")
+    kept = saved_by(lambda: _WidenedForward.apply(q, k, v, labels, 0.125, _CUDNN_WIDER_V))
+    assert sorted(s for s, _, _ in kept if len(s) == 4 and s[-1] != 1 and s[0] == B) == [(B, H, N, 64)] * 4
+    assert [s for s, _, _ in kept if len(s) == 4 and s[-1] == 1] == [(B, H, N, 1)]  # cuDNN's log-sum-exp
+    out, mixed = _WidenedForward.apply(q, k, v, labels, 0.125, _CUDNN_WIDER_V)
+    assert out.shape == (B, H, N, 64) and mixed.shape == (B, N, L) and mixed.dtype == torch.float32
+    gq, gk, gv = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert gq.shape == gk.shape == gv.shape == (B, H, N, 64) and gq.dtype == torch.bfloat16
+
+
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, tuple[Tensor]]:
+    """A stand-in for cuDNN's forward on the CPU (the raw op runs on CUDA alone): q and k must come at their own head
+    dim and v wider, as the ``wider-v`` route hands them, and no mask; output and log-sum-exp by the explicit matrix."""
+    assert q.shape[-1] == k.shape[-1] < v.shape[-1] and mask is None
+    s = q @ k.transpose(-1, -2) * scale
+    lse = s.logsumexp(-1, keepdim=True)
+    return (s - lse).exp() @ v, (lse,)
+
+
+def _math_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: tuple[Tensor, ...], scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The stand-in's backward at the original width: the softmax from the wide call's log-sum-exp, which reads q and
+    k alone, and ``out`` the wide output's first d channels (the gradient of q needs both)."""
+    (lse,) = saved
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] == out.shape[-1] and mask is None
+    a = (q @ k.transpose(-1, -2) * scale - lse).exp()
+    ga = grad @ v.transpose(-1, -2)
+    gs = a * (ga - (grad * out).sum(-1, keepdim=True)) * scale
+    return gs @ k, gs.transpose(-1, -2) @ q, a.transpose(-1, -2) @ grad
+
+
+def test_wider_v_route_with_a_stand_in_kernel_equals_plain_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``wider-v`` route's own plumbing on the CPU, with its cuDNN ops replaced by the explicit math of the same
+    contract: q and k reach the kernel unpadded, v with the labels appended; out, gradients and labels are plain
+    attention's and the explicit head-mean matrix's."""
+    import mixlabels.backbones._attention as attention
+
+    stand_in = _CUDNN_WIDER_V._replace(forward=_math_forward, backward=_math_backward)
+    monkeypatch.setattr(attention, "_wider_v_kernel", lambda *args: stand_in)
+    q, k, v, labels = qkv_labels()
+    with attention_route("wider-v"):
+        out, mixed = attention_with_labels(q, k, v, labels, scale=0.125)
+    assert_plain_and_explicit(out, mixed, F.scaled_dot_product_attention(q, k, v, scale=0.125), (q, k, v), labels, 1e-5)
+
+
+def test_wider_v_route_without_cudnn_is_the_separate_route() -> None:
+    """Where cuDNN takes no wider v (here: the CPU), ``wider-v`` mixes the labels in their own call, as ``separate``:
+    the same numbers and the same tensors kept."""
+    q, k, v, labels = qkv_labels()
+    results, kept = {}, {}
+    for route in ("wider-v", "separate"):
+        with attention_route(route):  # type: ignore[arg-type]
+            results[route] = attention_with_labels(q, k, v, labels, scale=0.3)
+            kept[route] = saved_by(lambda: attention_with_labels(q, k, v, labels, scale=0.3))
+    assert torch.equal(results["wider-v"][0], results["separate"][0])
+    assert torch.equal(results["wider-v"][1], results["separate"][1])
+    assert kept["wider-v"] == kept["separate"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_wider_v_route_runs_cudnn_where_it_takes_the_head_dims(dtype: torch.dtype) -> None:
+    """On a GPU whose cuDNN takes q and k at 64 with v at 72, the route runs cuDNN's raw ops (not the fallback): plain
+    SDPA's output and gradients, the explicit labels, and q, k, v, out and a log-sum-exp kept, nothing widened."""
+    from mixlabels.backbones._attention import _wider_v_kernel
+
+    q, k, v, labels = _cuda_case(64, 197, 197, dtype)
+    if _wider_v_kernel(q, k, v, labels) is None:
+        pytest.skip(f"this GPU's cuDNN takes no v wider than q and k ({dtype}, torch {torch.__version__}): the route is separate")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    with attention_route("wider-v"):
+        out, mixed = attention_with_labels(q, k, v, labels, scale=0.125)
+        kept = saved_by(lambda: attention_with_labels(q, k, v, labels, scale=0.125))
+    assert_plain_and_explicit(out, mixed, F.scaled_dot_product_attention(q, k, v, scale=0.125), (q, k, v), labels, tol)
+    assert all(s[-1] in (64, 1) for s, _, _ in kept if len(s) == 4)
 
 
 def test_cuda_efficient_kernel_with_mask_plumbing_on_meta() -> None:

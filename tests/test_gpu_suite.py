@@ -18,6 +18,7 @@ import torch
 from benchmarks import _mixer_ops, _training_step, gpu_suite, op_count
 from benchmarks._gpu_steps import Steps
 from benchmarks.gpu_report import summary_table
+from mixlabels.backbones import ROUTES
 
 
 def test_dry_run_routes_every_route_against_plain_sdpa(tmp_path: Path) -> None:
@@ -26,10 +27,28 @@ def test_dry_run_routes_every_route_against_plain_sdpa(tmp_path: Path) -> None:
     assert saved["parts"].keys() == {"routes"} and saved["provenance"]["finished"]
     for table in result["parts"]["routes"].values():
         if isinstance(table, dict):
-            assert set(table) == {"plain SDPA (no labels)", "widened", "separate", "explicit", "widened-autograd"}
+            assert set(table) == {"plain SDPA (no labels)", *ROUTES}
             assert table["plain SDPA (no labels)"]["ratio"] == 1.0
             assert all(len(row["ms_per_round"]) == 2 and row["ms_median"] > 0 for row in table.values())
     assert "| separate |" in summary_table(result)
+
+
+def test_a_route_that_fails_is_left_out_and_said_and_the_others_timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate route a GPU refuses (a raw kernel this cuDNN or torch does not take) costs its own row, not the
+    part: the routes and DeiT-S tables time the others and name the error."""
+    import mixlabels.backbones._attention as attention
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("cuDNN Frontend error: no engine for these head dims")
+
+    monkeypatch.setattr(attention, "_wider_v_kernel", refuse)
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "routes", "--out", str(tmp_path)])
+    tables = [table for table in result["parts"]["routes"].values() if isinstance(table, dict)]
+    assert len(tables) == 2
+    for table in tables:
+        assert table["wider-v"] == {"error": "RuntimeError: cuDNN Frontend error: no engine for these head dims"}
+        assert all(row["ms_median"] > 0 for name, row in table.items() if name != "wider-v")
+    assert "| wider-v | - | left out: RuntimeError: cuDNN Frontend error: no engine for these head dims |" in summary_table(result)
 
 
 def test_a_spent_deadline_skips_every_part_and_says_so(tmp_path: Path) -> None:
