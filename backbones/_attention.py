@@ -35,7 +35,8 @@ picks one for a block of code, ``MIXLABELS_ATTENTION_ROUTE`` for a process):
 - ``"wider-v"``: cuDNN's fused attention with the labels appended to v alone (q and k at their own head
   dim: no padding, and a kernel for DeiT's 64 where FlashAttention-2 runs 72 as 96), the ordinary cuDNN
   backward at the original width; without a mask, where cuDNN takes those head dims; else (the CPU, cuDNN
-  off or too old, a mask) the ``separate`` route. A candidate the GPU suite times beside the others.
+  off or too old, a mask) the ``separate`` route. A candidate the GPU suite times beside the others; chosen
+  under ``torch.compile``, cuDNN's raw ops are in the graph (the probe ran once, at the trace).
 - ``"widened-autograd"``: autograd through the widened call (devices without a fused kernel).
 
 Every route gives the same ``out`` (the ordinary attention's) and the same labels up to the
@@ -108,8 +109,9 @@ def _route_for(q: Tensor, attn_mask: Tensor | None) -> Route:
     """The route chosen (``attention_route``), else the device's default, by measurement (H100, bf16,
     forward + backward, ``benchmarks/gpu_suite.py``): on CUDA ``separate`` without a mask (DeiT-S's
     shape: 0.84 ms against the widened call's 1.09) and ``widened`` with one (Swin's shifted windows:
-    2.95 against 3.89); compiled on CUDA always ``separate``, two plain SDPA calls that every torch
-    version traces (probing the raw kernels is no traceable op); elsewhere ``widened``."""
+    2.95 against 3.89); compiled on CUDA ``separate``, two plain SDPA calls that every torch version
+    traces (a chosen route traces too: its kernel probe runs once, at the trace, unmeasured compiled on a
+    GPU so far); elsewhere ``widened``."""
     if q.device.type == "cuda" and attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         # A learnable bias (MaxViT's, GCViT's relative positions): CUDA's memory-efficient kernel returns its
         # gradient, where the widened forward would drop it and the explicit matrix would be kept for the backward.
@@ -257,11 +259,25 @@ def _wider_v_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tenso
     d = int(q.shape[-1])
     if q.device.type != "cuda" or mask is not None or d % 8 or int(k.shape[-1]) != d or int(v.shape[-1]) != d:
         return None
-    settings = (bool(torch.backends.cuda.cudnn_sdp_enabled()), q.device.index)  # type: ignore[no-untyped-call]
-    lengths = (int(q.shape[2]), int(k.shape[2]))
-    width = _widened_dim(d, int(labels.shape[-1]), 8)
-    ok = _cudnn_probe(_compute_dtype(q, k, v), (d, width), lengths, q.requires_grad, settings)
+    dims, lengths = (d, _widened_dim(d, int(labels.shape[-1]), 8)), (int(q.shape[2]), int(k.shape[2]))
+    ok = _cudnn_takes(_compute_dtype(q, k, v), dims, lengths, q.requires_grad, q.device.index)
     return _CUDNN_WIDER_V if ok else None
+
+
+def _cudnn_takes_now(
+    dtype: torch.dtype, dims: tuple[int, int], lengths: tuple[int, int], requires_grad: bool, index: int | None
+) -> bool:
+    """``_cudnn_probe`` under the SDPA settings of now."""
+    settings = (bool(torch.backends.cuda.cudnn_sdp_enabled()), index)  # type: ignore[no-untyped-call]
+    return _cudnn_probe(dtype, dims, lengths, requires_grad, settings)
+
+
+_cudnn_takes: Callable[[torch.dtype, tuple[int, int], tuple[int, int], bool, int | None], bool] = (
+    torch.compiler.assume_constant_result(_cudnn_takes_now)  # type: ignore[no-untyped-call]
+)
+"""``_cudnn_takes_now``, which ``torch.compile`` runs once, while tracing, its answer a constant of the graph (a
+probe is no traceable op): a graph compiled with cuDNN's SDPA enabled keeps calling cuDNN's kernels if
+``sdpa_kernel`` disables it later."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -336,15 +352,29 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor |
     if q.shape[-1] % _CUDA_FLASH.multiple:
         return None  # autograd through the widened call instead
     widths = (_widened_dim(q.shape[-1], labels.shape[-1], _CUDA_FLASH.multiple), int(q.shape[-1]))
+    # under torch.compile on CUDA the default route is "separate" and never comes here; a step compiled with
+    # "widened" chosen probes once, at the trace (``_cuda_kernel_name``), and its graph keeps the answer
+    name = _cuda_kernel_name(_compute_dtype(q, k, v), widths, q.requires_grad, mask is not None, q.device.index)
+    return {"flash": _CUDA_FLASH, "efficient": _CUDA_EFFICIENT}.get(name)
+
+
+def _cuda_kernel_name_now(
+    dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, index: int | None
+) -> str:
+    """``_cuda_probe`` under the SDPA settings of now."""
     settings = (
         bool(torch.backends.cuda.flash_sdp_enabled()),  # type: ignore[no-untyped-call]
         bool(torch.backends.cuda.mem_efficient_sdp_enabled()),  # type: ignore[no-untyped-call]
-        q.device.index,
+        index,
     )
-    # Probing is no traceable op: under torch.compile on CUDA the default route is "separate" and never
-    # comes here; a compiled step forced onto "widened" breaks its graph here.
-    name = _cuda_probe(_compute_dtype(q, k, v), widths, q.requires_grad, mask is not None, settings)
-    return {"flash": _CUDA_FLASH, "efficient": _CUDA_EFFICIENT}.get(name)
+    return _cuda_probe(dtype, widths, requires_grad, with_mask, settings)
+
+
+_cuda_kernel_name: Callable[[torch.dtype, tuple[int, int], bool, bool, int | None], str] = (
+    torch.compiler.assume_constant_result(_cuda_kernel_name_now)  # type: ignore[no-untyped-call]
+)
+"""``_cuda_kernel_name_now``, which ``torch.compile`` runs once, while tracing, its answer a constant of the graph
+(a probe is no traceable op): a graph compiled under some SDPA settings keeps the kernel they chose."""
 
 
 @functools.lru_cache(maxsize=64)

@@ -294,6 +294,70 @@ def test_wider_v_route_with_a_stand_in_kernel_equals_plain_attention(monkeypatch
     assert_plain_and_explicit(out, mixed, F.scaled_dot_product_attention(q, k, v, scale=0.125), (q, k, v), labels, 1e-5)
 
 
+def test_wider_v_route_compiles_whole_with_a_stand_in_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled with ``fullgraph=True`` (dynamo and AOT autograd), the route's forward (q and k unpadded, v widened)
+    and its backward trace whole and give eager's output, labels and gradients."""
+    import mixlabels.backbones._attention as attention
+
+    picked: list[bool] = []
+
+    def pick(*args: object) -> _Kernel:
+        picked.append(True)
+        return _CUDNN_WIDER_V._replace(forward=_math_forward, backward=_math_backward)  # asserts q and k unpadded
+
+    monkeypatch.setattr(attention, "_wider_v_kernel", pick)
+    q, k, v, labels = qkv_labels()
+
+    def call(q: Tensor, k: Tensor, v: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        out, mixed = attention_with_labels(q, k, v, labels, scale=0.125)
+        return out, mixed
+
+    torch._dynamo.reset()
+    with attention_route("wider-v"):
+        want = call(q, k, v, labels)
+        got = torch.compile(call, backend="aot_eager", fullgraph=True)(q, k, v, labels)
+    assert len(picked) >= 2  # eager's call, then the trace's: the stand-in kernel, not the separate route
+    for ours, theirs in zip(got, want):
+        assert_close(ours, theirs)
+    g = torch.randn_like(want[0])
+    assert_close(torch.autograd.grad(got[0], (q, k, v), g), torch.autograd.grad(want[0], (q, k, v), g))
+
+
+@pytest.mark.parametrize(
+    "asks, probe, answer",
+    [("_cudnn_takes", "_cudnn_probe", True), ("_cuda_kernel_name", "_cuda_probe", "flash")],
+)
+def test_a_cuda_probe_runs_once_while_tracing_its_answer_a_constant_of_the_graph(
+    asks: str, probe: str, answer: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe (tensors made, SDPA's checks) is no traceable op: under ``torch.compile`` it runs once, at the trace,
+    and the graph keeps its answer; ``fullgraph=True`` holds (no break at the probe). The wider-v route's cuDNN
+    probe, and the widened route's flash/efficient one."""
+    import mixlabels.backbones._attention as attention
+
+    asked: list[tuple[object, ...]] = []
+
+    def stub(*args: object) -> object:
+        asked.append(args)
+        return answer
+
+    monkeypatch.setattr(attention, probe, stub)
+    ask = getattr(attention, asks)
+
+    def f(x: Tensor) -> Tensor:
+        if asks == "_cudnn_takes":
+            got = ask(x.dtype, (64, 72), (int(x.shape[0]), int(x.shape[0])), x.requires_grad, None)
+        else:
+            got = ask(x.dtype, (72, 64), x.requires_grad, False, None)
+        return x * 2 if got == answer else x * 3
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    x = torch.ones(5, 4)
+    assert torch.equal(compiled(x), x * 2) and torch.equal(compiled(x), x * 2)
+    assert len(asked) == 1 and asked[0][0] == torch.float32
+
+
 def test_wider_v_route_without_cudnn_is_the_separate_route() -> None:
     """Where cuDNN takes no wider v (here: the CPU), ``wider-v`` mixes the labels in their own call, as ``separate``:
     the same numbers and the same tensors kept."""
