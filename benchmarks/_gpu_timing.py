@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["Deadline", "OutOfTime", "summarise", "timed_rounds", "working_calls"]
+__all__ = ["Deadline", "OutOfTime", "error_cell", "summarise", "timed_rounds", "working_calls"]
 
 
 class Deadline:
@@ -28,6 +28,11 @@ class Deadline:
 
 class OutOfTime(Exception):
     """The suite's deadline came before a unit of work could start."""
+
+
+def error_cell(why: object) -> str:
+    """A recorded error (``working_calls``) as a markdown table cell: its first line, its pipes escaped."""
+    return (str(why).splitlines() or ["?"])[0][:160].replace("|", "\\|")
 
 
 _Call = TypeVar("_Call", bound=Callable[[], object])

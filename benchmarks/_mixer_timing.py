@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from benchmarks._gpu_timing import working_calls
 from benchmarks._interleave import interleaved_times, paired
 
 __all__ = ["TIMM_REFERENCE", "measure_mixers", "mixer_candidates", "reference_of", "select_mixers"]
@@ -103,12 +104,23 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    # a mixer that fails on this device (or whose timm reference does) is left out with its error, not the table
+    every: dict[str, Callable[[], object]] = {name: partial(fn, x, y) for name, fn in fns.items()}
+    calls, errors = working_calls(every, progress)
+    for name in list(calls):
+        if reference_of(name) not in calls:
+            del calls[name]
+            errors[name] = f"its reference {reference_of(name)!r} failed: {errors.get(reference_of(name), 'not selected')}"
     times = interleaved_times(
-        {name: partial(fn, x, y) for name, fn in fns.items()}, rounds=args.mixer_repeats,
+        calls, rounds=args.mixer_repeats,
         per_block=args.mixer_calls, warmup=2, sync=sync, progress=progress, label="mixers: repeat",
     )  # fmt: skip
     summary: dict[str, Any] = {}
-    for name, ts in times.items():
+    for name in fns:  # the candidates' order, a failed one in its place
+        if name in errors:
+            summary[name] = {"error": errors[name]}
+            continue
+        ts = times[name]
         summary[name] = {
             "ms_median": 1000 * statistics.median(ts),
             "ms_min": 1000 * min(ts),
@@ -116,6 +128,8 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
             "s_per_repeat": ts,
         }
     for name, s in summary.items():
+        if "error" in s:
+            continue
         ref = reference_of(name)
         s["ratio_to_timm_batch"] = s["ms_median"] / summary[ref]["ms_median"]
         # Paired per repeat: both ran within one repeat, so load that comes and goes hits both.

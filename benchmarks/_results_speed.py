@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._provenance import provenance_line
+from benchmarks._gpu_timing import error_cell
 from benchmarks._speed_tables import (
     FAULTS_NOTE, LABEL_WORK_HEADER, family_cells, family_header, fmt, label_work_row, recorded_malloc_note,
 )
@@ -124,6 +125,9 @@ def render_mixers(summary: dict[str, Any]) -> str:
              "`Mixup` of the same kind (CutMix or MixUp), paired per round (median [min, max]).", "",
              "| mixer | ms (median [min, max]) | paired ratio to timm batch mode |", "| --- | ---: | ---: |"]
     for name, s in summary["mixers"].items():
+        if "error" in s:
+            lines.append(f"| {name} | left out: {error_cell(s['error'])} | - |")
+            continue
         lines.append(f"| {name} | {fmt(s['ms_median'], 2)} [{fmt(s['ms_min'], 2)}, {fmt(s['ms_max'], 2)}] "
                      f"| {fmt(s['paired_ratio'], 2)} [{fmt(s['paired_ratio_min'], 2)}, {fmt(s['paired_ratio_max'], 2)}] |")
     return "\n".join(lines + recorded_malloc_note(cfg))

@@ -11,6 +11,7 @@ import platform
 from typing import Any
 
 from benchmarks._variants import BASELINE, LABELS
+from benchmarks._gpu_timing import error_cell
 
 __all__ = ["FAULTS_NOTE", "LABEL_WORK_HEADER", "describe_device", "family_cells", "family_header", "fault_cell", "fmt",
            "format_families", "format_label_families", "format_report", "label_work_row", "malloc_note",
@@ -196,6 +197,9 @@ def format_report(result: dict[str, Any]) -> str:
             "| --- | ---: | ---: | ---: |",
         ]
         for name, s in result["mixers"].items():
+            if "error" in s:
+                lines.append(f"| {name} | left out: {error_cell(s['error'])} | - | - |")
+                continue
             lines.append(
                 f"| {name} | {s['ms_median']:.2f} [{s['ms_min']:.2f}, {s['ms_max']:.2f}] | {s['paired_ratio']:.2f} "
                 f"[{s['paired_ratio_min']:.2f}, {s['paired_ratio_max']:.2f}] | {s['ratio_to_timm_batch']:.2f} |"

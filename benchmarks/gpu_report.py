@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks._gpu_timing import error_cell
+
 __all__ = ["summary_table", "gpu_section", "outcomes_of", "summarize_gpu_suite", "render_gpu_suite"]
 
 
@@ -32,8 +34,7 @@ def _rows(table: dict[str, Any], memory: bool = False) -> list[str]:
     lines = []
     for name, row in table.items():
         if isinstance(row, dict) and "ms_median" not in row and "error" in row:  # a variant that failed: say so
-            why = str(row["error"]).splitlines()[0][:160].replace("|", "\\|") if str(row["error"]) else "?"
-            lines.append(f"| {name} | - | left out: {why}{' | - | - | - | -' if memory else ''} |")
+            lines.append(f"| {name} | - | left out: {error_cell(row['error'])}{' | - | - | - | -' if memory else ''} |")
             continue
         if not isinstance(row, dict) or "ms_median" not in row:
             continue
@@ -136,6 +137,8 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
     else:
         out += ["| mixer | ms | ratio to timm |", "| --- | --- | --- |"]
         for name, row in mixers.items():
+            if isinstance(row, dict) and "error" in row and "ms_median" not in row:
+                out.append(f"| {name} | left out: {error_cell(row['error'])} | - |")
             if isinstance(row, dict) and "ms_median" in row:
                 out.append(f"| {name} | {row['ms_median']:.2f} | {row['paired_ratio']:.3f} "
                            f"[{row['paired_ratio_min']:.3f}, {row['paired_ratio_max']:.3f}] |")

@@ -51,6 +51,14 @@ def test_a_route_that_fails_is_left_out_and_said_and_the_others_timed(tmp_path: 
     assert "| wider-v | - | left out: RuntimeError: cuDNN Frontend error: no engine for these head dims |" in summary_table(result)
 
 
+def test_a_mixer_left_out_is_a_row_saying_why() -> None:
+    timm = {"ms_median": 2.0, "paired_ratio": 1.0, "paired_ratio_min": 1.0, "paired_ratio_max": 1.0}
+    result = {"parts": {"mixers": {"ours FMix": {"error": "RuntimeError: boom | bang\nmore"}, "timm CutMix (batch)": timm}}}
+    table = summary_table(result)
+    assert "| ours FMix | left out: RuntimeError: boom \\| bang | - |" in table
+    assert "| timm CutMix (batch) | 2.00 | 1.000 [1.000, 1.000] |" in table
+
+
 def test_a_spent_deadline_skips_every_part_and_says_so(tmp_path: Path) -> None:
     result = gpu_suite.main(["--device", "cpu", "--dry-run", "--budget-s", "0", "--out", str(tmp_path)])
     assert {name: part.get("skipped") for name, part in result["parts"].items()} == dict.fromkeys(gpu_suite.PARTS, "deadline")

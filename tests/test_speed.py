@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +109,35 @@ def test_only_the_selected_mixers_are_timed(tmp_path: Path) -> None:
     assert set(mixers) == {"ours CutMix", "ours CutMix (elem)", "timm CutMix (batch)"}
     assert all(len(s["s_per_repeat"]) == 2 for s in mixers.values())
     assert "| ours CutMix |" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_a_mixer_that_fails_is_left_out_with_its_error_and_the_others_timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixer that raises on this device costs its own row: the table says why and times the rest (the GPU suite's
+    mixers part, which a single CUDA-only failure ended before)."""
+    from benchmarks import _mixer_timing
+
+    real = _mixer_timing.mixer_candidates
+
+    def candidates(num_classes: int, patch: int) -> dict[str, Any]:
+        def broken(x: torch.Tensor, y: torch.Tensor) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access | was encountered\nsecond line")
+
+        return {**real(num_classes, patch), "ours CutMix (broken)": broken}
+
+    monkeypatch.setattr(_mixer_timing, "mixer_candidates", candidates)
+    result = speed.main(
+        [
+            "--only", "mixers", "--mixers", "ours CutMix", "--num-classes", "10", "--mixer-batch", "2",
+            "--mixer-size", "32", "--mixer-patch", "4", "--mixer-calls", "1", "--mixer-repeats", "2",
+            "--out", str(tmp_path),
+        ]
+    )
+    mixers = result["mixers"]
+    assert mixers["ours CutMix (broken)"] == {"error": "RuntimeError: CUDA error: an illegal memory access | was encountered"}
+    assert all(len(s["s_per_repeat"]) == 2 for name, s in mixers.items() if name != "ours CutMix (broken)")
+    table = next(tmp_path.glob("*.md")).read_text()
+    assert "| ours CutMix (broken) | left out: RuntimeError: CUDA error: an illegal memory access \\| was encountered |" in table
+    assert "| ours CutMix |" in table
 
 
 @pytest.mark.parametrize("family", ["pvt_v2", "any"])  # pvt_v2: crashed before; any: NoAlign only
