@@ -7,6 +7,8 @@ in a GPU-only test.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,21 +260,23 @@ def test_cudnn_wider_v_plumbing_on_meta() -> None:
     assert gq.shape == gk.shape == gv.shape == (B, H, N, 64) and gq.dtype == torch.bfloat16
 
 
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, tuple[Tensor]]:
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, tuple[Any, ...]]:
     """A stand-in for cuDNN's forward on the CPU (the raw op runs on CUDA alone): q and k must come at their own head
-    dim and v wider, as the ``wider-v`` route hands them, and no mask; output and log-sum-exp by the explicit matrix."""
+    dim and v wider, as the ``wider-v`` route hands them, and no mask; output and log-sum-exp by the explicit matrix,
+    handed on as cuDNN's are (log-sum-exp, no cumulative lengths, the two lengths, the RNG seed and offset)."""
     assert q.shape[-1] == k.shape[-1] < v.shape[-1] and mask is None
     s = q @ k.transpose(-1, -2) * scale
     lse = s.logsumexp(-1, keepdim=True)
-    return (s - lse).exp() @ v, (lse,)
+    return (s - lse).exp() @ v, (lse, None, None, q.shape[2], k.shape[2], torch.zeros(()), torch.zeros(()))
 
 
 def _math_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: tuple[Tensor, ...], scale: float
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, saved: tuple[Any, ...], scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The stand-in's backward at the original width: the softmax from the wide call's log-sum-exp, which reads q and
     k alone, and ``out`` the wide output's first d channels (the gradient of q needs both)."""
-    (lse,) = saved
+    lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+    assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[2], k.shape[2]) and seed.shape == ()
     assert q.shape[-1] == k.shape[-1] == v.shape[-1] == out.shape[-1] and mask is None
     a = (q @ k.transpose(-1, -2) * scale - lse).exp()
     ga = grad @ v.transpose(-1, -2)
