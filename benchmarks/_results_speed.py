@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._provenance import provenance_line
 from benchmarks._gpu_timing import error_cell
+from benchmarks._provenance import provenance_line
 from benchmarks._speed_tables import (
     FAULTS_NOTE, LABEL_WORK_HEADER, family_cells, family_header, fmt, label_work_row, recorded_malloc_note,
 )

@@ -10,8 +10,8 @@ import math
 import platform
 from typing import Any
 
-from benchmarks._variants import BASELINE, LABELS
 from benchmarks._gpu_timing import error_cell
+from benchmarks._variants import BASELINE, LABELS
 
 __all__ = ["FAULTS_NOTE", "LABEL_WORK_HEADER", "describe_device", "family_cells", "family_header", "fault_cell", "fmt",
            "format_families", "format_label_families", "format_report", "label_work_row", "malloc_note",
