@@ -52,7 +52,7 @@ import os
 from collections.abc import Callable, Iterator
 import contextlib
 from contextlib import contextmanager
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, ParamSpec, TypeVar, cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -228,6 +228,17 @@ _CUDA_FLASH = _Kernel(8, True, False, _cuda_flash_forward, _cuda_flash_backward)
 _CUDA_EFFICIENT = _Kernel(8, True, True, _cuda_efficient_forward, _cuda_efficient_backward)  # fp32 too, masks
 
 
+_Args = ParamSpec("_Args")
+_Result = TypeVar("_Result")
+
+
+def _constant_while_tracing(probe: Callable[_Args, _Result]) -> Callable[_Args, _Result]:
+    """``probe`` (a kernel probe: tensors made, SDPA's checks, no traceable op), which ``torch.compile`` runs once,
+    while tracing, its answer a constant of the graph (``torch.compiler.assume_constant_result``): a graph compiled
+    under some SDPA settings keeps the kernel they chose. Eager, the plain call."""
+    return cast(Callable[_Args, _Result], torch.compiler.assume_constant_result(probe))  # type: ignore[no-untyped-call]
+
+
 def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, _Saved]:
     assert mask is None  # the wider-v route takes no mask: _wider_v_kernel never picks cuDNN for one
     # out, lse (b h n 1), cum_seq_q, cum_seq_k, max_q, max_k, philox seed, philox offset, debug mask
@@ -264,20 +275,13 @@ def _wider_v_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tenso
     return _CUDNN_WIDER_V if ok else None
 
 
-def _cudnn_takes_now(
+@_constant_while_tracing
+def _cudnn_takes(
     dtype: torch.dtype, dims: tuple[int, int], lengths: tuple[int, int], requires_grad: bool, index: int | None
 ) -> bool:
-    """``_cudnn_probe`` under the SDPA settings of now."""
+    """``_cudnn_probe`` under the SDPA settings of now (under ``torch.compile``: of the trace)."""
     settings = (bool(torch.backends.cuda.cudnn_sdp_enabled()), index)  # type: ignore[no-untyped-call]
     return _cudnn_probe(dtype, dims, lengths, requires_grad, settings)
-
-
-_cudnn_takes: Callable[[torch.dtype, tuple[int, int], tuple[int, int], bool, int | None], bool] = (
-    torch.compiler.assume_constant_result(_cudnn_takes_now)  # type: ignore[no-untyped-call]
-)
-"""``_cudnn_takes_now``, which ``torch.compile`` runs once, while tracing, its answer a constant of the graph (a
-probe is no traceable op): a graph compiled with cuDNN's SDPA enabled keeps calling cuDNN's kernels if
-``sdpa_kernel`` disables it later."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -358,23 +362,17 @@ def _cuda_kernel(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, mask: Tensor |
     return {"flash": _CUDA_FLASH, "efficient": _CUDA_EFFICIENT}.get(name)
 
 
-def _cuda_kernel_name_now(
+@_constant_while_tracing
+def _cuda_kernel_name(
     dtype: torch.dtype, widths: tuple[int, int], requires_grad: bool, with_mask: bool, index: int | None
 ) -> str:
-    """``_cuda_probe`` under the SDPA settings of now."""
+    """``_cuda_probe`` under the SDPA settings of now (under ``torch.compile``: of the trace)."""
     settings = (
         bool(torch.backends.cuda.flash_sdp_enabled()),  # type: ignore[no-untyped-call]
         bool(torch.backends.cuda.mem_efficient_sdp_enabled()),  # type: ignore[no-untyped-call]
         index,
     )
     return _cuda_probe(dtype, widths, requires_grad, with_mask, settings)
-
-
-_cuda_kernel_name: Callable[[torch.dtype, tuple[int, int], bool, bool, int | None], str] = (
-    torch.compiler.assume_constant_result(_cuda_kernel_name_now)  # type: ignore[no-untyped-call]
-)
-"""``_cuda_kernel_name_now``, which ``torch.compile`` runs once, while tracing, its answer a constant of the graph
-(a probe is no traceable op): a graph compiled under some SDPA settings keeps the kernel they chose."""
 
 
 @functools.lru_cache(maxsize=64)
