@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mixlabels.strategies._base import MixParams
+from mixlabels.strategies._base import MixParams, gather_partners
 from mixlabels.strategies._patch import CellParams
 
 __all__ = ["paste_boxes", "pixel_boxes", "shared_cells", "paste_cells", "fast_paths", "apply_cells", "apply_boxes"]
@@ -82,7 +82,7 @@ def paste_cells(images: Tensor, partner: Tensor, cells: Tensor) -> Tensor:
     if not bool(cells.any()) or bool((partner == torch.arange(partner.shape[0], device=partner.device)).all()):
         return images.clone()  # nothing moves
     ch, cw = images.shape[2] // gh, images.shape[3] // gw
-    out = images[partner]  # every sample its partner's pixels (an unmixed one, paired with itself: its own)
+    out = gather_partners(images, partner)  # every sample its partner's pixels (an unmixed one: its own)
     edges = torch.diff(F.pad((~cells).to(torch.int8), (1, 1)), dim=1)  # +1 where a kept run starts, -1 after it ends
     starts, ends = (edges == 1).nonzero().tolist(), (edges == -1).nonzero().tolist()  # row-major: runs pair up
     for (r, q0), (_, q1) in zip(starts, ends):
