@@ -1,4 +1,5 @@
-"""``op_count.py``'s tables in RESULTS.md: operators per training step by family, eager and compiled."""
+"""``op_count.py``'s tables in RESULTS.md: operators per training step by family, eager and compiled, and whether
+each family's step compiles whole (``--whole``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks._compile_whole import TOLERANCE
+from benchmarks._gpu_timing import error_cell
 from benchmarks._provenance import provenance_line
 
-__all__ = ["render_compiled_count", "render_op_count", "summarize_op_count"]
+__all__ = ["render_compiled_count", "render_op_count", "render_whole", "summarize_op_count"]
 
 
 def render_op_count(summary: dict[str, Any]) -> str:
@@ -43,6 +46,28 @@ def render_compiled_count(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_whole(summary: dict[str, Any]) -> str:
+    """Per family: graphs and breaks of a compiled TL-Align step and the largest differences from eager, or the error
+    (the first step's time, the compile's, stays in the JSON: it is the trace's, on whatever else the machine ran)."""
+    lines = [provenance_line(summary["provenance"]), "",
+             "| family | model | whole | graphs | breaks | target | logits | loss | gradients |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = summary["families"]
+    for family, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {family} | {row['model']} | no: {error_cell(row['error'])} | | | | | | |")
+            continue
+        diffs = " | ".join(f"{row[k]:.1e}" for k in ("target", "logits", "loss", "grad"))
+        lines.append(f"| {family} | {row['model']} | {'yes' if row['whole'] else 'no'} | {row['graphs']} | "
+                     f"{row['graph_breaks']} | {diffs} |")
+    whole = sum(1 for r in rows.values() if r["whole"])
+    worst = {k: max((r[k] for r in rows.values() if k in r), default=float("nan")) for k in ("target", "grad")}
+    lines += ["", f"{whole} of {len(rows)} families compile whole: one graph, no break, no recompile on the second "
+              f"batch, compiled = eager within {TOLERANCE:.0e} (the largest differences: targets {worst['target']:.1e}, "
+              f"gradients {worst['grad']:.1e} of their scale)."]
+    return "\n".join(lines)
+
+
 def _launches(counted: dict[str, Any]) -> str:
     """A compiled step's launches, with how many of them inductor generated."""
     return f"{counted['launches']:.0f} ({counted['kernels']:.0f} generated)"
@@ -50,8 +75,12 @@ def _launches(counted: dict[str, Any]) -> str:
 
 def summarize_op_count(path: Path) -> tuple[str, dict[str, Any]]:
     """``benchmarks/results/op-count.json`` from ``benchmarks/op_count.py``'s JSON, without the per-operator lists;
-    ``op-count-compiled.json`` from its ``--compiled`` JSON, as it is."""
+    ``op-count-compiled.json`` from its ``--compiled`` JSON and ``op-count-whole.json`` from its ``--whole`` one, as
+    they are."""
     result = json.loads(path.read_text())
+    if result.get("whole"):
+        return "op-count-whole", {"provenance": result["provenance"], "batch_size": result["batch_size"],
+                                  "families": result["families"]}
     if result.get("compiled"):
         return "op-count-compiled", {"provenance": result["provenance"], "batch_size": result["batch_size"],
                                      "families": result["families"]}

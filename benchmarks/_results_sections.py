@@ -16,7 +16,7 @@ from benchmarks._archive import REPO_ROOT
 from benchmarks._provenance import provenance_line
 from benchmarks._results_ablation import render_ablation
 from benchmarks._results_analysis import render_analysis, render_rmse
-from benchmarks._results_op_count import render_compiled_count, render_op_count
+from benchmarks._results_op_count import render_compiled_count, render_op_count, render_whole
 from benchmarks._results_speed import mixers_or_missing, render_families, render_label_work, steps_or_missing
 from benchmarks.gpu_report import render_gpu_suite
 
@@ -136,6 +136,16 @@ SECTIONS: tuple[Section, ...] = (
             "inductor's code. On a GPU each is a launch that the host pays for. TL-Align is counted twice: with its "
             "label convs compiled as convolutions, and as shifted sums (the default: `compiled_label_convs`), which "
             "inductor fuses with what reads them.", render_compiled_count),
+    Section("op-count-whole", "Every family's model compiles whole (CPU)", "python benchmarks/op_count.py --whole",
+            "A TL-Align training step (forward, loss, backward; batch 2) of each family's small model at its default "
+            "size, its adapter under `torch.compile(fullgraph=True)` with dynamo's `aot_eager` backend on the CPU "
+            "(forward and backward traced through AOT autograd and run by eager kernels): the graphs and graph "
+            "breaks over two batches of fresh CutMix boxes, lambdas and partners (the second must not compile "
+            "again), and the largest difference from the eager step taken from the same parameters, buffers and "
+            "RNG seed (gradients relative to their own largest entry, at least 1, and taken by the eager backward of the "
+            "compiled step's targets: the targets are compared apart, and their rounding would otherwise reach the "
+            "gradients through a random-init network's backward). The tests compile the families' "
+            "tiny 32 px models; these are the models the GPU suite compiles.", render_whole),
     Section("gpu-suite", "The GPU suite: attention routes, DeiT-S eager and compiled, mixers, families (GPU)",
             "python benchmarks/gpu_suite.py --out runs/gpu",
             "One prepared command for a lent GPU (it ends on its own deadline; a part it did not reach says so).",
@@ -157,6 +167,7 @@ def _section_body(section: Section, found: dict[str, dict[str, Any]]) -> str:
         return section.render(found[section.name])
     add = ("--add-op-count runs/op_count/op_count.json" if section.name == "op-count" else
            "--add-op-count runs/op_count/op_count_compiled.json" if section.name == "op-count-compiled" else
+           "--add-op-count runs/op_count/op_count_whole.json" if section.name == "op-count-whole" else
            "--add-gpu-suite runs/gpu/gpu_suite.json" if section.name == "gpu-suite" else
            "--add-speed runs/speed/speed-families-cpu-<stamp>.json" if section.name.startswith(("speed-families",
                                                                                                "speed-control")) else

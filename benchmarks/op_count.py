@@ -20,10 +20,16 @@ generated kernels and the extern calls (convolutions, matrix products) one step 
 CutMix + TL-Align with the label convs as convolutions and as shifted sums (``compiled_label_convs``); on a GPU
 each is a launch (``benchmarks/_compiled_count.py``).
 
+With ``--whole``, whether every family's model compiles whole instead: a TL-Align training step under
+``torch.compile(fullgraph=True)`` (``aot_eager`` on the CPU: forward and backward traced, eager kernels), one graph,
+no break, no recompile on a second batch, and equal to the eager step from the same state and seed
+(``benchmarks/_compile_whole.py``).
+
 Usage::
 
     python benchmarks/op_count.py                       # every family's small model (benchmarks/_families.py)
     python benchmarks/op_count.py --compiled            # compiled steps of COMPILED_FAMILIES
+    python benchmarks/op_count.py --whole               # does every family's step compile as one graph?
     python benchmarks/op_count.py --families vit resnet --out runs/op_count
     python -m benchmarks.op_count --mixers              # every mixer against timm's Mixup
     python -m benchmarks.op_count --mixers CutMix MixUp --batch-size 128
@@ -46,6 +52,7 @@ if __package__ in (None, ""):
 
 
 from benchmarks import _families
+from benchmarks._compile_whole import compiles_whole
 from benchmarks._compiled_count import count_compiled_calls
 from benchmarks._op_counter import OpCounter
 from benchmarks._provenance import finish, provenance
@@ -144,6 +151,22 @@ def _main_compiled(args: argparse.Namespace, names: Sequence[str]) -> dict[str, 
     return result
 
 
+def _main_whole(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    models = _families.family_models()
+    result: dict[str, Any] = {"provenance": provenance(), "whole": True, "batch_size": args.batch_size, "families": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for family in names:
+        row = compiles_whole(f"example:{family}" if args.example else models[family], args.batch_size)
+        result["families"][family] = row
+        said = row.get("error") or (f"{row['graphs']} graph(s), {row['graph_breaks']} break(s), compiled - eager: "
+                                    + ", ".join(f"{k} {row[k]:.1e}" for k in ("target", "logits", "loss", "grad")))
+        print(f"{family:20s} {row['model']:30s} {'whole' if row['whole'] else 'NOT WHOLE'}: {said}", flush=True)
+        (args.out / "op_count_whole.json").write_text(json.dumps(result, indent=1))
+    result["provenance"] = finish(result["provenance"])
+    (args.out / "op_count_whole.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--families", nargs="*", default=None, help="default: every aligning family")
@@ -156,8 +179,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--compiled", action="store_true",
                    help="compiled steps (inductor, CPU): generated kernels and extern calls; --families default: "
                         + " ".join(COMPILED_FAMILIES))
+    p.add_argument("--whole", action="store_true",
+                   help="whether each family's TL-Align step compiles whole (fullgraph, aot_eager on the CPU) and equals "
+                        "eager; --families default: every aligning family")
     p.add_argument("--out", type=Path, default=Path("runs/op_count"))
     args = p.parse_args(argv)
+    if args.whole and args.compiled:
+        p.error("--whole and --compiled are two runs: give one")
     if args.mixers is not None:
         return _count_mixers(args)
     args.batch_size = args.batch_size or 2
@@ -168,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--families: no such family {unknown}; choose from {', '.join(models)}")
     if args.compiled:
         return _main_compiled(args, names)
+    if args.whole:
+        return _main_whole(args, names)
     result: dict[str, Any] = {"provenance": provenance(), "batch_size": args.batch_size, "families": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for family in names:

@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--add-rmse", nargs="+", metavar="LABEL=FILE",
                    help="alignment_analysis.py JSONs of trained checkpoints, each with a row label: the RMSE comparison")
     p.add_argument("--add-op-count", type=Path, metavar="FILE",
-                   help="an op_count.py JSON (runs/op_count/op_count.json; --compiled: op_count_compiled.json)")
+                   help="an op_count.py JSON (runs/op_count/op_count.json; --compiled: op_count_compiled.json; --whole: op_count_whole.json)")
     p.add_argument("--add-gpu-suite", type=Path, nargs="+", metavar="FILE",
                    help="gpu_suite.py JSONs (runs/gpu/gpu_suite.json); a later file's parts replace an earlier one's")
     p.add_argument("--append", action="store_true",

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import _mixer_ops, _training_step, gpu_suite, op_count
+from benchmarks import _compile_whole, _mixer_ops, _training_step, gpu_suite, op_count
+from benchmarks._results_op_count import render_whole, summarize_op_count
 from benchmarks._gpu_steps import Steps
 from benchmarks.gpu_report import summary_table
-from mixlabels.backbones import ROUTES
+from mixlabels.backbones import ROUTES, _attention
 
 
 def test_dry_run_routes_every_route_against_plain_sdpa(tmp_path: Path) -> None:
@@ -106,6 +107,44 @@ def test_compiled_calls_count_generated_kernels_and_extern_operators() -> None:
     assert counted["extern"] == {"convolution": 1.0}
     assert counted["kernels"] >= 1 and counted["launches"] == counted["kernels"] + 1
     assert is_aten_operator("mm") and not is_aten_operator("is_grad_enabled") and not is_aten_operator("empty_strided")
+
+
+
+def test_op_count_whole_finds_one_graph_equal_to_eager_and_renders_it(tmp_path: Path) -> None:
+    result = op_count.main(["--whole", "--example", "--families", "vit", "--out", str(tmp_path)])
+    row = result["families"]["vit"]
+    assert row["whole"] and (row["graphs"], row["graph_breaks"]) == (1, 0), row
+    assert all(row[k] <= _compile_whole.TOLERANCE for k in ("target", "logits", "loss", "grad"))
+    name, summary = summarize_op_count(tmp_path / "op_count_whole.json")
+    assert name == "op-count-whole"
+    table = render_whole(summary)
+    assert "| vit | example:vit | yes | 1 | 0 |" in table and "1 of 1 families compile whole" in table
+
+
+def test_op_count_whole_catches_a_graph_break(monkeypatch: pytest.MonkeyPatch) -> None:
+    head_mean = _attention._head_mean
+
+    def breaking(y: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return head_mean(y)
+
+    monkeypatch.setattr(_attention, "_head_mean", breaking)
+    row = _compile_whole.compiles_whole("example:vit")
+    assert not row["whole"] and "graph_break" in row["error"].lower().replace(" ", "_"), row
+    assert "| vit | example:vit | no: " in render_whole({"provenance": {}, "families": {"vit": row}})
+
+
+def test_op_count_whole_catches_a_compiled_value_that_differs_from_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    head_mean = _attention._head_mean
+
+    def off_when_compiled(y: torch.Tensor) -> torch.Tensor:
+        out = head_mean(y)
+        return out.roll(1, dims=-1) if torch.compiler.is_compiling() else out  # sources swapped
+
+    monkeypatch.setattr(_attention, "_head_mean", off_when_compiled)
+    row = _compile_whole.compiles_whole("example:vit")
+    assert (row["graphs"], row["graph_breaks"]) == (1, 0) and row["target"] > _compile_whole.TOLERANCE
+    assert not row["whole"]
 
 
 @pytest.mark.slow
