@@ -86,14 +86,13 @@ def compiles_whole(model_name: str, batch_size: int = 2, batches: int = 2) -> di
                     scale = max(1.0, float(grad.abs().max()))
                     diffs["grad"] = max(diffs["grad"], float((got_grads[name] - grad).abs().max()) / scale)
     except Exception as err:  # a graph break (fullgraph), a recompile, a failing trace: the row says which
-        row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+        row["error"] = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
         row["whole"] = False
         return row
     row.update(stats)
     row.update(diffs)
     row["whole"] = stats["graphs"] == 1 and stats["graph_breaks"] == 0 and all(d <= TOLERANCE for d in diffs.values())
     return row
-
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
