@@ -312,22 +312,20 @@ def _widened_dim(d: int, ll: int, multiple: int) -> int:
 
 
 def _widen(q: Tensor, k: Tensor, v: Tensor, labels: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Zero-pad q and k, append the labels to v, all to one head dim (a multiple of ``multiple``)."""
-    h, d, ll = q.shape[1], q.shape[-1], labels.shape[-1]
-    extra = _widened_dim(d, ll, multiple) - d - ll
-    y = repeat(labels.to(v.dtype), "b n l -> b h n l", h=h)
-    if extra:  # the padding on the narrow labels, so that v is copied once (by the cat); F.pad copies even where
-        y = F.pad(y, (0, extra))  # it pads nothing, so none where nothing is padded (the CPU kernel's multiple is 1)
-    return F.pad(q, (0, ll + extra)), F.pad(k, (0, ll + extra)), torch.cat([v, y], dim=-1)
+    """Zero-pad q and k, append the labels to v (``_widen_values``), all to one head dim (a multiple of ``multiple``)."""
+    pad = _widened_dim(q.shape[-1], labels.shape[-1], multiple) - q.shape[-1]
+    return F.pad(q, (0, pad)), F.pad(k, (0, pad)), _widen_values(v, labels, multiple)
 
 
 def _widen_values(v: Tensor, labels: Tensor, multiple: int) -> Tensor:
     """The labels appended to v (broadcast over the heads), to a head dim that is a multiple of ``multiple``: v of
-    the ``wider-v`` route, whose kernel takes q and k at their own head dim."""
+    the widened routes (the ``wider-v`` route's kernel takes q and k at their own head dim, the others padded)."""
     h, d, ll = v.shape[1], v.shape[-1], labels.shape[-1]
     y = repeat(labels.to(v.dtype), "b m l -> b h m l", h=h)
     extra = _widened_dim(d, ll, multiple) - d - ll
-    return torch.cat([v, F.pad(y, (0, extra)) if extra else y], dim=-1)
+    if extra:  # the padding on the narrow labels, so that v is copied once (by the cat); F.pad copies even where
+        y = F.pad(y, (0, extra))  # it pads nothing, so none where nothing is padded (the CPU kernel's multiple is 1)
+    return torch.cat([v, y], dim=-1)
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
