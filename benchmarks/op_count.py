@@ -41,7 +41,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,35 +136,43 @@ def count_compiled_step(model_name: str, batch_size: int = 2, steps: int = 2) ->
     return row
 
 
-def _main_compiled(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+def _per_family(
+    args: argparse.Namespace, names: Sequence[str], kind: str, measure: Callable[[str], dict[str, Any]],
+    said: Callable[[dict[str, Any]], str], example: bool = False,
+) -> dict[str, Any]:
+    """Each family of ``names`` in turn: ``measure`` of its model (the registry's tiny one with ``example``), a line
+    ``said`` of its row, and the JSON (``op_count.json``, ``op_count_<kind>.json`` for a ``kind`` of run, marked in
+    it) written again after each, so that a stopped run keeps what it measured."""
     models = _families.family_models()
-    result: dict[str, Any] = {"provenance": provenance(), "compiled": True, "batch_size": args.batch_size, "families": {}}
+    path = args.out / (f"op_count_{kind}.json" if kind else "op_count.json")
+    result: dict[str, Any] = {"provenance": provenance(), **({kind: True} if kind else {}), "batch_size": args.batch_size,
+                              "families": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for family in names:
-        row = count_compiled_step(models[family], args.batch_size)
+        row = measure(f"example:{family}" if example else models[family])
         result["families"][family] = row
-        print(f"{family:20s} {row['model']:30s} launches a step: " + ", ".join(
-            f"{name} {row[name]['launches']:.0f} ({row[name]['kernels']:.0f} generated)" for name in COMPILED), flush=True)
-        (args.out / "op_count_compiled.json").write_text(json.dumps(result, indent=1))
+        print(f"{family:20s} {row['model']:30s} {said(row)}", flush=True)
+        path.write_text(json.dumps(result, indent=1))
     result["provenance"] = finish(result["provenance"])
-    (args.out / "op_count_compiled.json").write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result, indent=1))
     return result
 
 
-def _main_whole(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
-    models = _families.family_models()
-    result: dict[str, Any] = {"provenance": provenance(), "whole": True, "batch_size": args.batch_size, "families": {}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    for family in names:
-        row = compiles_whole(f"example:{family}" if args.example else models[family], args.batch_size)
-        result["families"][family] = row
-        said = row.get("error") or (f"{row['graphs']} graph(s), {row['graph_breaks']} break(s), compiled - eager: "
-                                    + ", ".join(f"{k} {row[k]:.1e}" for k in ("target", "logits", "loss", "grad")))
-        print(f"{family:20s} {row['model']:30s} {'whole' if row['whole'] else 'NOT WHOLE'}: {said}", flush=True)
-        (args.out / "op_count_whole.json").write_text(json.dumps(result, indent=1))
-    result["provenance"] = finish(result["provenance"])
-    (args.out / "op_count_whole.json").write_text(json.dumps(result, indent=1))
-    return result
+def _said_eager(row: dict[str, Any]) -> str:
+    return (f"{row['cutmix']:6d} -> {row['tlalign']:6d} ops ({row['ratio']:.3f}x), {row['cutmix_kernels']} -> "
+            f"{row['tlalign_kernels']} computing ({row['kernel_ratio']:.3f}x)  "
+            f"added: {', '.join(f'{op} {n}' for op, n in row['top_added'])}")
+
+
+def _said_compiled(row: dict[str, Any]) -> str:
+    return "launches a step: " + ", ".join(
+        f"{name} {row[name]['launches']:.0f} ({row[name]['kernels']:.0f} generated)" for name in COMPILED)
+
+
+def _said_whole(row: dict[str, Any]) -> str:
+    said = row.get("error") or (f"{row['graphs']} graph(s), {row['graph_breaks']} break(s), compiled - eager: "
+                                + ", ".join(f"{k} {row[k]:.1e}" for k in ("target", "logits", "loss", "grad")))
+    return f"{'whole' if row['whole'] else 'NOT WHOLE'}: {said}"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -194,23 +202,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     unknown = [n for n in names if n not in models]
     if unknown:
         raise SystemExit(f"--families: no such family {unknown}; choose from {', '.join(models)}")
-    if args.compiled:
-        return _main_compiled(args, names)
+    if args.compiled:  # the families' own models (``--example`` not read)
+        return _per_family(args, names, "compiled", lambda m: count_compiled_step(m, args.batch_size), _said_compiled)
     if args.whole:
-        return _main_whole(args, names)
-    result: dict[str, Any] = {"provenance": provenance(), "batch_size": args.batch_size, "families": {}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    for family in names:
-        model = f"example:{family}" if args.example else models[family]
-        row = count_step(model, args.batch_size)
-        result["families"][family] = row
-        print(f"{family:20s} {model:30s} {row['cutmix']:6d} -> {row['tlalign']:6d} ops ({row['ratio']:.3f}x), "
-              f"{row['cutmix_kernels']} -> {row['tlalign_kernels']} computing ({row['kernel_ratio']:.3f}x)  "
-              f"added: {', '.join(f'{op} {n}' for op, n in row['top_added'])}", flush=True)
-        (args.out / "op_count.json").write_text(json.dumps(result, indent=1))
-    result["provenance"] = finish(result["provenance"])
-    (args.out / "op_count.json").write_text(json.dumps(result, indent=1))
-    return result
+        return _per_family(args, names, "whole", lambda m: compiles_whole(m, args.batch_size), _said_whole, args.example)
+    return _per_family(args, names, "", lambda m: count_step(m, args.batch_size), _said_eager, args.example)
 
 
 def _count_mixers(args: argparse.Namespace) -> dict[str, Any]:
