@@ -58,6 +58,7 @@ from mixlabels.backbones._convnet import (
     path_of,
     path_refusal,
     start_on_path,
+    windows_into_stem,
 )
 from mixlabels.backbones._dense import DenseRules
 from mixlabels.backbones._mobile_attention import mobile_attention_labels, mobile_attention_reference, mobile_attention_refusal
@@ -203,8 +204,13 @@ class AdaptedEfficientNet(AdaptedBase):
         m: Any = self.model
         x, stem, grid, start = _stem(m, images, label_map)
         blocks = _blocks(m)
+        paths: list[tuple[Path, Path | None]] = [((), ()) if type(blk) is MobileAttention else _paths(blk) for blk in blocks]
+        if paths and not label_map.token_space:
+            stem, first, moved = windows_into_stem(stem, paths[0])
+            if moved:  # the labels start where the first block's leading windows end (MobileNetV3's strided dw conv)
+                assert first is not None
+                paths[0], grid = first, path_grid(moved, grid)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
-        paths = [((), ()) if type(blk) is MobileAttention else _paths(blk) for blk in blocks]
         kernels = block_kernels(tracker, paths)
         for layer, blk in enumerate(blocks):
             if type(blk) is MobileAttention:  # MobileNetV4's hybrids: multi-query attention, grid unchanged
