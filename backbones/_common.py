@@ -36,7 +36,7 @@ from torchvision.ops import StochasticDepth
 
 from mixlabels import AlignedOutput, LabelTracker, Scheme, TokenLabelMap, TokenLayout
 from mixlabels._label_map import fp32_labels
-from mixlabels._routes import _byte_route, eager_cpu_routes, eager_launch_routes, launch_routes, switched
+from mixlabels._routes import _byte_route, eager_cpu_routes, eager_launch_routes, launch_routes, rounding_matmuls, switched
 from mixlabels._shape_cache import shape_cache
 from mixlabels.backbones._attention import drop_path_with_keep, explicit_mix
 from mixlabels.backbones._fsdp import sharding_refusal
@@ -53,6 +53,7 @@ __all__ = [
     "check_reference_size",
     "stride_grid",
     "tap_matrices_for",
+    "tap_weights",
     "tap_mixes",
     "branch",
     "conv_label_kernel",
@@ -637,6 +638,36 @@ def _ones(shape: tuple[int, int, int, int], device: torch.device) -> Tensor:
     return torch.ones(shape, device=device)
 
 
+@shape_cache(maxsize=128)
+def _axis_reads(size: int, kernel: int, padding: int, dilation: int, device: torch.device) -> Tensor:
+    """``(out, kernel)`` fp32 0/1: whether a stride-1 conv's tap ``a`` at output ``o`` reads inside ``[0, size)`` along
+    one axis (``o - padding + a * dilation``; shapes only: cached)."""
+    out = size + 2 * padding - dilation * (kernel - 1)
+    reads = torch.arange(out, device=device).unsqueeze(1) - padding + torch.arange(kernel, device=device) * dilation
+    return ((reads >= 0) & (reads < size)).to(torch.float32)
+
+
+def tap_weights(kernels: Tensor, grid: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """Every kernel's in-grid tap weight ``(1, g, h', w')`` fp32 on ``grid``: at each output position of a stride-1
+    conv, the sum of the kernel's taps that read inside the grid (``kernels`` ``(g, 1, kh, kw)``, label kernels).
+
+    A tap is inside where its row and its column are, so the weight is ``R K C^T`` with ``R`` ``(h', kh)`` and ``C``
+    ``(w', kw)`` the axes' 0/1 reads (cached): on the CPU's eager route two small products, where the convolution of
+    ones (every other route's) hit oneDNN's floor of a call, 45-190 us on 2 cores whatever the grid, for 10-20 (12
+    7x7 kernels on 56x56, the same on 14x14). The same sums but for their order; products that would round fp32
+    (``rounding_matmuls``: a bf16 matmul precision) keep the convolution."""
+    kh, kw = int(kernels.shape[-2]), int(kernels.shape[-1])
+    if not eager_cpu_routes(kernels.device) or rounding_matmuls(kernels.device):
+        ones = _ones((1, 1, grid[0], grid[1]), kernels.device)  # one channel to every kernel: see ``_ones``
+        return F.conv2d(ones, kernels, padding=padding, dilation=dilation)
+    rows = _axis_reads(grid[0], kh, padding[0], dilation[0], kernels.device)
+    cols = _axis_reads(grid[1], kw, padding[1], dilation[1], kernels.device)
+    by_column = torch.mm(kernels.reshape(-1, kw), cols.t())  # (g kh) w'
+    g = int(by_column.shape[0]) // kh
+    # one bmm of the expanded rows: ``rows @`` a 3-d tensor dispatches a transpose, views and expands of its own
+    return torch.bmm(rows.expand(g, -1, -1), by_column.view(g, kh, -1)).unsqueeze(0)  # 1 g h' w'
+
+
 ConvStep = tuple[Tensor, tuple[int, int], tuple[int, int]]
 """A stride-1 conv on labels: its label kernel ``(kh, kw)`` (or ``(l, 1, kh, kw)``, expanded over the labels'
 channels, on grids larger than ``_DENSE_CONV_TOKENS``), padding and dilation."""
@@ -871,12 +902,11 @@ def conv_steps_on_grid(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Te
         f = folded(y)  # position-major labels: each conv over the whole batch's labels as b * l channels
         z = y if f is None else f
         l = int(z.shape[1])
-        ones = _ones((1, 1, h, w), y.device)  # one channel: see ``_ones``
         for i, (kernel, padding, dilation) in enumerate(steps):
             k = _depthwise_kernel(kernel, y, l)
             mass = masses[i] if masses is not None else None
             if mass is None:
-                mass = F.conv2d(ones, k if f is None else k[:1], padding=padding, dilation=dilation)  # 1 l h w: in-grid tap weight
+                mass = tap_weights(k[:1], (h, w), padding, dilation)  # 1 1 h w: the in-grid tap weight of every channel's kernel
             # in place on the conv's fresh output: a new tensor for the quotient cost more than the conv on large
             # grids (8 x 3 labels on 112x112, 2 CPU cores: 1.65 ms against 0.63), the same bits and layout
             z = F.conv2d(z, k, padding=padding, dilation=dilation, groups=l).div_(mass)

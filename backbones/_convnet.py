@@ -80,8 +80,9 @@ from mixlabels.backbones._checks import check_batch
 from mixlabels.backbones._fsdp import is_sharded
 from mixlabels.backbones._grid_plan import current_plan
 from mixlabels.backbones._common import (
-    AdaptedBase, _DENSE_LAUNCH_TOKENS, _ones, conv_chain, conv_steps_on_grid, conv_steps_undivided, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
+    AdaptedBase, _DENSE_LAUNCH_TOKENS, conv_chain, conv_steps_on_grid, conv_steps_undivided, tap_matrices_for, tap_mixes, depthwise_route, eager_cpu_routes, effective_weight,
     fold_route, keeps_grid, kernel_labels, label_kernels, labels_on_grids, mix_token_space, shifted_route, start_on_windows,
+    tap_weights,
 )
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
 from mixlabels.backbones._windows import (
@@ -731,8 +732,7 @@ class Kernels:
                 return None
             padding, dilation = _geometry(conv)
             if not self._planned_build(key, same, stacked, conv, "mass", grid):
-                ones = _ones((1, 1, grid[0], grid[1]), stacked.device)  # one channel to every kernel: see ``_ones``
-                built = F.conv2d(ones, stacked, padding=padding, dilation=dilation).unbind(1)  # 1 g h w -> (1 h w) each
+                built = tap_weights(stacked, grid, padding, dilation).unbind(1)  # 1 g h w -> (1 h w) each
                 self._mass.update(((c, grid), t) for c, t in zip(same, built, strict=True))
         return self._mass[(conv, grid)]
 

@@ -97,6 +97,12 @@ moved, by at most 6e-8 in any target or token target, no logits, no reference pa
 against ``2582980`` under AVX2 kernels, on an Intel CPU. No AMD CPU was at hand to recompute its digest: those 9
 pairs were dropped from the AMD one (its other 601 pairs are unchanged), so an AMD machine checks them no more until
 it rewrites its digest.
+
+Rewritten for session 73's tap weights by the axes' products (``backbones._common.tap_weights``: on the CPU's eager
+route a label conv's in-grid tap weight is ``R K C^T``, two small products, not a convolution of ones): 20 fast-path
+pairs of cspnet, efficientvit_mit, nfnet, repghost, resnet, rexnet, vitamin and xception_aligned moved, by at most
+1.2e-7 in any target or token target, no logits, no reference pair; compared tensor by tensor against ``2af93a4``
+under AVX2 kernels, on an Intel CPU. Those 20 pairs were dropped from the AMD digest too (581 pairs left).
 """
 
 from __future__ import annotations

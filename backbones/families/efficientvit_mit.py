@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from mixlabels._label_map import fp32_labels
 from mixlabels.backbones._checks import check_batch
-from mixlabels.backbones._common import AdaptedBase, _ones, conv_aggregate, mix_token_space, shifted_mix, shifted_route, start_on_stem
+from mixlabels.backbones._common import AdaptedBase, conv_aggregate, mix_token_space, shifted_mix, shifted_route, start_on_stem, tap_weights
 from mixlabels.backbones._convnet import Kernels, fold_labels, residual_labels
 from mixlabels.backbones._windows import as_grid
 from mixlabels.backbones._dense import DenseRules, conv_matrix, kernel_reference, row_normalise
@@ -258,7 +258,7 @@ def head_conv_mix(labels: Tensor, grid: tuple[int, int], kernels: Tensor, paddin
         k = kernels.float()
         if shifted_route(k):  # compiled: shifted sums, fused (see ``shifted_conv``); a traced view costs nothing
             return _by_head(shifted_mix(y, rearrange(k, "g 1 kh kw -> g kh kw"), padding, dilation), b)
-        mass = F.conv2d(_ones((1, 1, grid[0], grid[1]), y.device), k, padding=padding, dilation=dilation)  # 1 g h w
+        mass = tap_weights(k, grid, padding, dilation)  # 1 g h w
         return _by_head(F.conv2d(y, k, padding=padding, dilation=dilation).div_(mass), b)  # in place: see conv_steps_on_grid
 
 
