@@ -662,10 +662,11 @@ def tap_weights(kernels: Tensor, grid: tuple[int, int], padding: tuple[int, int]
         return F.conv2d(ones, kernels, padding=padding, dilation=dilation)
     rows = _axis_reads(grid[0], kh, padding[0], dilation[0], kernels.device)
     cols = _axis_reads(grid[1], kw, padding[1], dilation[1], kernels.device)
-    by_column = torch.mm(kernels.reshape(-1, kw), cols.t())  # (g kh) w'
-    g = int(by_column.shape[0]) // kh
-    # one bmm of the expanded rows: ``rows @`` a 3-d tensor dispatches a transpose, views and expands of its own
-    return torch.bmm(rows.expand(g, -1, -1), by_column.view(g, kh, -1)).unsqueeze(0)  # 1 g h' w'
+    with fp32_labels(kernels.device):  # fp32 products under a caller's autocast, wherever this is called from
+        by_column = torch.mm(kernels.float().reshape(-1, kw), cols.t())  # (g kh) w'
+        g = int(by_column.shape[0]) // kh
+        # one bmm of the expanded rows: ``rows @`` a 3-d tensor dispatches a transpose, views and expands of its own
+        return torch.bmm(rows.expand(g, -1, -1), by_column.view(g, kh, -1)).unsqueeze(0)  # 1 g h' w'
 
 
 ConvStep = tuple[Tensor, tuple[int, int], tuple[int, int]]

@@ -70,3 +70,14 @@ def test_other_routes_keep_the_convolution_of_ones() -> None:
         assert torch.equal(tap_weights(kernels, (20, 20), (2, 2), (1, 1)), want)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_fp32_under_a_bf16_autocast() -> None:
+    """Called outside any fp32 region under a bf16 autocast (as ``Kernels.mass`` may be): fp32 products, the values
+    without autocast (a bf16 tap weight would leave every divided row 3 digits off summing to 1)."""
+    kernels = torch.rand(4, 1, 7, 7, generator=torch.Generator().manual_seed(1))
+    want = tap_weights(kernels, (24, 24), (3, 3), (1, 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = tap_weights(kernels, (24, 24), (3, 3), (1, 1))
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
