@@ -919,12 +919,12 @@ def projected_map(branch: list[Tensor], shortcut: list[Tensor], share: float, sc
     return torch.addmm(short, rest, first, beta=(1.0 - share) * scale, alpha=share * scale)
 
 
-def _residual_join(tracker: LabelTracker, branch: Path, kernels: Kernels, labels: Tensor) -> Parallel | None:
+def _residual_join(tracker: LabelTracker, branch: Path, kernels: Kernels, labels: Tensor, grid: tuple[int, int]) -> Parallel | None:
     """The join of a branch that is one fusable ``Parallel`` with an identity branch (InceptionNeXt's token mixer), on
     a GPU's route (``fused_join_route``) with the fast path's tracker, unless ``folded_residuals(False)``: the
     residual's mean then folds into the join's shares (``folded_shares``), one ``lerp`` fewer a block."""
     if not (_FOLDED[0] and isinstance(tracker, CompactTracker) and len(branch) == 1 and isinstance(branch[0], Parallel)
-            and fused_join_route(labels.device)):
+            and fused_join_route(labels.device, grid)):
         return None
     shape = kernels.join_shape(branch[0])
     return branch[0] if shape is not None and None in shape else None
@@ -993,7 +993,7 @@ def residual_labels(
         assert isinstance(tracker, CompactTracker)
         tracker.residual_by(layer, keep, lambda y, share: torch.lerp(y, apply_path(chain, y, grid, kernels)[0], share * p))
         return
-    if labels is not None and kernels is not None and (join := _residual_join(tracker, branch, kernels, labels)) is not None:
+    if labels is not None and kernels is not None and (join := _residual_join(tracker, branch, kernels, labels, grid)) is not None:
         def joined(y: Tensor, share: float) -> Tensor:
             fused = kernels.join(join, grid, int(y.shape[-1]), residual=share)
             assert fused is not None  # _residual_join checked that it fuses with an identity branch
@@ -1165,7 +1165,7 @@ def _walk(
         elif isinstance(op, Parallel):
             out = op.out_grid(grid)
             fused = (kernels.join(op, grid, int(labels.y.shape[1 if labels.on_grid else -1]))
-                     if fused_join_route(labels.y.device) else None)  # the label channels: their layout's axis
+                     if fused_join_route(labels.y.device, grid) else None)  # the label channels: their layout's axis
             if fused is not None:  # one grouped convolution for all the branches (``backbones._joins``)
                 labels, grid = _Labels(fused_join(labels.grid_view(grid), *fused), True), out
                 i += 1

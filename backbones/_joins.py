@@ -7,9 +7,10 @@ centred in one common window (the identity as a delta tap), scaled by its branch
 convolution with a branch per output channel, one division by the branches' in-grid tap weights and one sum over
 the branches: three operators a join, the same sums (rounded in another order). The kernels of every join alike in
 a forward are centred, stacked and scaled together, and their tap weights on a grid come from one convolution of
-ones (``Kernels.join``). A GPU's route (``fused_join_route``); a CPU's eager walk keeps the branches (its folded
-depthwise convs on large grids are faster than one call over the padded window) and so does a compiled graph
-(its shifted sums fuse already).
+ones (``Kernels.join``). A GPU's route (``fused_join_route``), and a CPU's eager walk's on grids up to 28x28 (there a
+depthwise conv call costs its floor, ~60 us on 2 cores, whatever the grid: one call for the join beats three); on
+larger grids the CPU keeps the branches (its folded depthwise convs are faster than one call over the padded window),
+and so does a compiled graph (its shifted sums fuse already).
 
 Shapes: ``b`` batch, ``l`` label channels, ``j`` joins alike, ``r`` branches, ``(kh, kw)`` the common window.
 """
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from mixlabels._shape_cache import shape_cache
 from mixlabels._routes import eager_cpu_routes, switched
-from mixlabels.backbones._common import _ones
+from mixlabels.backbones._common import tap_weights
 
 __all__ = ["JoinShape", "fused_join", "fused_join_route", "fused_joins", "join_masses", "join_shares", "join_window", "window_kernels"]
 
@@ -39,16 +40,28 @@ _FUSED = [True]
 
 
 def fused_joins(on: bool) -> AbstractContextManager[None]:
-    """Inside, a GPU's eager walk fuses the joins that fuse (``on``, the default) or walks their branches one by one
-    (the CPU's route, kept as the tested fallback): ``benchmarks/gpu_suite.py --family-mode eager --family-routes
+    """Inside, a GPU's eager walk (and a CPU's, on grids up to ``_FUSED_CPU_TOKENS``) fuses the joins that fuse
+    (``on``, the default) or walks their branches one by one (the CPU's route on larger grids, kept as the tested
+    fallback): ``benchmarks/gpu_suite.py --family-mode eager --family-routes
     joins=walk`` times both on a GPU."""
     return switched(_FUSED, on)
 
 
-def fused_join_route(device: torch.device) -> bool:
+_FUSED_CPU_TOKENS = [784]
+"""A CPU's eager walk fuses the joins on grids of at most this many positions (28x28). InceptionNeXt-atto at 224 px,
+batch 8, 2 cores, forward label work with the joins fused up to 196 / 784 positions / on every grid against the walk:
+-0.3 to -0.8 / -0.6 to -1.1 / +1.1 to +1.5 ms (medians of paired rounds, two to three runs each). A list: tests set it."""
+
+
+def fused_join_route(device: torch.device, grid: tuple[int, int] | None = None) -> bool:
     """Whether fusable joins run as one convolution (``fused_join``) on ``device``: a GPU's eager route (and the CPU
-    under ``launch_routes``), not a CPU's eager walk nor a compiled graph, unless ``fused_joins(False)``."""
-    return _FUSED[0] and not eager_cpu_routes(device) and not torch.compiler.is_compiling()
+    under ``launch_routes``), not a compiled graph, unless ``fused_joins(False)``; a CPU's eager walk on ``grid``
+    where it has at most ``_FUSED_CPU_TOKENS`` positions."""
+    if not _FUSED[0] or torch.compiler.is_compiling():
+        return False
+    if eager_cpu_routes(device):
+        return grid is not None and grid[0] * grid[1] <= _FUSED_CPU_TOKENS[0]
+    return True
 
 
 def join_window(shape: JoinShape) -> tuple[int, int]:
@@ -91,9 +104,8 @@ def join_masses(kernels: Tensor, grid: tuple[int, int], flat: Tensor | None = No
     one convolution of ones to every kernel (zero taps add nothing, so each is its own conv's weight). ``flat``:
     ``kernels`` viewed ``(j r, 1, kh, kw)``, made once by a caller that asks on several grids (one view, not one a grid)."""
     j, r, kh, kw = (int(s) for s in kernels.shape)
-    ones = _ones((1, 1, grid[0], grid[1]), kernels.device)  # cached
     weight = kernels.view(j * r, 1, kh, kw) if flat is None else flat
-    return F.conv2d(ones, weight, padding=(kh // 2, kw // 2)).view(j, r, *grid)
+    return tap_weights(weight, grid, (kh // 2, kw // 2), (1, 1)).view(j, r, *grid)
 
 
 def fused_join(y: Tensor, weight: Tensor, masses: Tensor) -> Tensor:

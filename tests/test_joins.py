@@ -1,14 +1,16 @@
 """Fused joins (``backbones._joins``): branches that are each the identity or one stride-1 conv, joined by channel
-shares, as one grouped convolution on a GPU's route.
+shares, as one grouped convolution on a GPU's route (and a CPU's on grids up to 28x28).
 
 These tests hold the fused join to the float64 rule ``sum_i s_i Norm(T(k_i)) Y`` (explicit matrices) over kernel
 shapes, grids and shares; the kernels of many joins made together to equal each join's own; a real InceptionNeXt's
-targets on the GPU's route to the reference path and to the branch-by-branch walk; the route to be taken only where it
-is meant to be (a GPU's eager walk, not the CPU's, not a compiled graph); and its operators to be three a join.
+targets on the GPU's route and the CPU's to the reference path and to the branch-by-branch walk; the route to be taken
+only where it is meant to be (a GPU's eager walk, a CPU's on small grids, not on large ones, not a compiled graph); and
+its operators to be three a join.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -22,7 +24,7 @@ from torch.testing import assert_close
 
 from benchmarks._op_counter import OpCounter
 from mixlabels import backbones
-from mixlabels.backbones import _convnet
+from mixlabels.backbones import _convnet, _joins
 from mixlabels.backbones._common import launch_routes
 from mixlabels.backbones._convnet import Kernels, Parallel
 from mixlabels.backbones._dense import conv_matrix, row_normalise
@@ -143,7 +145,8 @@ def test_inception_next_fused_equals_the_branch_walk(config: str) -> None:
     model = backbones.adapt(_model(config), SCHEMES["tokens_aligned"]).train()
     images, lm = cutmix_batch()
     torch.manual_seed(1)
-    walked = model(images, lm)
+    with fused_joins(False):
+        walked = model(images, lm)
     with launch_routes(), _Spy() as spy:
         torch.manual_seed(1)
         fused = model(images, lm)
@@ -165,24 +168,55 @@ def test_inception_next_fused_equals_the_branch_walk(config: str) -> None:
                 assert_close(a[1], b[1], rtol=0, atol=0)
 
 
-def test_the_route_is_a_gpus_eager_walk_only() -> None:
+def test_the_route_is_a_gpus_eager_walk_and_a_cpus_on_small_grids() -> None:
     cpu = torch.device("cpu")
-    assert not fused_join_route(cpu)  # the CPU's eager walk keeps its branches
+    assert not fused_join_route(cpu)  # the CPU's eager walk on no grid said
+    assert fused_join_route(cpu, (28, 28)) and fused_join_route(cpu, (7, 7))
+    assert not fused_join_route(cpu, (29, 28)) and not fused_join_route(cpu, (56, 56))  # there it keeps its branches
     with launch_routes():
-        assert fused_join_route(cpu)
+        assert fused_join_route(cpu) and fused_join_route(cpu, (56, 56))
         with fused_joins(False):  # the fallback a GPU can be told to take (gpu_suite --family-routes joins=walk)
-            assert not fused_join_route(cpu)
+            assert not fused_join_route(cpu) and not fused_join_route(cpu, (7, 7))
         assert fused_join_route(cpu)
+    with fused_joins(False):
+        assert not fused_join_route(cpu, (7, 7))
     model = backbones.adapt(_model(), SCHEMES["tl_align"]).train()
     images, lm = cutmix_batch()
-    with _Spy() as spy:
+    with _Spy() as spy, fused_joins(False):
         model(images, lm)
-        with launch_routes(), fused_joins(False):
+        with launch_routes():
             model(images, lm)
     assert spy.calls == 0
-    with launch_routes(), _Spy() as spy:
-        model(images, lm)
-    assert spy.calls == 5
+    for route in (launch_routes(), nullcontext()):  # the GPU's route; the CPU's, every grid of this batch small
+        with route, _Spy() as spy:
+            model(images, lm)
+        assert spy.calls == 5
+
+
+@pytest.mark.parametrize("scheme", ["tl_align", "tokens_aligned"])
+def test_a_cpu_fuses_the_small_grids_and_walks_the_large(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the CPU's limit at 16 positions (28x28 at 224 px: the same split, at a size the reference path builds),
+    the first stage's 8x8 grid walks its block's branches and the other four blocks' joins fuse; the targets equal the
+    walk's and the reference path's."""
+    monkeypatch.setattr(_joins, "_FUSED_CPU_TOKENS", [16])
+    model = _model().train()
+    images, lm = cutmix_batch()
+    adapted = backbones.adapt(model, SCHEMES[scheme])
+    with torch.no_grad():
+        with _Spy() as spy:
+            torch.manual_seed(1)
+            fast = adapted(images, lm)
+        assert spy.calls == 4
+        with fused_joins(False):
+            torch.manual_seed(1)
+            walked = adapted(images, lm)
+        torch.manual_seed(1)
+        reference = backbones.adapt(model, SCHEMES[scheme], reference=True)(images, lm)
+    for got, want in ((fast.target, walked.target), (fast.token_target, walked.token_target)):
+        if want is not None:
+            assert got is not None
+            assert_close(got, want, rtol=0, atol=1e-6)
+    assert_close(fast.target, reference.target.float(), rtol=0, atol=1e-6)
 
 
 def test_a_fused_join_dispatches_three_computing_operators() -> None:

@@ -103,6 +103,11 @@ route a label conv's in-grid tap weight is ``R K C^T``, two small products, not 
 pairs of cspnet, efficientvit_mit, nfnet, repghost, resnet, rexnet, vitamin and xception_aligned moved, by at most
 1.2e-7 in any target or token target, no logits, no reference pair; compared tensor by tensor against ``2af93a4``
 under AVX2 kernels, on an Intel CPU. Those 20 pairs were dropped from the AMD digest too (581 pairs left).
+
+Rewritten for session 73's fused joins on a CPU's small grids (``backbones._joins.fused_join_route``: up to 28x28, one
+grouped conv a join, the residual's mean folded into its shares, where the walk took a conv a branch and a ``lerp``
+each): 2 fast-path pairs of inception_next moved, by at most 6e-8, no logits, no reference pair; compared tensor by
+tensor against ``2052b87`` under AVX2 kernels, on an Intel CPU; dropped from the AMD digest (579 pairs left).
 """
 
 from __future__ import annotations
