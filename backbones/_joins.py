@@ -101,7 +101,7 @@ def join_shares(shares: tuple[tuple[float, ...], ...], device: torch.device) -> 
 
 def join_masses(kernels: Tensor, grid: tuple[int, int], flat: Tensor | None = None) -> Tensor:
     """Every branch's in-grid tap weight ``(j, r, h, w)`` on ``grid`` (``kernels``: ``window_kernels``' unscaled):
-    one convolution of ones to every kernel (zero taps add nothing, so each is its own conv's weight). ``flat``:
+    ``tap_weights`` of every kernel at once (zero taps add nothing, so each is its own conv's weight). ``flat``:
     ``kernels`` viewed ``(j r, 1, kh, kw)``, made once by a caller that asks on several grids (one view, not one a grid)."""
     j, r, kh, kw = (int(s) for s in kernels.shape)
     weight = kernels.view(j * r, 1, kh, kw) if flat is None else flat
