@@ -652,9 +652,9 @@ def tap_weights(kernels: Tensor, grid: tuple[int, int], padding: tuple[int, int]
     conv, the sum of the kernel's taps that read inside the grid (``kernels`` ``(g, 1, kh, kw)``, label kernels).
 
     A tap is inside where its row and its column are, so the weight is ``R K C^T`` with ``R`` ``(h', kh)`` and ``C``
-    ``(w', kw)`` the axes' 0/1 reads (cached): on the CPU's eager route two small products, where the convolution of
-    ones (every other route's) hit oneDNN's floor of a call, 45-190 us on 2 cores whatever the grid, for 10-20 (12
-    7x7 kernels on 56x56, the same on 14x14). The same sums but for their order; products that would round fp32
+    ``(w', kw)`` the axes' 0/1 reads (cached): on the CPU's eager route two small products (15-22 us on 2 cores for
+    12 7x7 kernels, on 56x56 as on 14x14), where the convolution of ones (every other route's) pays oneDNN's floor
+    of a call, 45-190 us whatever the grid. The same sums but for their order; products that would round fp32
     (``rounding_matmuls``: a bf16 matmul precision) keep the convolution."""
     kh, kw = int(kernels.shape[-2]), int(kernels.shape[-1])
     if not eager_cpu_routes(kernels.device) or rounding_matmuls(kernels.device):

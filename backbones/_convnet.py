@@ -717,9 +717,10 @@ class Kernels:
         """``conv``'s in-grid tap weight ``(1, h, w)`` on ``grid`` (each position's sum of the label kernel's taps that
         fall inside the grid), computed for every conv of its kernel shape, padding and dilation on that grid in
         one call (``tap_weights``: a conv of ones, or on the CPU's eager route two small products; then an unbind per
-        grid: where a shape has at least ``_WIDE_GROUP`` convs, fewer operators than one per step), and with a ``GridPlan`` on every grid the last forward asked
-        for at once, with the group's matrices on its small grids (``_planned_build``); ``None``: not held here, or
-        too few alike (``conv_steps_on_grid`` then computes it per step)."""
+        grid: where a shape has at least ``_WIDE_GROUP`` convs, fewer operators than one per step), and with a
+        ``GridPlan`` on every grid the last forward asked for at once, with the group's matrices on its small grids
+        (``_planned_build``); ``None``: not held here, or too few alike (``conv_steps_on_grid`` then computes it per
+        step)."""
         kernel = self.get(conv)
         if kernel is None:
             return None
