@@ -1533,24 +1533,27 @@ class _Pending:
         self._path, self._grid = [], None
 
 
-def windows_into_stem(stem: Path, first: tuple[Path, Path | None] | None) -> tuple[Path, tuple[Path, Path | None] | None, Path]:
+def windows_into_stem(
+    stem: Path, first: tuple[Path, Path | None], grid: tuple[int, int]
+) -> tuple[Path, tuple[Path, Path | None], tuple[int, int]]:
     """A stem of windows alone followed by a unit without shortcut whose branch starts with windows (MobileNetV3's and
     StarNet's strided depthwise conv after a strided stem conv): that unit's leading windows moved into the stem's
-    path. Returns the stem's path, the first unit's ``(branch, shortcut)`` after the move and the windows moved
-    (``()``: nothing moved, where the stem convolves, the unit has a shortcut or starts otherwise).
+    path. Returns the stem's path, the first unit's ``(branch, shortcut)`` after the move and the grid the moved
+    windows end on (``grid``: the stem's); all three as given where nothing moves (the stem convolves, the unit has a
+    shortcut or starts otherwise).
 
     The labels then start after those windows (``start_on_windows`` weighs the mask under the whole chain at once,
     on the smaller grid) instead of on the stem's grid and then averaged over the unit's windows again: the same rows
     up to rounding (a chain of renormalised window sums is one linear map either way), and on MobileNetV3-Small at
     224 px the work of a 112x112 grid's labels left out. A token-space map starts on the stem's grid, after it:
     callers leave it alone."""
-    if first is None or first[1] is not None or not all(isinstance(op, Window) for op in stem):
-        return stem, first, ()
+    if first[1] is not None or not all(isinstance(op, Window) for op in stem):
+        return stem, first, grid
     branch = first[0]
     lead = 0
     while lead < len(branch) and isinstance(branch[lead], Window):
         lead += 1
-    return (*stem, *branch[:lead]), (branch[lead:], None), branch[:lead]
+    return (*stem, *branch[:lead]), (branch[lead:], None), path_grid(branch[:lead], grid)
 
 
 class AdaptedConvNet(AdaptedBase):
@@ -1701,10 +1704,8 @@ class AdaptedConvNet(AdaptedBase):
         blocks = self._blocks()
         paths = None if self._fresh_paths else self._all_paths(blocks)  # fresh: asked for per unit, the forward done
         if paths is not None and not label_map.token_space and blocks and not isinstance(blocks[0], CrossPart):
-            stem, first, moved = windows_into_stem(stem, paths[blocks[0]])
-            if moved:  # the label walk starts where the moved windows end; the first unit walks the rest of its branch
-                assert first is not None
-                paths[blocks[0]], grid = first, path_grid(moved, grid)
+            # the label walk starts where the moved windows end; the first unit walks the rest of its branch
+            stem, paths[blocks[0]], grid = windows_into_stem(stem, paths[blocks[0]], grid)
         # the stem's ops after its leading windows join the first run of units without shortcut (VGG: all of them)
         tracker, rest, mid = start_before_path(self.scheme, label_map, start, grid, self._depth(blocks), stem)
         if paths is not None and not _reads_statistics(paths):

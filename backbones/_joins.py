@@ -47,10 +47,10 @@ def fused_joins(on: bool) -> AbstractContextManager[None]:
     return switched(_FUSED, on)
 
 
-_FUSED_CPU_TOKENS = [784]
+_FUSED_CPU_TOKENS = 784
 """A CPU's eager walk fuses the joins on grids of at most this many positions (28x28). InceptionNeXt-atto at 224 px,
 batch 8, 2 cores, forward label work with the joins fused up to 196 / 784 positions / on every grid against the walk:
--0.3 to -0.8 / -0.6 to -1.1 / +1.1 to +1.5 ms (medians of paired rounds, two to three runs each). A list: tests set it."""
+-0.3 to -0.8 / -0.6 to -1.1 / +1.1 to +1.5 ms (medians of paired rounds, two to three runs each)."""
 
 
 def fused_join_route(device: torch.device, grid: tuple[int, int] | None = None) -> bool:
@@ -60,7 +60,7 @@ def fused_join_route(device: torch.device, grid: tuple[int, int] | None = None) 
     if not _FUSED[0] or torch.compiler.is_compiling():
         return False
     if eager_cpu_routes(device):
-        return grid is not None and grid[0] * grid[1] <= _FUSED_CPU_TOKENS[0]
+        return grid is not None and grid[0] * grid[1] <= _FUSED_CPU_TOKENS
     return True
 
 

@@ -198,7 +198,7 @@ def test_a_cpu_fuses_the_small_grids_and_walks_the_large(scheme: str, monkeypatc
     """With the CPU's limit at 16 positions (28x28 at 224 px: the same split, at a size the reference path builds),
     the first stage's 8x8 grid walks its block's branches and the other four blocks' joins fuse; the targets equal the
     walk's and the reference path's."""
-    monkeypatch.setattr(_joins, "_FUSED_CPU_TOKENS", [16])
+    monkeypatch.setattr(_joins, "_FUSED_CPU_TOKENS", 16)
     model = _model().train()
     images, lm = cutmix_batch()
     adapted = backbones.adapt(model, SCHEMES[scheme])

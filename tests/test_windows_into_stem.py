@@ -30,11 +30,11 @@ POOL = Window((2, 2), (2, 2), (0, 0))
 
 def test_moves_the_leading_windows_of_a_unit_without_shortcut() -> None:
     conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
-    stem, first, moved = windows_into_stem((S2,), ((S2, POOL, conv), None))
-    assert stem == (S2, S2, POOL) and moved == (S2, POOL)
+    stem, first, grid = windows_into_stem((S2,), ((S2, POOL, conv), None), (64, 64))
+    assert stem == (S2, S2, POOL) and grid == (16, 16)  # the stem's 64x64 grid through S2 and POOL
     assert first == ((conv,), None)
     # no stem at all (the labels start on the pixels): the unit's windows start them
-    assert windows_into_stem((), ((S2,), None)) == ((S2,), ((), None), (S2,))
+    assert windows_into_stem((), ((S2,), None), (8, 8)) == ((S2,), ((), None), (4, 4))
 
 
 @pytest.mark.parametrize(
@@ -45,11 +45,10 @@ def test_moves_the_leading_windows_of_a_unit_without_shortcut() -> None:
         ((S2, torch.nn.Conv2d(3, 3, 3, padding=1)), ((S2,), None)),  # the stem convolves after its windows
         ((S2,), ((torch.nn.Conv2d(3, 3, 3, padding=1), S2), None)),  # the branch starts with a conv
         ((S2,), ((), None)),  # channel ops only
-        ((S2,), None),  # no unit
     ],
 )
 def test_leaves_the_walk_alone_otherwise(stem: Any, first: Any) -> None:
-    assert windows_into_stem(stem, first) == (stem, first, ())
+    assert windows_into_stem(stem, first, (64, 64)) == (stem, first, (64, 64))
 
 
 @pytest.fixture
@@ -57,9 +56,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]]]:
     """The windows each forward moved (a spy on both callers' ``windows_into_stem``)."""
     seen: list[tuple[Any, ...]] = []
 
-    def spy(stem: Any, first: Any) -> Any:
-        out = windows_into_stem(stem, first)
-        seen.append(out[2])
+    def spy(stem: Any, first: Any, grid: Any) -> Any:
+        out = windows_into_stem(stem, first, grid)
+        seen.append(out[0][len(stem):])  # the windows the stem's path gained
         return out
 
     monkeypatch.setattr(convnet, "windows_into_stem", spy)
@@ -67,8 +66,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]]]:
     yield seen
 
 
-def _unmoved(stem: Any, first: Any) -> Any:
-    return stem, first, ()
+def _unmoved(stem: Any, first: Any, grid: Any) -> Any:
+    return stem, first, grid
 
 
 def _batch(size: int, token_space: bool = False) -> tuple[torch.Tensor, TokenLabelMap]:

@@ -206,10 +206,8 @@ class AdaptedEfficientNet(AdaptedBase):
         blocks = _blocks(m)
         paths: list[tuple[Path, Path | None]] = [((), ()) if type(blk) is MobileAttention else _paths(blk) for blk in blocks]
         if paths and not label_map.token_space:
-            stem, first, moved = windows_into_stem(stem, paths[0])
-            if moved:  # the labels start where the first block's leading windows end (MobileNetV3's strided dw conv)
-                assert first is not None
-                paths[0], grid = first, path_grid(moved, grid)
+            # the labels start where the first block's leading windows end (MobileNetV3's strided dw conv)
+            stem, paths[0], grid = windows_into_stem(stem, paths[0], grid)
         tracker = start_on_path(self.scheme, label_map, start, grid, len(blocks), stem)
         kernels = block_kernels(tracker, paths)
         for layer, blk in enumerate(blocks):
