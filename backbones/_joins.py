@@ -53,14 +53,14 @@ batch 8, 2 cores, forward label work with the joins fused up to 196 / 784 positi
 -0.3 to -0.8 / -0.6 to -1.1 / +1.1 to +1.5 ms (medians of paired rounds, two to three runs each)."""
 
 
-def fused_join_route(device: torch.device, grid: tuple[int, int] | None = None) -> bool:
+def fused_join_route(device: torch.device, grid: tuple[int, int]) -> bool:
     """Whether fusable joins run as one convolution (``fused_join``) on ``device``: a GPU's eager route (and the CPU
     under ``launch_routes``), not a compiled graph, unless ``fused_joins(False)``; a CPU's eager walk on ``grid``
     where it has at most ``_FUSED_CPU_TOKENS`` positions."""
     if not _FUSED[0] or torch.compiler.is_compiling():
         return False
     if eager_cpu_routes(device):
-        return grid is not None and grid[0] * grid[1] <= _FUSED_CPU_TOKENS
+        return grid[0] * grid[1] <= _FUSED_CPU_TOKENS
     return True
 
 

@@ -170,14 +170,13 @@ def test_inception_next_fused_equals_the_branch_walk(config: str) -> None:
 
 def test_the_route_is_a_gpus_eager_walk_and_a_cpus_on_small_grids() -> None:
     cpu = torch.device("cpu")
-    assert not fused_join_route(cpu)  # the CPU's eager walk on no grid said
     assert fused_join_route(cpu, (28, 28)) and fused_join_route(cpu, (7, 7))
     assert not fused_join_route(cpu, (29, 28)) and not fused_join_route(cpu, (56, 56))  # there it keeps its branches
     with launch_routes():
-        assert fused_join_route(cpu) and fused_join_route(cpu, (56, 56))
+        assert fused_join_route(cpu, (7, 7)) and fused_join_route(cpu, (56, 56))
         with fused_joins(False):  # the fallback a GPU can be told to take (gpu_suite --family-routes joins=walk)
-            assert not fused_join_route(cpu) and not fused_join_route(cpu, (7, 7))
-        assert fused_join_route(cpu)
+            assert not fused_join_route(cpu, (56, 56)) and not fused_join_route(cpu, (7, 7))
+        assert fused_join_route(cpu, (56, 56))
     with fused_joins(False):
         assert not fused_join_route(cpu, (7, 7))
     model = backbones.adapt(_model(), SCHEMES["tl_align"]).train()
