@@ -60,10 +60,29 @@ def outcomes_of(text: str) -> dict[str, Any]:
     return {"summary": (closing or cut or lines or [""])[-1], "counts": counts, "failed": failed}
 
 
+def not_a_gpu_run(result: dict[str, Any]) -> str | None:
+    """Why a suite JSON has no place in RESULTS' GPU section (``None``: it has one): a ``--dry-run`` (tiny shapes, the
+    registry's 32 px models, two rounds of two steps) or a run on the CPU, whose figures would stand in the tables
+    of DeiT-S and the families at batch 128 on a GPU. A JSON written before the suite recorded ``dry_run`` says
+    its device (``"CPU"`` off a GPU)."""
+    device = str(result.get("device", ""))
+    if result.get("dry_run"):
+        kind = "a dry run (--dry-run: tiny shapes, 32 px models, two rounds of two steps)"
+    elif device == "CPU" or not device:
+        kind = f"a run on {'the CPU' if device else 'no recorded device'}"
+    else:
+        return None
+    return (f"this is {kind} of the GPU suite, not a GPU's measurement; RESULTS' GPU section takes only a run on a "
+            "GPU: run python benchmarks/gpu_suite.py on the GPU, without --dry-run, and add that run's gpu_suite.json")
+
+
 def summarize_gpu_suite(path: Path, note: str | None = None) -> tuple[str, dict[str, Any]]:
     """``benchmarks/results/gpu-suite.json`` from one or more suite JSONs: the first run whole, a later run's
     parts replacing the first's (each keeps its own provenance); ``--out`` shown as a user would type it."""
     result = json.loads(path.read_text())
+    refusal = not_a_gpu_run(result)
+    if refusal is not None:
+        raise ValueError(f"{path}: {refusal}")
     tests, log = result.get("parts", {}).get("tests"), path.parent / "gpu_tests.log"
     if isinstance(tests, dict) and not _missing(tests) and log.is_file():
         tests.update(outcomes_of(log.read_text()))  # the log is the record: read by today's parser, not the run's

@@ -230,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "provenance": provenance(None if argv is None else ["python", "benchmarks/gpu_suite.py", *argv], device=args.device),
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU",
         "torch": torch.__version__, "batch_size": args.batch_size, "rounds": args.rounds, "steps": args.steps,
+        "dry_run": bool(args.dry_run),  # tiny stand-ins: ``benchmarks.report`` refuses to put them in RESULTS
         "parts": {},
     }
 

@@ -289,6 +289,7 @@ def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> Non
     earlier = json.loads((results / "gpu-suite.json").read_text())
     gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "vit", "--rounds", "1",
                     "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "run")])
+    _as_if_on_a_gpu(tmp_path / "run" / "gpu_suite.json")
     args = ["--results-dir", str(results), "--output", str(tmp_path / "RESULTS.md"), "--readme", str(readme),
             "--add-gpu-suite", str(tmp_path / "run" / "gpu_suite.json"), "--note", "the new run"]
     assert report.main(["--append", *args]) == 0
@@ -298,6 +299,46 @@ def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> Non
     assert "the new run" in (tmp_path / "RESULTS.md").read_text()
     (results / "gpu-suite.json").unlink()
     assert report.main(["--append", *args]) == 2
+
+
+def _as_if_on_a_gpu(path: Path) -> None:
+    """A dry run's JSON relabelled as a GPU's run (the merge is what a test of it checks; a dry run itself is refused)."""
+    result = json.loads(path.read_text())
+    path.write_text(json.dumps({**result, "device": "NVIDIA H100 80GB HBM3", "dry_run": False}))
+
+
+@pytest.mark.parametrize("kind", ["dry run", "cpu run", "old cpu json"])
+def test_report_refuses_a_run_that_was_not_on_a_gpu(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """report --add-gpu-suite of a --dry-run's JSON (or of a run on the CPU, or of a JSON from before the suite said
+    ``dry_run``, whose device reads CPU) exits 2 naming why, and writes nothing: its tiny figures would have replaced
+    the H100's tables in RESULTS' GPU section (the dry run is what a session runs to prepare the GPU call)."""
+    import shutil
+
+    from benchmarks import report
+
+    results, readme, output = tmp_path / "results", tmp_path / "README.md", tmp_path / "RESULTS.md"
+    shutil.copytree(report.RESULTS_DIR, results)
+    shutil.copy(report.README, readme)
+    output.write_text("before\n")
+    before = {p.name: p.read_bytes() for p in results.iterdir()}
+    run = tmp_path / "run"
+    gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "routes", "--rounds", "1", "--steps", "1", "--out", str(run)])
+    result = json.loads((run / "gpu_suite.json").read_text())
+    assert result["dry_run"] is True and result["device"] == "CPU"
+    if kind == "cpu run":  # --device cpu without --dry-run (its full shapes take minutes on the CPU: the JSON says so)
+        result["dry_run"] = False
+    elif kind == "old cpu json":
+        del result["dry_run"]
+    (run / "gpu_suite.json").write_text(json.dumps(result))
+    args = ["--results-dir", str(results), "--output", str(output), "--readme", str(readme),
+            "--add-gpu-suite", str(run / "gpu_suite.json")]
+    for mode in ([], ["--append"]):
+        assert report.main([*mode, *args]) == 2
+        err = capsys.readouterr().err
+        assert ("a dry run" if kind == "dry run" else "a run on the CPU") in err and "without --dry-run" in err
+    assert {p.name: p.read_bytes() for p in results.iterdir()} == before and output.read_text() == "before\n"
+    _as_if_on_a_gpu(run / "gpu_suite.json")
+    assert report.main(args) == 0  # the same figures, said to be a GPU's, are taken: the refusal reads the run's kind
 
 
 def test_a_part_the_deadline_skipped_keeps_the_earlier_runs_figures() -> None:
