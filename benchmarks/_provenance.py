@@ -8,15 +8,17 @@ numbers come from without anyone typing it by hand.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["provenance", "finish", "cpu_model", "current_command", "provenance_line"]
+__all__ = ["provenance", "finish", "cpu_model", "current_command", "later_notes", "later_runs", "provenance_line"]
 
 
 def cpu_model() -> str:
@@ -133,3 +135,19 @@ def provenance_line(p: dict[str, Any]) -> str:
             f"Date: {_when(p)}{' to ' + str(p['finished']) if p.get('finished') else ''}; machine: {machine}; "
             f"torch {p.get('torch', '?')}{extra}{recorded}")
 
+
+def later_runs(summary: dict[str, Any]) -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], str]]:
+    """A per-family table's rows measured after the summary's own run (a row's own ``provenance``): their provenances,
+    and each row's mark, " [*1]", " [*2]", ... in the order the rows name them ("" for a row of the summary's run)."""
+    later = list({json.dumps(r["provenance"], sort_keys=True): r["provenance"] for r in summary["families"].values()
+                  if r.get("provenance") not in (None, summary["provenance"])}.values())
+    marks = {json.dumps(p, sort_keys=True): f" [*{i}]" for i, p in enumerate(later, 1)}
+    return later, lambda row: marks.get(json.dumps(row.get("provenance"), sort_keys=True), "")
+
+
+def later_notes(later: list[dict[str, Any]]) -> list[str]:
+    """The footnotes of ``later_runs``' marks: each later run's command, date and machine."""
+    notes: list[str] = []
+    for i, p in enumerate(later, 1):
+        notes += ["", f"[*{i}] measured in a later run: " + provenance_line(p).replace("  \n", " ")]
+    return notes

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks._gpu_timing import error_cell
-from benchmarks._provenance import provenance_line
+from benchmarks._provenance import later_notes, later_runs, provenance_line
 from benchmarks._speed_tables import (
     FAULTS_NOTE, LABEL_WORK_HEADER, family_cells, family_header, fmt, label_work_row, recorded_malloc_note,
 )
@@ -76,35 +76,19 @@ def render_families(summary: dict[str, Any]) -> str:
              "optimizer state, batch and step); alloc step: ratio of what the step adds on top. Target: time <= 1.03, "
              "alloc <= 1.01.", "",
              *family_header(variants, "model (CutMix step ms)", faults)]
-    later, mark_of = _later_runs(summary)
+    later, mark_of = later_runs(summary)
     for family, row in summary["families"].items():
         base = row["steps"][BASELINE]
         lines.append(f"| {family}{mark_of(row)} | `{row['model']}` ({fmt(base['step_ms_median'], 0)}) | "
                      + " | ".join(family_cells(row, variants, faults)) + " |")
     notes = (["", FAULTS_NOTE] if faults else []) + recorded_malloc_note(cfg)
-    return "\n".join(lines + notes + _later_notes(later))
-
-
-def _later_runs(summary: dict[str, Any]) -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], str]]:
-    """The provenances of rows measured after the summary's own run, and each row's mark: "[*1]", "[*2]", ... in the
-    order the rows name them ("" for a row of the summary's run)."""
-    later = list({json.dumps(r["provenance"], sort_keys=True): r["provenance"] for r in summary["families"].values()
-                  if r.get("provenance") not in (None, summary["provenance"])}.values())
-    marks = {json.dumps(p, sort_keys=True): f" [*{i}]" for i, p in enumerate(later, 1)}
-    return later, lambda row: marks.get(json.dumps(row.get("provenance"), sort_keys=True), "")
-
-
-def _later_notes(later: list[dict[str, Any]]) -> list[str]:
-    notes: list[str] = []
-    for i, p in enumerate(later, 1):
-        notes += ["", f"[*{i}] measured in a later run: " + provenance_line(p).replace("  \n", " ")]
-    return notes
+    return "\n".join(lines + notes + later_notes(later))
 
 
 def render_label_work(summary: dict[str, Any]) -> str:
     """``speed.py --families --label-profile``: per family, the forward's label work and the operators adding most."""
     cfg = summary["config"]
-    later, mark_of = _later_runs(summary)
+    later, mark_of = later_runs(summary)
     lines = [provenance_line(summary["provenance"]), "",
              f"Batch {cfg['batch_size']}, default input size. Forward ms: no grad, train mode, median of "
              f"{cfg['repeats']} interleaved rounds of {cfg['steps']} forwards; label work: TL-Align's forward minus "
@@ -113,7 +97,7 @@ def render_label_work(summary: dict[str, Any]) -> str:
              "TL-Align's profile minus NoAlign's (median over paired profiles), with the calls each adds.", "",
              *LABEL_WORK_HEADER]
     lines += [label_work_row(family, row, mark_of(row)) for family, row in summary["families"].items()]
-    return "\n".join(lines + recorded_malloc_note(cfg) + _later_notes(later))
+    return "\n".join(lines + recorded_malloc_note(cfg) + later_notes(later))
 
 
 def render_mixers(summary: dict[str, Any]) -> str:

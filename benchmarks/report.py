@@ -6,6 +6,8 @@ Every measured figure of the project's documents comes from here, so none is typ
     python -m benchmarks.report --check                           # exit 1 when RESULTS.md is out of date
     python -m benchmarks.report --add-ablation runs/ablation/table7-cifar10-deit_tiny_patch16_224
     python -m benchmarks.report --add-speed runs/speed/speed-cpu-20261123-181500.json
+    python -m benchmarks.report --add-speed benchmarks/results/speed-control-cpu.json runs/speed/speed-families-cpu-<stamp>.json
+    python -m benchmarks.report --add-op-count benchmarks/results/op-count.json runs/op_count/op_count.json
     python -m benchmarks.report --add-analysis runs/analysis-sharpened/analysis.json
     python -m benchmarks.report --add-rmse scratch=runs/a0/analysis.json fine-tuned=runs/a1/analysis.json
 
@@ -32,7 +34,7 @@ if __package__ in (None, ""):  # ``python benchmarks/report.py``: make the repos
 from benchmarks._provenance import provenance_line
 from benchmarks._results_ablation import reading, render_ablation, summarize_ablation
 from benchmarks._results_analysis import render_analysis, render_rmse, summarize_analysis, summarize_rmse
-from benchmarks._results_op_count import summarize_op_count
+from benchmarks._results_op_count import merge_op_counts, summarize_op_count
 from benchmarks._results_sections import README, RESULTS_DIR, RESULTS_MD, SECTIONS, render, render_readme
 from benchmarks._results_speed import (
     merge_speed, render_families, render_label_work, render_steps, summarize_speed,
@@ -58,8 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--add-analysis", type=Path, metavar="FILE", help="an alignment_analysis.py JSON (<out>/analysis.json)")
     p.add_argument("--add-rmse", nargs="+", metavar="LABEL=FILE",
                    help="alignment_analysis.py JSONs of trained checkpoints, each with a row label: the RMSE comparison")
-    p.add_argument("--add-op-count", type=Path, metavar="FILE",
-                   help="an op_count.py JSON (runs/op_count/op_count.json; --compiled: op_count_compiled.json; --whole: op_count_whole.json)")
+    p.add_argument("--add-op-count", type=Path, nargs="+", metavar="FILE",
+                   help="an op_count.py JSON (runs/op_count/op_count.json; --compiled: op_count_compiled.json; --whole: "
+                   "op_count_whole.json); several of one kind make one table, a later file's rows replacing an earlier one's")
+    p.add_argument("--replace", action="store_true",
+                   help="let a per-family table's new run replace the committed table whole, dropping the families it "
+                   "did not measure (without it that is refused: give the committed summary first to add to it)")
     p.add_argument("--add-gpu-suite", type=Path, nargs="+", metavar="FILE",
                    help="gpu_suite.py JSONs (runs/gpu/gpu_suite.json); a later file's parts replace an earlier one's")
     p.add_argument("--append", action="store_true",
@@ -88,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--add-rmse takes LABEL=FILE pairs, got {', '.join(bad)}")
             added.append(summarize_rmse([(label, Path(file)) for label, file in (i.split("=", 1) for i in args.add_rmse)]))
         if args.add_op_count is not None:
-            added.append(summarize_op_count(args.add_op_count))
+            added.append(merge_op_counts([summarize_op_count(path) for path in args.add_op_count]))
         if args.add_gpu_suite is not None:
             notes = args.note + [""] * len(args.add_gpu_suite)
             suites = [summarize_gpu_suite(path, note)[1] for path, note in zip(args.add_gpu_suite, notes)]
@@ -99,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for later in suites:
                 merged = merge_gpu_suites(merged, later)
             added.append(("gpu-suite", merged))
+        for name, summary in added:
+            if not args.replace:
+                _refuse_dropped_rows(name, summary, args.results_dir)
         for name, summary in added:
             args.results_dir.mkdir(parents=True, exist_ok=True)
             (args.results_dir / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -121,6 +130,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.readme.write_text(new_readme)
     print(f"written: {args.output}, the results section of {args.readme}")
     return 0
+
+
+def _refuse_dropped_rows(name: str, summary: dict[str, Any], results_dir: Path) -> None:
+    """Raise where a per-family table's new summary lacks families its committed summary has: a run of a few families
+    (``speed.py --families a b``, ``op_count.py --families a``) given alone would replace the whole table and drop
+    every other family's row. The fix, in the message: the committed summary first, then the run (its rows replace
+    theirs, the others stay, each marked with the run that measured it), or ``--replace``."""
+    committed = results_dir / f"{name}.json"
+    if name == "gpu-suite" and committed.is_file():
+        _refuse_dropped_parts(summary, json.loads(committed.read_text()), committed)
+    new = summary.get("families")
+    if not committed.is_file() or not isinstance(new, dict):
+        return
+    old = json.loads(committed.read_text()).get("families")
+    dropped = [family for family in (old if isinstance(old, dict) else {}) if family not in new]
+    if not dropped:
+        return
+    flag = "--add-op-count" if name.startswith("op-count") else "--add-speed"
+    shown = ", ".join(dropped[:8]) + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else "")
+    raise ValueError(
+        f"{name}: the run measured {len(new)} of the {len(old)} families in {committed}, so {len(dropped)} rows would be "
+        f"dropped ({shown}); to add the run to the table, give the committed summary first: {flag} {committed} "
+        "<the run's JSON files>; to replace the table whole, add --replace")
+
+
+def _measured(part: Any) -> bool:
+    """Whether a GPU suite part holds figures (not only the deadline's skip, its seconds or an error)."""
+    return isinstance(part, dict) and not set(part) <= {"skipped", "seconds", "error"}
+
+
+def _refuse_dropped_parts(summary: dict[str, Any], committed: dict[str, Any], path: Path) -> None:
+    """Raise where a GPU suite run added without ``--append`` would drop figures the committed summary holds: a part
+    (or a DeiT-S mode) earlier runs measured and this run did not (it reached its deadline first, or ran other parts)."""
+    old, new = committed.get("parts", {}), summary.get("parts", {})
+    dropped = [part for part, figures in old.items() if _measured(figures) and not _measured(new.get(part))]
+    if _measured(old.get("deit")) and _measured(new.get("deit")):
+        dropped += [f"deit {mode}" for mode in ("eager", "compiled") if mode in old["deit"] and mode not in new["deit"]]
+    if dropped:
+        raise ValueError(
+            f"gpu-suite: the run did not measure {', '.join(dropped)}, which {path} holds from earlier runs, and would "
+            "drop them; add --append to merge the run onto them (its parts replace theirs, the others stay), or "
+            "--replace to take the run alone")
 
 
 if __name__ == "__main__":

@@ -338,7 +338,35 @@ def test_report_refuses_a_run_that_was_not_on_a_gpu(kind: str, tmp_path: Path, c
         assert ("a dry run" if kind == "dry run" else "a run on the CPU") in err and "without --dry-run" in err
     assert {p.name: p.read_bytes() for p in results.iterdir()} == before and output.read_text() == "before\n"
     _as_if_on_a_gpu(run / "gpu_suite.json")
-    assert report.main(args) == 0  # the same figures, said to be a GPU's, are taken: the refusal reads the run's kind
+    assert report.main(["--append", *args]) == 0  # the same figures, said to be a GPU's, are taken: it reads the run's kind
+
+
+def test_report_refuses_a_run_that_would_drop_the_earlier_runs_parts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """report --add-gpu-suite without --append, of a run that measured fewer parts than the committed summary holds (a
+    run that reached its deadline, or ran --parts families alone): exit 2 naming the parts it would drop and --append,
+    nothing written; --append merges it, --replace takes it alone."""
+    import shutil
+
+    from benchmarks import report
+
+    results, readme, output = tmp_path / "results", tmp_path / "README.md", tmp_path / "RESULTS.md"
+    shutil.copytree(report.RESULTS_DIR, results)
+    shutil.copy(report.README, readme)
+    committed = json.loads((results / "gpu-suite.json").read_text())
+    assert all(part in committed["parts"] for part in ("routes", "deit", "mixers", "families"))
+    gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "routes", "--rounds", "1", "--steps", "1", "--out", str(tmp_path / "run")])
+    _as_if_on_a_gpu(tmp_path / "run" / "gpu_suite.json")
+    args = ["--results-dir", str(results), "--output", str(output), "--readme", str(readme),
+            "--add-gpu-suite", str(tmp_path / "run" / "gpu_suite.json")]
+    assert report.main(args) == 2
+    err = capsys.readouterr().err
+    assert "did not measure deit, mixers" in err and "add --append" in err and not output.exists()
+    assert json.loads((results / "gpu-suite.json").read_text()) == committed
+    assert report.main(["--append", *args]) == 0
+    merged = json.loads((results / "gpu-suite.json").read_text())
+    assert merged["parts"]["deit"] == committed["parts"]["deit"] and merged["parts"]["routes"] != committed["parts"]["routes"]
+    assert report.main(["--replace", *args]) == 0
+    assert set(json.loads((results / "gpu-suite.json").read_text())["parts"]) == {"routes"}
 
 
 def test_a_part_the_deadline_skipped_keeps_the_earlier_runs_figures() -> None:

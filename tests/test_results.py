@@ -302,3 +302,84 @@ def test_several_families_runs_make_one_table_later_rows_replacing_earlier(tmp_p
     assert "[*2] measured in a later run" in text and "2030-01-03 07:08 UTC" in text
     with pytest.raises(ValueError, match="combines several speed.py --families runs"):
         report.merge_speed([report.summarize_speed(first), ("speed-cpu", {})])
+
+
+def _op_count_run(path: Path, counts: dict[str, int], date: str, batch_size: int = 2) -> Path:
+    """An ``op_count.py`` JSON of ``counts`` (family: TL-Align's operators against NoAlign's 100)."""
+    families = {f: {"model": f"{f}_model", "cutmix": 100, "tlalign": n, "ratio": n / 100, "cutmix_kernels": 50,
+                    "tlalign_kernels": n // 2, "kernel_ratio": n / 100, "top_added": [["view", 3]],
+                    "cutmix_ops": {"add": 1}, "tlalign_ops": {"add": 2}} for f, n in counts.items()}
+    path.write_text(json.dumps({"provenance": {**PROVENANCE, "date": date}, "batch_size": batch_size, "families": families}))
+    return path
+
+
+def _dirs(tmp_path: Path) -> list[str]:
+    """A results directory of its own (the committed summaries copied) and where its RESULTS and README go."""
+    import shutil
+
+    shutil.copytree(report.RESULTS_DIR, tmp_path / "results")
+    shutil.copy(report.README, tmp_path / "README.md")
+    return ["--results-dir", str(tmp_path / "results"), "--output", str(tmp_path / "RESULTS.md"),
+            "--readme", str(tmp_path / "README.md")]
+
+
+def test_a_run_of_a_few_families_adds_to_the_op_count_table_and_alone_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """op_count.py --families resnet given alone would have replaced the 65-family table with one row: refused, naming
+    the rows it would drop and the fix (nothing written); given after the committed summary, its row replaces
+    resnet's, marked with its run, every other row kept; --replace takes it whole."""
+    args = _dirs(tmp_path)
+    committed = tmp_path / "results" / "op-count.json"
+    before = committed.read_text()
+    families = list(json.loads(before)["families"])
+    assert len(families) > 10 and "resnet" in families
+    run = _op_count_run(tmp_path / "op_count.json", {"resnet": 120}, "2030-01-05 06:07 UTC")
+    assert report.main([*args, "--add-op-count", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{len(families) - 1} rows would be dropped" in err and families[0] in err
+    assert f"--add-op-count {committed} <the run's JSON files>" in err and "--replace" in err
+    assert committed.read_text() == before and not (tmp_path / "RESULTS.md").exists()
+
+    assert report.main([*args, "--add-op-count", str(committed), str(run)]) == 0
+    merged = json.loads(committed.read_text())["families"]
+    assert list(merged) == families and merged["resnet"]["tlalign"] == 120
+    table = json.loads(before)
+    assert all({k: v for k, v in merged[f].items() if k != "provenance"} == table["families"][f]
+               and merged[f]["provenance"] == table["provenance"] for f in families if f != "resnet")
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| resnet [*1] | resnet_model | 100 | 120 | 1.200 |" in text
+    assert "[*1] measured in a later run: Command:" in text and "2030-01-05 06:07 UTC" in text
+    assert f"| {families[0]} | " in text  # the others unmarked, as their run counted them
+
+    assert report.main([*args, "--replace", "--add-op-count", str(run)]) == 0
+    assert list(json.loads(committed.read_text())["families"]) == ["resnet"]
+
+
+def test_op_count_runs_of_different_kinds_or_batches_do_not_combine(tmp_path: Path) -> None:
+    from benchmarks._results_op_count import merge_op_counts, summarize_op_count
+
+    one = summarize_op_count(_op_count_run(tmp_path / "a.json", {"vit": 110}, "2030-01-05 06:07 UTC"))
+    other = summarize_op_count(_op_count_run(tmp_path / "b.json", {"vit": 110}, "2030-01-05 06:07 UTC", batch_size=4))
+    with pytest.raises(ValueError, match="batches of 2 and 4"):
+        merge_op_counts([one, other])
+    whole = summarize_op_count(report.RESULTS_DIR / "op-count-whole.json")  # a committed summary says its kind by name
+    assert whole[0] == "op-count-whole"
+    with pytest.raises(ValueError, match="runs of one kind"):
+        merge_op_counts([whole, one])
+
+
+def test_a_speed_run_of_a_few_families_alone_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same for speed.py --families: its JSON alone would have replaced the committed table's rows."""
+    args = _dirs(tmp_path)
+    committed = tmp_path / "results" / "speed-control-cpu.json"
+    summary = json.loads(committed.read_text())
+    family, row = next(iter(summary["families"].items()))
+    run = tmp_path / "speed-families-cpu-x.json"
+    run.write_text(json.dumps({"device": "CPU", "command": "speed.py --families", "config": summary["config"],
+                               "provenance": {**PROVENANCE, "date": "2030-01-06 01:02 UTC"},
+                               "families": {family: {k: v for k, v in row.items() if k != "provenance"}}}))
+    assert report.main([*args, "--add-speed", str(run)]) == 2
+    assert "rows would be dropped" in capsys.readouterr().err and committed.read_text() == json.dumps(summary, indent=1) + "\n"
+    assert report.main([*args, "--add-speed", str(committed), str(run)]) == 0
+    assert len(json.loads(committed.read_text())["families"]) == len(summary["families"])
