@@ -93,16 +93,41 @@ def summarize_gpu_suite(path: Path, note: str | None = None) -> tuple[str, dict[
 
 
 def merge_gpu_suites(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
-    """``first`` with ``later``'s measured parts (and, for DeiT-S, its modes) in their place."""
-    merged = {**first, "parts": dict(first["parts"]), "runs": [*first.get("runs", []), *later.get("runs", [])]}
+    """``first`` with ``later``'s measured parts in their place: DeiT-S mode by mode, the families family by family (a
+    family ``later`` measured replaces its row, the others stay: each session's GPU minutes measure a few families,
+    and together they cover more), each family row saying which run measured it (``run``, 1-based)."""
+    runs = [*first.get("runs", []), *later.get("runs", [])]
+    merged = {**first, "parts": dict(first["parts"]), "runs": runs}
     for name, part in later["parts"].items():
         if isinstance(part, dict) and set(part) <= {"skipped", "seconds"}:
             continue  # the run reached its deadline before this part: it measured nothing to replace a figure with
         if name == "deit" and name in merged["parts"]:
             merged["parts"]["deit"] = {**merged["parts"]["deit"], **{k: v for k, v in part.items() if k != "seconds"}}
+        elif name == "families" and isinstance(merged["parts"].get(name), dict):
+            earlier = _with_runs(merged["parts"]["families"], families_run(first))
+            merged["parts"]["families"] = {**earlier, **{
+                family: {**row, "run": len(runs)} for family, row in part.items()
+                if isinstance(row, dict) and (_family_measured(row) or family not in earlier)}}
         else:
             merged["parts"][name] = part
     return merged
+
+
+def families_run(summary: dict[str, Any]) -> int | None:
+    """The run (1-based) that measured a summary's untagged family rows: the last that ran the families part (each
+    merge before rows said their run replaced the part whole); ``None`` for a suite's own JSON (no runs)."""
+    runs = summary.get("runs", [])
+    return max((i for i, run in enumerate(runs, 1) if "families" in run.get("parts", [])), default=None)
+
+
+def _with_runs(families: dict[str, Any], run: int | None) -> dict[str, Any]:
+    """The family rows, each tagged with the run that measured it (``run`` where a row says none), ``seconds`` left out."""
+    return {family: ({"run": run, **row} if run is not None else row) for family, row in families.items()
+            if family != "seconds" and isinstance(row, dict)}
+
+
+def _family_measured(row: dict[str, Any]) -> bool:
+    return "tlalign" in row and _missing(row) is None
 
 
 def render_gpu_suite(summary: dict[str, Any], provenance_line: Callable[[dict[str, Any]], str]) -> str:
@@ -172,13 +197,16 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
     modes = sorted({str(row.get("mode", "compiled")) for row in families.values() if isinstance(row, dict) and "model" in row})
     out += [f"### Every family's small model, {' and '.join(modes) or 'compiled'} (ratio of CutMix + TL-Align to "
             "CutMix + NoAlign)", ""]
-    out += ["| family | model | CutMix ms | TL-Align ms | ratio | memory ratio | graphs (TL-Align) | breaks |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    default_run = families_run(result)  # a summary of runs says which run measured each row
+    by_run = default_run is not None
+    out += ["| family | model | CutMix ms | TL-Align ms | ratio | memory ratio | graphs (TL-Align) | breaks |"
+            + (" run |" if by_run else ""), "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if by_run else "")]
     for family, row in families.items():
         if not isinstance(row, dict) or family == "seconds":
             continue
+        run = f" {row.get('run', default_run)} |" if by_run else ""
         if _missing(row) or "tlalign" not in row:
-            out.append(f"| {family} | {row.get('model', '-')} | {_missing(row) or 'not measured'} | | | | | |")
+            out.append(f"| {family} | {row.get('model', '-')} | {_missing(row) or 'not measured'} | | | | | |{run}")
             continue
         c = row["cutmix"]
         # the device's route, then each route timed beside it (``--family-routes``: ``tlalign/<route>`` rows)
@@ -186,10 +214,10 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
             t = row[name]
             label = family if name == "tlalign" else f"{family} ({name.partition('/')[2]})"
             if not isinstance(t, dict) or "ms_median" not in t:
-                out.append(f"| {label} | {row['model']} | {(_missing(t) if isinstance(t, dict) else None) or 'not timed'} | | | | | |")
+                out.append(f"| {label} | {row['model']} | {(_missing(t) if isinstance(t, dict) else None) or 'not timed'} | | | | | |{run}")
                 continue
             out.append(f"| {label} | {row['model']} | {c['ms_median']:.2f} | {t['ms_median']:.2f} | {_ratio(t)} | "
-                       f"{t['memory_ratio']:.3f} | {t.get('graphs', '-')} | {t.get('graph_breaks', '-')} |")
+                       f"{t['memory_ratio']:.3f} | {t.get('graphs', '-')} | {t.get('graph_breaks', '-')} |{run}")
     out.append("")
     return out + _kernel_rows(deit, families)
 

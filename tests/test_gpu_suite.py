@@ -278,7 +278,7 @@ def test_eager_family_routes_are_timed_beside_the_devices_route_and_reported(fam
 
 def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> None:
     """report --append --add-gpu-suite: the earlier runs stay (their raw JSONs may be gone), the new run's parts
-    replace theirs, the parts it did not measure stay; without an earlier summary it refuses."""
+    replace theirs (its families join theirs), the parts it did not measure stay; without an earlier summary it refuses."""
     import shutil
 
     from benchmarks import report
@@ -295,7 +295,9 @@ def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> Non
     assert report.main(["--append", *args]) == 0
     merged = json.loads((results / "gpu-suite.json").read_text())
     assert merged["runs"][:-1] == earlier["runs"] and merged["runs"][-1]["note"] == "the new run"
-    assert set(merged["parts"]["families"]) - {"seconds"} == {"vit"} and merged["parts"]["routes"] == earlier["parts"]["routes"]
+    before = {f for f in earlier["parts"]["families"] if f != "seconds"}
+    assert set(merged["parts"]["families"]) == before | {"vit"} and merged["parts"]["families"]["vit"]["run"] == len(merged["runs"])
+    assert merged["parts"]["routes"] == earlier["parts"]["routes"]
     assert "the new run" in (tmp_path / "RESULTS.md").read_text()
     (results / "gpu-suite.json").unlink()
     assert report.main(["--append", *args]) == 2
@@ -379,6 +381,35 @@ def test_a_part_the_deadline_skipped_keeps_the_earlier_runs_figures() -> None:
     merged = merge_gpu_suites(earlier, later)
     assert merged["parts"]["deit"] == earlier["parts"]["deit"] and merged["parts"]["tests"] == {"summary": "2 passed"}
     assert merged["runs"] == [{"n": 1}, {"n": 2}]
+
+
+def test_a_later_run_adds_its_families_to_the_earlier_runs_rows() -> None:
+    """Families merge row by row: a family the later run measured replaces its row, one it did not measure (or reached
+    its deadline on) keeps the earlier figures, a new one is added; every row says which run measured it, and the
+    table shows it (the rows of a summary from before the tags: the last run that ran the families part)."""
+    from benchmarks.gpu_report import gpu_section, merge_gpu_suites
+
+    def row(ms: float) -> dict[str, Any]:
+        timed = {"ms_median": ms, "ratio": ms / 10, "ratio_min": 1.0, "ratio_max": 1.2, "memory_ratio": 1.0, "graphs": 1,
+                 "graph_breaks": 0}
+        return {"model": "m", "cutmix": {**timed, "ms_median": 10.0}, "tlalign": timed}
+
+    earlier = {"parts": {"families": {"resnet": row(15.0), "pvt_v2": row(13.0), "seconds": 9.0}},
+               "runs": [{"parts": ["families"]}, {"parts": ["deit"]}]}
+    later = {"parts": {"families": {"resnet": row(12.0), "pvt_v2": {"model": "m", "skipped": "deadline"},
+                                    "convnext": row(11.0), "eva": {"model": "m", "skipped": "deadline"}, "seconds": 5.0}},
+             "runs": [{"parts": ["families"]}]}
+    merged = merge_gpu_suites(earlier, later)
+    families = merged["parts"]["families"]
+    assert set(families) == {"resnet", "pvt_v2", "convnext", "eva"}
+    assert families["resnet"]["tlalign"]["ms_median"] == 12.0 and families["resnet"]["run"] == 3
+    assert families["pvt_v2"]["tlalign"]["ms_median"] == 13.0 and families["pvt_v2"]["run"] == 1  # not the skip
+    assert families["convnext"]["run"] == 3 and families["eva"] == {"model": "m", "skipped": "deadline", "run": 3}
+    text = "\n".join(gpu_section(merged))
+    assert "| pvt_v2 | m | 10.00 | 13.00 | 1.300 [1.000, 1.200] | 1.000 | 1 | 0 | 1 |" in text
+    assert "| resnet | m | 10.00 | 12.00 |" in text and text.count(" | 3 |") == 3
+    assert "| family | model | CutMix ms | TL-Align ms | ratio | memory ratio | graphs (TL-Align) | breaks | run |" in text
+    assert "| run |" not in "\n".join(gpu_section({"parts": later["parts"]}))  # a suite's own JSON: one run, no column
 
 
 def test_profiled_steps_show_the_time_the_kernels_do_not_account_for() -> None:
