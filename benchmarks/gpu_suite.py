@@ -127,6 +127,10 @@ def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable
                      into: dict[str, Any]) -> None:
     models = _families.family_models()
     names = args.families or list(models)
+    if args.unmeasured_first:
+        measured = measured_families(SUMMARY, args.family_mode)
+        names = [n for n in names if n not in measured] + [n for n in names if n in measured]
+        log(f"families, unmeasured first ({len(measured)} measured {args.family_mode} in {SUMMARY.name}): {' '.join(names)}")
     for family in names:
         if deadline.left() < args.family_min_s:
             into[family] = {"skipped": f"deadline: {deadline.left():.0f} s left, a family needs {args.family_min_s:.0f}"}
@@ -143,6 +147,19 @@ def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable
         except Exception as err:  # one family's failure must not lose the others' figures
             into[family] = {"model": model, "error": f"{type(err).__name__}: {str(err)[:2000]}"}
         save()
+
+
+SUMMARY = Path(__file__).resolve().parent / "results" / "gpu-suite.json"
+"""The committed summary of the GPU runs so far (``benchmarks.report --add-gpu-suite``)."""
+
+
+def measured_families(summary: Path, mode: str) -> set[str]:
+    """The families with a measured row in ``mode`` (compiled or eager) in the GPU suite summary at ``summary``."""
+    if not summary.is_file():
+        return set()
+    families = json.loads(summary.read_text()).get("parts", {}).get("families", {})
+    return {family for family, row in families.items() if isinstance(row, dict) and "tlalign" in row
+            and "skipped" not in row and "error" not in row and row.get("mode", "compiled") == mode}
 
 
 # --------------------------------------------------------------------------- 3. mixers, 4. tests
@@ -194,6 +211,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deit-model", default="deit_small_patch16_224")
     p.add_argument("--families", nargs="*", default=None,
                    help="families to measure (default: all, in benchmarks/_families.py's order)")
+    p.add_argument("--unmeasured-first", action="store_true",
+                   help="families: those without a measured row of this --family-mode in benchmarks/results/gpu-suite.json "
+                   "first (of --families, or of all), so that each lent GPU's minutes add families the summary lacks")
     p.add_argument("--family-min-s", type=float, default=40.0, help="start a family only with this much time left")
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
     p.add_argument("--profile", action="store_true",
@@ -214,6 +234,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-budget-s", type=float, default=150.0)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes and the registry's 32 px models: try every part anywhere")
     args = p.parse_args(argv)
+    unknown = [f for f in args.families or [] if f not in _families.family_models()]
+    if unknown:
+        p.error(f"--families: no aligning family is named {', '.join(unknown)}; "
+                f"the families are {' '.join(_families.family_models())}")
     if args.dry_run:
         args.batch_size, args.num_classes, args.rounds, args.steps, args.warmup = 4, 10, 2, 2, 1
         args.deit_model, args.family_min_s = "example:vit", 0.0

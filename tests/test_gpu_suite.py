@@ -383,6 +383,36 @@ def test_a_part_the_deadline_skipped_keeps_the_earlier_runs_figures() -> None:
     assert merged["runs"] == [{"n": 1}, {"n": 2}]
 
 
+def test_unmeasured_families_come_first_and_an_unknown_family_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--unmeasured-first: the families without a measured row of that mode in the committed summary go first (so a
+    lent GPU's few minutes add families, not remeasure resnet), the measured after them, each list in its order; a
+    family the summary skipped (pvt_v2: the deadline) counts as unmeasured. A misspelt family stops the suite before
+    it starts, naming the families there are."""
+    measured = gpu_suite.measured_families(gpu_suite.SUMMARY, "compiled")
+    assert {"resnet", "convnext"} <= measured and "pvt_v2" not in measured and "vit" not in measured
+    assert not gpu_suite.measured_families(gpu_suite.SUMMARY, "eager") & {"resnet", "convnext"}
+    order: list[str] = []
+
+    def pair(steps: Any, args: Any, deadline: Any, log: Any, routes: Any = ()) -> dict[str, Any]:
+        order.append(str(steps.model))
+        return {}
+
+    monkeypatch.setattr(gpu_suite, "compiled_pair", pair)
+    monkeypatch.setattr(gpu_suite, "Steps", lambda model, args: argparse.Namespace(model=model))
+    gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "resnet", "vit", "convnext",
+                    "pvt_v2", "--unmeasured-first", "--out", str(tmp_path)])
+    assert order == ["example:vit", "example:pvt_v2", "example:resnet", "example:convnext"]
+    order.clear()
+    gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "resnet", "vit", "--out", str(tmp_path)])
+    assert order == ["example:resnet", "example:vit"]  # without the flag: as given
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--dry-run", "--families", "resnet", "convnxt", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "no aligning family is named convnxt" in err and "convnext" in err
+
+
 def test_a_later_run_adds_its_families_to_the_earlier_runs_rows() -> None:
     """Families merge row by row: a family the later run measured replaces its row, one it did not measure (or reached
     its deadline on) keeps the earlier figures, a new one is added; every row says which run measured it, and the
