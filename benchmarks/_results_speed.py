@@ -41,6 +41,14 @@ def render_steps(summary: dict[str, Any]) -> str:
     return "\n".join(lines + recorded_malloc_note(cfg))
 
 
+_LATER_ROUNDS = " (a row marked [*n]: its run's rounds and warm-up, which the note's command gives)"
+
+_SAME_SETTINGS = (("batch_size", "--batch-size"), ("steps", "--steps"), ("threads", "--threads"), ("amp", "--no-amp"),
+                  ("num_classes", "--num-classes"), ("pixel_boxes", "--pixel-boxes"), ("device", "--device"))
+"""The settings a per-family table's rows must share (``merge_speed``); the rounds (``--repeats``) and the warm-up
+may differ, as a row marked with a later run says by its command."""
+
+
 def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
     """One summary from several ``speed.py`` summaries: ``--families`` runs combine (a later run's rows replace an
     earlier one's, each row keeping the provenance of the run that measured it); anything else must be alone.
@@ -58,6 +66,10 @@ def merge_speed(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, dict[
             raise ValueError("--add-speed: the runs measured different --variants; combine runs of the same variants")
         if summary["config"].get("malloc", "default") != first["config"].get("malloc", "default"):
             raise ValueError("--add-speed: the runs timed under different --malloc settings; combine runs of one setting")
+        for key, flag in _SAME_SETTINGS:  # what a row's figure means: one table, one setting (rounds only add precision)
+            if summary["config"].get(key) != first["config"].get(key):
+                raise ValueError(f"--add-speed: the runs timed with {flag} {first['config'].get(key)} and "
+                                 f"{summary['config'].get(key)}; a table's rows share it: combine runs of one {flag}")
         # a row keeps the provenance it already carries (the committed summary passed again, to add a family)
         families.update({f: {"provenance": summary["provenance"], **row} for f, row in summary["families"].items()})
     return name, {**first, "families": families}
@@ -69,14 +81,15 @@ def render_families(summary: dict[str, Any]) -> str:
     variants = [v for v in cfg["variants"] if v != BASELINE]
     # runs since the faults were counted have them (a table of older rows shows no column for them)
     faults = any("faults_per_step" in s for row in summary["families"].values() for s in row["steps"].values())
+    later, mark_of = later_runs(summary)
     lines = [provenance_line(summary["provenance"]), "",
              f"One small timm model per family at its default input size, batch {cfg['batch_size']}, "
-             f"{cfg['repeats']} interleaved rounds of {cfg['steps']} steps; time: the paired per-round ratio to "
+             f"{cfg['repeats']} interleaved rounds of {cfg['steps']} steps{_LATER_ROUNDS if later else ''}; time: the "
+             "paired per-round ratio to "
              f"{LABELS[BASELINE]} (median [min, max]); alloc peak: ratio of the allocator's peak live bytes (model, "
              "optimizer state, batch and step); alloc step: ratio of what the step adds on top. Target: time <= 1.03, "
              "alloc <= 1.01.", "",
              *family_header(variants, "model (CutMix step ms)", faults)]
-    later, mark_of = later_runs(summary)
     for family, row in summary["families"].items():
         base = row["steps"][BASELINE]
         lines.append(f"| {family}{mark_of(row)} | `{row['model']}` ({fmt(base['step_ms_median'], 0)}) | "

@@ -383,3 +383,30 @@ def test_a_speed_run_of_a_few_families_alone_is_refused(tmp_path: Path, capsys: 
     assert "rows would be dropped" in capsys.readouterr().err and committed.read_text() == json.dumps(summary, indent=1) + "\n"
     assert report.main([*args, "--add-speed", str(committed), str(run)]) == 0
     assert len(json.loads(committed.read_text())["families"]) == len(summary["families"])
+
+
+@pytest.mark.parametrize(("key", "value", "flag"), [("batch_size", 16, "--batch-size"), ("steps", 4, "--steps"),
+                                                   ("threads", 1, "--threads")])
+def test_families_runs_of_other_settings_do_not_share_a_table(key: str, value: int, flag: str, tmp_path: Path) -> None:
+    """A table says one batch size, step count and thread count for all its rows: a run of another is refused (a
+    batch-16 row would have read as batch 8's); more rounds are only more precision: merged, the header says a
+    marked row's rounds are its run's."""
+    row = {"img_s": 4.0, "step_ms_median": 500.0, "step_ms_min": 490.0, "step_ms_max": 510.0, "peak_mb": 900.0,
+           "step_mb": 100.0, "alloc_peak_mb": 300.0, "alloc_step_mb": 120.0}
+    aligned = {**row, "time_ratio": 1.02, "time_ratio_min": 1.0, "time_ratio_max": 1.05, "alloc_ratio": 1.0,
+               "alloc_step_ratio": 1.0}
+    config = {"device": "cpu", "variants": ["cutmix", "tlalign"], "batch_size": 8, "repeats": 3, "steps": 2, "threads": 2}
+
+    def run(name: str, family: str, cfg: dict[str, Any]) -> Path:
+        families = {family: {"model": f"{family}_model", "refused": {}, "steps": {"cutmix": row, "tlalign": aligned}}}
+        (tmp_path / name).write_text(json.dumps({"config": cfg, "families": families, "provenance": {
+            **PROVENANCE, "date": name}}))
+        return tmp_path / name
+
+    first = report.summarize_speed(run("a.json", "vit", config))
+    with pytest.raises(ValueError, match=f"timed with {flag} {config[key]} and {value}"):
+        report.merge_speed([first, report.summarize_speed(run("b.json", "beit", {**config, key: value}))])
+    _, merged = report.merge_speed([first, report.summarize_speed(run("c.json", "beit", {**config, "repeats": 20}))])
+    text = report.render_families(merged)
+    assert "3 interleaved rounds of 2 steps (a row marked [*n]: its run's rounds" in text and "| beit [*1] |" in text
+    assert "(a row marked" not in report.render_families(first[1])  # one run: no marked row, no such words
