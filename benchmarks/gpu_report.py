@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks._gpu_timing import error_cell
 
-__all__ = ["summary_table", "gpu_section", "outcomes_of", "summarize_gpu_suite", "render_gpu_suite"]
+__all__ = ["family_measured", "gpu_section", "merge_gpu_suites", "outcomes_of", "render_gpu_suite", "summarize_gpu_suite", "summary_table"]
 
 
 def _ratio(row: dict[str, Any]) -> str:
@@ -107,7 +107,7 @@ def merge_gpu_suites(first: dict[str, Any], later: dict[str, Any]) -> dict[str, 
             earlier = _with_runs(merged["parts"]["families"], families_run(first))
             merged["parts"]["families"] = {**earlier, **{
                 family: {**row, "run": len(runs)} for family, row in part.items()
-                if isinstance(row, dict) and (_family_measured(row) or family not in earlier)}}
+                if isinstance(row, dict) and (family_measured(row) or family not in earlier)}}
         else:
             merged["parts"][name] = part
     return merged
@@ -126,8 +126,9 @@ def _with_runs(families: dict[str, Any], run: int | None) -> dict[str, Any]:
             if family != "seconds" and isinstance(row, dict)}
 
 
-def _family_measured(row: dict[str, Any]) -> bool:
-    return "tlalign" in row and _missing(row) is None
+def family_measured(row: Any) -> bool:
+    """Whether a GPU suite family row holds figures (TL-Align timed; not the deadline's skip, not an error)."""
+    return isinstance(row, dict) and "tlalign" in row and _missing(row) is None
 
 
 def render_gpu_suite(summary: dict[str, Any], provenance_line: Callable[[dict[str, Any]], str]) -> str:

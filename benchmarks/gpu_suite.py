@@ -49,7 +49,7 @@ from benchmarks._gpu_steps import Steps, compiled_pair, eager_pair, timed_with_m
 from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds, working_calls
 from benchmarks._mixer_timing import measure_mixers as time_mixers
 from benchmarks._provenance import finish, provenance
-from benchmarks.gpu_report import outcomes_of, summary_table
+from benchmarks.gpu_report import family_measured, outcomes_of, summary_table
 
 PARTS = ("routes", "deit", "mixers", "tests", "families")
 CUDA_TESTS = ("tests/test_attention.py", "tests/test_backbones_cuda.py", "tests/test_compile_cuda.py", "tests/test_strategies_cuda.py")
@@ -158,8 +158,7 @@ def measured_families(summary: Path, mode: str) -> set[str]:
     if not summary.is_file():
         return set()
     families = json.loads(summary.read_text()).get("parts", {}).get("families", {})
-    return {family for family, row in families.items() if isinstance(row, dict) and "tlalign" in row
-            and "skipped" not in row and "error" not in row and row.get("mode", "compiled") == mode}
+    return {family for family, row in families.items() if family_measured(row) and row.get("mode", "compiled") == mode}
 
 
 # --------------------------------------------------------------------------- 3. mixers, 4. tests

@@ -39,7 +39,7 @@ from benchmarks._results_sections import README, RESULTS_DIR, RESULTS_MD, SECTIO
 from benchmarks._results_speed import (
     merge_speed, render_families, render_label_work, render_steps, summarize_speed,
 )
-from benchmarks.gpu_report import merge_gpu_suites, summarize_gpu_suite
+from benchmarks.gpu_report import family_measured, merge_gpu_suites, summarize_gpu_suite
 
 # the command, and what the tests and other tools read of RESULTS: each lives in a _results_* module
 __all__ = ["README", "RESULTS_DIR", "RESULTS_MD", "SECTIONS", "main", "merge_speed", "provenance_line", "reading",
@@ -162,11 +162,15 @@ def _measured(part: Any) -> bool:
 
 def _refuse_dropped_parts(summary: dict[str, Any], committed: dict[str, Any], path: Path) -> None:
     """Raise where a GPU suite run added without ``--append`` would drop figures the committed summary holds: a part
-    (or a DeiT-S mode) earlier runs measured and this run did not (it reached its deadline first, or ran other parts)."""
+    (a DeiT-S mode, a family's row) earlier runs measured and this run did not (it reached its deadline first, or ran
+    other parts or families)."""
     old, new = committed.get("parts", {}), summary.get("parts", {})
     dropped = [part for part, figures in old.items() if _measured(figures) and not _measured(new.get(part))]
     if _measured(old.get("deit")) and _measured(new.get("deit")):
         dropped += [f"deit {mode}" for mode in ("eager", "compiled") if mode in old["deit"] and mode not in new["deit"]]
+    if _measured(old.get("families")) and _measured(new.get("families")):
+        dropped += [f"family {family}" for family, row in old["families"].items()
+                    if family_measured(row) and not family_measured(new["families"].get(family))]
     if dropped:
         raise ValueError(
             f"gpu-suite: the run did not measure {', '.join(dropped)}, which {path} holds from earlier runs, and would "

@@ -369,6 +369,17 @@ def test_report_refuses_a_run_that_would_drop_the_earlier_runs_parts(tmp_path: P
     assert merged["parts"]["deit"] == committed["parts"]["deit"] and merged["parts"]["routes"] != committed["parts"]["routes"]
     assert report.main(["--replace", *args]) == 0
     assert set(json.loads((results / "gpu-suite.json").read_text())["parts"]) == {"routes"}
+    # every part measured again, but other families: the earlier runs' family rows would go
+    shutil.copy(report.RESULTS_DIR / "gpu-suite.json", results / "gpu-suite.json")
+    resnet = committed["parts"]["families"]["resnet"]
+    run = {**committed, "runs": [], "device": "NVIDIA H100 80GB HBM3", "dry_run": False,
+           "parts": {**committed["parts"], "families": {"vit": {**resnet, "model": "vit_small"}}}}
+    (tmp_path / "run" / "gpu_suite.json").write_text(json.dumps(run))
+    assert report.main(args) == 2
+    err = capsys.readouterr().err
+    assert "did not measure family resnet, family convnext" in err and "pvt_v2" not in err  # pvt_v2: a skipped row
+    assert report.main(["--append", *args]) == 0
+    assert {"resnet", "convnext", "vit"} <= set(json.loads((results / "gpu-suite.json").read_text())["parts"]["families"])
 
 
 def test_a_part_the_deadline_skipped_keeps_the_earlier_runs_figures() -> None:
