@@ -926,7 +926,7 @@ def _depthwise_kernel(kernel: Tensor, like: Tensor, channels: int) -> Tensor:
 def conv_steps_undivided(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[Tensor | None]) -> tuple[Tensor, Tensor]:
     """``conv_steps_on_grid`` with its last convolution left undivided, for a caller that divides within an operator
     of its own (``CompactTracker.residual_sum``): that convolution ``(b, l, h, w)`` and its in-grid tap weight
-    ``(1, h, w)`` (``masses``' last, else one convolution of ones). Labels ``(b, l, h, w)`` not position-major, a
+    ``(1, h, w)`` (``masses``' last, else ``tap_weights``: a convolution of ones on this route). Labels ``(b, l, h, w)`` not position-major, a
     GPU's eager route (convolutions, not the compiled graphs' shifted sums)."""
     if is_position_major(y) or not steps:
         raise ValueError("conv_steps_undivided: labels viewed (b, l, h, w), not position-major, and at least one step")
@@ -937,7 +937,7 @@ def conv_steps_undivided(y: Tensor, steps: Sequence[ConvStep], masses: Sequence[
         k = _depthwise_kernel(kernel, z, l)
         mass = masses[-1]
         if mass is None:
-            mass = F.conv2d(_ones((1, 1, h, w), y.device), k[:1], padding=padding, dilation=dilation)[0]  # 1 h w
+            mass = tap_weights(k[:1], (h, w), padding, dilation)[0]  # 1 h w
         return F.conv2d(z, k, padding=padding, dilation=dilation, groups=l), mass
 
 

@@ -206,7 +206,7 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
         if not isinstance(row, dict) or family == "seconds":
             continue
         run = f" {row.get('run', default_run)} |" if by_run else ""
-        if _missing(row) or "tlalign" not in row:
+        if not family_measured(row):
             out.append(f"| {family} | {row.get('model', '-')} | {_missing(row) or 'not measured'} | | | | | |{run}")
             continue
         c = row["cutmix"]
