@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Waiting OpenMP threads sleep instead of spinning: set before torch loads its OpenMP runtime (which reads it then),
 # and inherited by the child processes tests start (the digest's 2-thread children, torchrun's, the benchmarks'). On
@@ -38,3 +39,18 @@ FIRST = ("test_fsdp.py", "test_targets_unchanged.py", "test_compile.py", "test_s
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
+@pytest.fixture
+def report_copy(tmp_path: Path) -> list[str]:
+    """``python -m benchmarks.report``'s arguments onto a copy of the committed summaries (``tmp_path / "results"``),
+    writing ``tmp_path / "RESULTS.md"`` and a copy of the README (``tmp_path / "README.md"``): the repository's own
+    are left as they are."""
+    import shutil
+
+    from benchmarks import report
+
+    shutil.copytree(report.RESULTS_DIR, tmp_path / "results")
+    shutil.copy(report.README, tmp_path / "README.md")
+    return ["--results-dir", str(tmp_path / "results"), "--output", str(tmp_path / "RESULTS.md"),
+            "--readme", str(tmp_path / "README.md")]

@@ -276,22 +276,17 @@ def test_eager_family_routes_are_timed_beside_the_devices_route_and_reported(fam
     assert f"| {family} ({route}) | example:{family} |" in text
 
 
-def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path) -> None:
+def test_report_appends_a_run_onto_the_summary_in_results(tmp_path: Path, report_copy: list[str]) -> None:
     """report --append --add-gpu-suite: the earlier runs stay (their raw JSONs may be gone), the new run's parts
     replace theirs (its families join theirs), the parts it did not measure stay; without an earlier summary it refuses."""
-    import shutil
-
     from benchmarks import report
 
-    results, readme = tmp_path / "results", tmp_path / "README.md"
-    shutil.copytree(report.RESULTS_DIR, results)
-    shutil.copy(report.README, readme)
+    results = tmp_path / "results"
     earlier = json.loads((results / "gpu-suite.json").read_text())
     gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "vit", "--rounds", "1",
                     "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "run")])
     _as_if_on_a_gpu(tmp_path / "run" / "gpu_suite.json")
-    args = ["--results-dir", str(results), "--output", str(tmp_path / "RESULTS.md"), "--readme", str(readme),
-            "--add-gpu-suite", str(tmp_path / "run" / "gpu_suite.json"), "--note", "the new run"]
+    args = [*report_copy, "--add-gpu-suite", str(tmp_path / "run" / "gpu_suite.json"), "--note", "the new run"]
     assert report.main(["--append", *args]) == 0
     merged = json.loads((results / "gpu-suite.json").read_text())
     assert merged["runs"][:-1] == earlier["runs"] and merged["runs"][-1]["note"] == "the new run"
@@ -310,17 +305,15 @@ def _as_if_on_a_gpu(path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["dry run", "cpu run", "old cpu json"])
-def test_report_refuses_a_run_that_was_not_on_a_gpu(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_refuses_a_run_that_was_not_on_a_gpu(
+    kind: str, tmp_path: Path, report_copy: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     """report --add-gpu-suite of a --dry-run's JSON (or of a run on the CPU, or of a JSON from before the suite said
     ``dry_run``, whose device reads CPU) exits 2 naming why, and writes nothing: its tiny figures would have replaced
     the H100's tables in RESULTS' GPU section (the dry run is what a session runs to prepare the GPU call)."""
-    import shutil
-
     from benchmarks import report
 
-    results, readme, output = tmp_path / "results", tmp_path / "README.md", tmp_path / "RESULTS.md"
-    shutil.copytree(report.RESULTS_DIR, results)
-    shutil.copy(report.README, readme)
+    results, output = tmp_path / "results", tmp_path / "RESULTS.md"
     output.write_text("before\n")
     before = {p.name: p.read_bytes() for p in results.iterdir()}
     run = tmp_path / "run"
@@ -332,8 +325,7 @@ def test_report_refuses_a_run_that_was_not_on_a_gpu(kind: str, tmp_path: Path, c
     elif kind == "old cpu json":
         del result["dry_run"]
     (run / "gpu_suite.json").write_text(json.dumps(result))
-    args = ["--results-dir", str(results), "--output", str(output), "--readme", str(readme),
-            "--add-gpu-suite", str(run / "gpu_suite.json")]
+    args = [*report_copy, "--add-gpu-suite", str(run / "gpu_suite.json")]
     for mode in ([], ["--append"]):
         assert report.main([*mode, *args]) == 2
         err = capsys.readouterr().err
@@ -343,7 +335,9 @@ def test_report_refuses_a_run_that_was_not_on_a_gpu(kind: str, tmp_path: Path, c
     assert report.main(["--append", *args]) == 0  # the same figures, said to be a GPU's, are taken: it reads the run's kind
 
 
-def test_report_refuses_a_run_that_would_drop_the_earlier_runs_parts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_refuses_a_run_that_would_drop_the_earlier_runs_parts(
+    tmp_path: Path, report_copy: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     """report --add-gpu-suite without --append, of a run that measured fewer parts than the committed summary holds (a
     run that reached its deadline, or ran --parts families alone): exit 2 naming the parts it would drop and --append,
     nothing written; --append merges it, --replace takes it alone."""
@@ -351,15 +345,12 @@ def test_report_refuses_a_run_that_would_drop_the_earlier_runs_parts(tmp_path: P
 
     from benchmarks import report
 
-    results, readme, output = tmp_path / "results", tmp_path / "README.md", tmp_path / "RESULTS.md"
-    shutil.copytree(report.RESULTS_DIR, results)
-    shutil.copy(report.README, readme)
+    results, output = tmp_path / "results", tmp_path / "RESULTS.md"
     committed = json.loads((results / "gpu-suite.json").read_text())
     assert all(part in committed["parts"] for part in ("routes", "deit", "mixers", "families"))
     gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "routes", "--rounds", "1", "--steps", "1", "--out", str(tmp_path / "run")])
     _as_if_on_a_gpu(tmp_path / "run" / "gpu_suite.json")
-    args = ["--results-dir", str(results), "--output", str(output), "--readme", str(readme),
-            "--add-gpu-suite", str(tmp_path / "run" / "gpu_suite.json")]
+    args = [*report_copy, "--add-gpu-suite", str(tmp_path / "run" / "gpu_suite.json")]
     assert report.main(args) == 2
     err = capsys.readouterr().err
     assert "did not measure deit, mixers" in err and "add --append" in err and not output.exists()

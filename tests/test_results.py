@@ -313,23 +313,13 @@ def _op_count_run(path: Path, counts: dict[str, int], date: str, batch_size: int
     return path
 
 
-def _dirs(tmp_path: Path) -> list[str]:
-    """A results directory of its own (the committed summaries copied) and where its RESULTS and README go."""
-    import shutil
-
-    shutil.copytree(report.RESULTS_DIR, tmp_path / "results")
-    shutil.copy(report.README, tmp_path / "README.md")
-    return ["--results-dir", str(tmp_path / "results"), "--output", str(tmp_path / "RESULTS.md"),
-            "--readme", str(tmp_path / "README.md")]
-
-
 def test_a_run_of_a_few_families_adds_to_the_op_count_table_and_alone_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, report_copy: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """op_count.py --families resnet given alone would have replaced the 65-family table with one row: refused, naming
     the rows it would drop and the fix (nothing written); given after the committed summary, its row replaces
     resnet's, marked with its run, every other row kept; --replace takes it whole."""
-    args = _dirs(tmp_path)
+    args = report_copy
     committed = tmp_path / "results" / "op-count.json"
     before = committed.read_text()
     families = list(json.loads(before)["families"])
@@ -369,9 +359,11 @@ def test_op_count_runs_of_different_kinds_or_batches_do_not_combine(tmp_path: Pa
         merge_op_counts([whole, one])
 
 
-def test_a_speed_run_of_a_few_families_alone_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_speed_run_of_a_few_families_alone_is_refused(
+    tmp_path: Path, report_copy: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     """The same for speed.py --families: its JSON alone would have replaced the committed table's rows."""
-    args = _dirs(tmp_path)
+    args = report_copy
     committed = tmp_path / "results" / "speed-control-cpu.json"
     summary = json.loads(committed.read_text())
     family, row = next(iter(summary["families"].items()))
