@@ -14,7 +14,16 @@ from typing import Any
 
 from benchmarks._gpu_timing import error_cell
 
-__all__ = ["family_measured", "gpu_section", "merge_gpu_suites", "outcomes_of", "render_gpu_suite", "summarize_gpu_suite", "summary_table"]
+__all__ = [
+    "family_measured",
+    "gpu_section",
+    "merge_gpu_suites",
+    "outcomes_of",
+    "part_measured",
+    "render_gpu_suite",
+    "summarize_gpu_suite",
+    "summary_table",
+]
 
 
 def _ratio(row: dict[str, Any]) -> str:
@@ -95,22 +104,55 @@ def summarize_gpu_suite(path: Path, note: str | None = None) -> tuple[str, dict[
 def merge_gpu_suites(first: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
     """``first`` with ``later``'s measured parts in their place: DeiT-S mode by mode, the families family by family (a
     family ``later`` measured replaces its row, the others stay: each session's GPU minutes measure a few families,
-    and together they cover more), each family row saying which run measured it (``run``, 1-based)."""
-    runs = [*first.get("runs", []), *later.get("runs", [])]
+    and together they cover more), each family row saying which run measured it (``run``, 1-based).
+
+    A part ``later`` measured nothing in (its deadline came first, or it failed) keeps the earlier figures; a part
+    that failed, whole or part way, says so in ``later``'s run record (``ended``: part -> why), which RESULTS prints
+    beside that run, so an error neither wipes figures out nor goes unsaid."""
+    runs = [*first.get("runs", []), *[dict(run) for run in later.get("runs", [])]]
     merged = {**first, "parts": dict(first["parts"]), "runs": runs}
+    ended: dict[str, str] = {}
     for name, part in later["parts"].items():
-        if isinstance(part, dict) and set(part) <= {"skipped", "seconds"}:
-            continue  # the run reached its deadline before this part: it measured nothing to replace a figure with
-        if name == "deit" and name in merged["parts"]:
-            merged["parts"]["deit"] = {**merged["parts"]["deit"], **{k: v for k, v in part.items() if k != "seconds"}}
-        elif name == "families" and isinstance(merged["parts"].get(name), dict):
-            earlier = _with_runs(merged["parts"]["families"], families_run(first))
+        before = merged["parts"].get(name)
+        if not isinstance(part, dict):
+            merged["parts"][name] = part
+        elif name == "families" and isinstance(before, dict):
+            earlier = _with_runs(before, families_run(first))
             merged["parts"]["families"] = {**earlier, **{
                 family: {**row, "run": len(runs)} for family, row in part.items()
                 if isinstance(row, dict) and (family_measured(row) or family not in earlier)}}
+            if "error" in part:  # the rows it measured before the error merged; the error is said
+                ended[name] = _missing(part) or ""
+        elif not part_measured(name, part):  # the deadline came first, or it failed: nothing to replace a figure with
+            if "error" in part and part_measured(name, before):
+                ended[name] = _missing(part) or ""
+            elif "error" in part:
+                merged["parts"][name] = part  # nothing earlier to keep: the part's own table says why
+        elif name == "deit" and part_measured(name, before):
+            if "error" in part:
+                ended[name] = _missing(part) or ""
+            merged["parts"]["deit"] = {**_figures(before), **_figures(part)}
         else:
             merged["parts"][name] = part
+    if ended and runs:
+        runs[-1]["ended"] = {**runs[-1].get("ended", {}), **ended}
     return merged
+
+
+def part_measured(name: str, part: Any) -> bool:
+    """Whether a GPU suite part holds figures: the families part a measured row (``family_measured``), any other part
+    more than the deadline's skip, an error and its seconds."""
+    if not isinstance(part, dict):
+        return False
+    if name == "families":
+        return any(family_measured(row) for row in part.values())
+    return not set(part) <= {"skipped", "seconds", "error"}
+
+
+def _figures(part: Any) -> dict[str, Any]:
+    """A part's figures: without its seconds and the skip or error that ended its run (a later run's merge says
+    those in its run record)."""
+    return {key: value for key, value in part.items() if key not in ("seconds", "skipped", "error")}
 
 
 def families_run(summary: dict[str, Any]) -> int | None:
@@ -138,6 +180,9 @@ def render_gpu_suite(summary: dict[str, Any], provenance_line: Callable[[dict[st
         lines += [f"Run {i} (parts: {', '.join(run['parts'])}): " + provenance_line(run["provenance"]), ""]
         if run.get("note"):
             lines += [run["note"], ""]
+        for part, why in run.get("ended", {}).items():
+            lines += [f"Run {i}'s {part} part ended early ({why}): what it measured before that is in the tables, "
+                      "the rest keeps the earlier runs' figures.", ""]
     lines += ["Each figure: batch 128 (DeiT-S, the families, the mixers at 224 px), bf16 autocast, the median over "
               "interleaved rounds timed by CUDA events; a ratio is the median of the paired per-round ratios, "
               "[min, max] their range.", ""]

@@ -39,7 +39,7 @@ from benchmarks._results_sections import README, RESULTS_DIR, RESULTS_MD, SECTIO
 from benchmarks._results_speed import (
     merge_speed, render_families, render_label_work, render_steps, summarize_speed,
 )
-from benchmarks.gpu_report import family_measured, merge_gpu_suites, summarize_gpu_suite
+from benchmarks.gpu_report import family_measured, merge_gpu_suites, part_measured, summarize_gpu_suite
 
 # the command, and what the tests and other tools read of RESULTS: each lives in a _results_* module
 __all__ = ["README", "RESULTS_DIR", "RESULTS_MD", "SECTIONS", "main", "merge_speed", "provenance_line", "reading",
@@ -155,20 +155,16 @@ def _refuse_dropped_rows(name: str, summary: dict[str, Any], results_dir: Path) 
         "<the run's JSON files>; to replace the table whole, add --replace")
 
 
-def _measured(part: Any) -> bool:
-    """Whether a GPU suite part holds figures (not only the deadline's skip, its seconds or an error)."""
-    return isinstance(part, dict) and not set(part) <= {"skipped", "seconds", "error"}
-
-
 def _refuse_dropped_parts(summary: dict[str, Any], committed: dict[str, Any], path: Path) -> None:
     """Raise where a GPU suite run added without ``--append`` would drop figures the committed summary holds: a part
     (a DeiT-S mode, a family's row) earlier runs measured and this run did not (it reached its deadline first, or ran
     other parts or families)."""
     old, new = committed.get("parts", {}), summary.get("parts", {})
-    dropped = [part for part, figures in old.items() if _measured(figures) and not _measured(new.get(part))]
-    if _measured(old.get("deit")) and _measured(new.get("deit")):
+    dropped = [part for part, figures in old.items()
+               if part_measured(part, figures) and not part_measured(part, new.get(part))]
+    if part_measured("deit", old.get("deit")) and part_measured("deit", new.get("deit")):
         dropped += [f"deit {mode}" for mode in ("eager", "compiled") if mode in old["deit"] and mode not in new["deit"]]
-    if _measured(old.get("families")) and _measured(new.get("families")):
+    if part_measured("families", old.get("families")) and part_measured("families", new.get("families")):
         dropped += [f"family {family}" for family, row in old["families"].items()
                     if family_measured(row) and not family_measured(new["families"].get(family))]
     if dropped:

@@ -385,6 +385,43 @@ def test_a_part_the_deadline_skipped_keeps_the_earlier_runs_figures() -> None:
     assert merged["runs"] == [{"n": 1}, {"n": 2}]
 
 
+def test_a_part_that_failed_keeps_the_earlier_figures_and_the_run_says_so() -> None:
+    """A later run's part that ended in an error replaces no figure it did not measure: a part with nothing measured
+    keeps the earlier one whole, DeiT-S keeps the modes the run did not reach, the families the rows; what it did
+    measure merges. The error is said beside that run in RESULTS, and an earlier run's error does not stay on a part
+    a later run measured cleanly. A failed part with nothing earlier is kept with its error (its table says it)."""
+    from benchmarks.gpu_report import merge_gpu_suites, render_gpu_suite
+
+    def ms(value: float) -> dict[str, Any]:
+        return {"ms_median": value, "ratio": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "peak_mb": 1.0, "memory_ratio": 1.0,
+                "graphs": 1, "graph_breaks": 0}
+
+    timed = {"model": "m", "cutmix": ms(10.0), "tlalign": ms(12.0)}
+    earlier = {"parts": {"routes": {"DeiT-S": {"plain": ms(1.0)}},
+                         "deit": {"eager": {"cutmix": ms(1.0)}, "compiled": {"cutmix": ms(2.0)},
+                                  "error": "RuntimeError: run 1's own"},
+                         "families": {"resnet": timed, "pvt_v2": timed}},
+               "runs": [{"parts": ["deit", "families", "routes"], "provenance": {}}]}
+    later = {"parts": {"routes": {"error": "RuntimeError: cuDNN said no", "seconds": 1.0},
+                       "deit": {"eager": {"cutmix": ms(3.0)}, "error": "OutOfMemoryError: compiled", "seconds": 2.0},
+                       "families": {"resnet": {**timed, "model": "r2"}, "error": "KeyError: 'pvt_v2'", "seconds": 3.0},
+                       "mixers": {"error": "ImportError: timm", "seconds": 0.5}},
+             "runs": [{"parts": ["deit", "families", "mixers", "routes"], "provenance": {}}]}
+    merged = merge_gpu_suites(earlier, later)
+    parts = merged["parts"]
+    assert parts["routes"] == earlier["parts"]["routes"]
+    assert parts["deit"] == {"eager": {"cutmix": ms(3.0)}, "compiled": {"cutmix": ms(2.0)}}
+    assert parts["families"]["resnet"]["model"] == "r2" and parts["families"]["pvt_v2"]["model"] == "m"
+    assert parts["mixers"] == later["parts"]["mixers"]  # nothing earlier: the error stands in the part
+    assert merged["runs"][1]["ended"] == {"routes": "error: RuntimeError: cuDNN said no",
+                                          "deit": "error: OutOfMemoryError: compiled", "families": "error: KeyError: 'pvt_v2'"}
+    assert "ended" not in later["runs"][0]  # the run given is not changed
+    text = render_gpu_suite(merged, lambda provenance: "provenance")
+    assert "Run 2's routes part ended early (error: RuntimeError: cuDNN said no)" in text
+    assert "Run 2's families part ended early (error: KeyError: 'pvt_v2')" in text
+    assert "Run 1's" not in text and "run 1's own" not in text
+
+
 def test_unmeasured_families_come_first_and_an_unknown_family_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
