@@ -19,6 +19,7 @@ trains on batches from a mixer. For every family's registry model this file chec
 - under CPU bf16 autocast the compiled targets stay fp32 and equal eager's;
 - a smaller last batch (a loader without ``drop_last``) compiles once more, with the batch size symbolic, and that
   graph serves every other size, equal to eager; ``dynamic=True`` compiles whole too, once for every size;
+- a mixer of two kinds (timm's ``--mixup`` with ``--cutmix``, batch mode) compiles once per kind, then serves both;
 - in a fresh process the first step's compile serves the next steps (einops' per-type backend store, which dynamo
   guards, no longer grows while the first step is traced).
 
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import mixlabels
-from mixlabels import TLAlign, backbones
+from mixlabels import TLAlign, backbones, strategies
 from mixlabels.backbones import FAMILIES
 from mixlabels.backbones._attention import attention_route
 from mixlabels.backbones._family import tiny
@@ -203,6 +204,34 @@ def check_other_batch_sizes(family: Any, backend: str, tol: float, dynamic: bool
             # (its eager value 6e-6, every other gradient within 2e-7) on batches of 3 and 4
             scale = 3 * max(1.0, float(grad.abs().max()))
             assert_close(got_grads[name], grad, atol=tol * scale, rtol=tol, msg=lambda m: f"batch of {sizes[i]}, {name}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["batch", "elem"])
+@pytest.mark.parametrize("family", _every(["vit", "resnet"], light=True))
+def test_a_mixer_of_two_kinds_compiles_once_per_kind_and_equals_eager(family: Any, mode: str) -> None:
+    """timm's ``--mixup`` with ``--cutmix``, as the ported ``train.py`` builds it (``timm_mixup``): in ``batch`` mode a
+    batch is MixUp's or CutMix's, whose label maps carry masks of two types (dynamo guards on the type), so the step
+    compiles once per kind the mixer has drawn and then serves both with no further compile (``elem`` mode: one kind
+    of map, one compile); compiled == eager throughout. Seen through timm's own ``train.py`` ported, with
+    ``--torchcompile``: two training graphs and the validation model's, no graph break."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    adapted = backbones.adapt(family.example().train(), TLAlign())
+    compiled = torch.compile(adapted, backend="eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    mixer = strategies.timm_mixup(mixup_alpha=0.8, cutmix_alpha=1.0, mode=mode, num_classes=C, generator=gen)
+    kinds: set[type] = set()
+    for i in range(10):
+        images, label_map = mixer(torch.randn(B, 3, IMG, IMG, generator=gen), torch.randint(0, C, (B,), generator=gen))
+        kinds.add(type(label_map.mask))
+        # from the seventh batch on no compile may happen: every kind the mixer draws was drawn by then (asserted below)
+        stance: Literal["default", "fail_on_recompile"] = "fail_on_recompile" if i >= 6 else "default"
+        with torch.compiler.set_stance(stance):
+            got, _ = step(compiled, images, label_map)  # type: ignore[arg-type]
+        assert_close(got.target, step(adapted, images, label_map)[0].target, atol=1e-6, rtol=1e-6)
+        if i == 5:
+            assert len(kinds) == (2 if mode == "batch" else 1), kinds
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(kinds)
 
 
 @pytest.mark.parametrize("family", _every(["vit", "resnet", "convnext"], light=True))
