@@ -181,8 +181,8 @@ def render_gpu_suite(summary: dict[str, Any], provenance_line: Callable[[dict[st
         if run.get("note"):
             lines += [run["note"], ""]
         for part, why in run.get("ended", {}).items():
-            lines += [f"Run {i}'s {part} part ended early ({why}): what it measured before that is in the tables, "
-                      "the rest keeps the earlier runs' figures.", ""]
+            lines += [f"Run {i}'s {part} part ended early ({why}); where it measured nothing, the tables keep the earlier "
+                      "runs' figures.", ""]
     lines += ["Each figure: batch 128 (DeiT-S, the families, the mixers at 224 px), bf16 autocast, the median over "
               "interleaved rounds timed by CUDA events; a ratio is the median of the paired per-round ratios, "
               "[min, max] their range.", ""]
