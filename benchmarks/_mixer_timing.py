@@ -111,9 +111,10 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
         if reference_of(name) not in calls:
             del calls[name]
             errors[name] = f"its reference {reference_of(name)!r} failed: {errors.get(reference_of(name), 'not selected')}"
+    host: dict[str, list[float]] = {}  # until the calls returned, before the wait for the device: the host's share
     times = interleaved_times(
         calls, rounds=args.mixer_repeats,
-        per_block=args.mixer_calls, warmup=2, sync=sync, progress=progress, label="mixers: repeat",
+        per_block=args.mixer_calls, warmup=2, sync=sync, progress=progress, label="mixers: repeat", host=host,
     )  # fmt: skip
     summary: dict[str, Any] = {}
     for name in fns:  # the candidates' order, a failed one in its place
@@ -126,6 +127,7 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
             "ms_min": 1000 * min(ts),
             "ms_max": 1000 * max(ts),
             "s_per_repeat": ts,
+            "host_ms_median": 1000 * statistics.median(host[name]),
         }
     for name, s in summary.items():
         if "error" in s:

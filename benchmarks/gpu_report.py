@@ -225,13 +225,20 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
     if _missing(mixers):
         out += [_missing(mixers) or "", ""]
     else:
-        out += ["| mixer | ms | ratio to timm |", "| --- | --- | --- |"]
+        # host ms (runs that timed it): until the calls returned, before the wait for the GPU; near ms, the mixer
+        # waits on the host issuing it (Python and launches), not on the GPU's work
+        host = any(isinstance(row, dict) and "host_ms_median" in row for row in mixers.values())
+        if host:
+            out += ["host ms: the time until a mixer's calls returned, before the wait for the GPU; near ms, the mixer waits "
+                    "on the host issuing its work (Python and launches), not on the GPU.", ""]
+        out += ["| mixer | ms | ratio to timm |" + (" host ms |" if host else ""), "| --- | --- | --- |" + (" --- |" if host else "")]
         for name, row in mixers.items():
             if isinstance(row, dict) and "error" in row and "ms_median" not in row:
-                out.append(f"| {name} | left out: {error_cell(row['error'])} | - |")
+                out.append(f"| {name} | left out: {error_cell(row['error'])} | - |" + (" - |" if host else ""))
             if isinstance(row, dict) and "ms_median" in row:
+                host_cell = f" {row['host_ms_median']:.2f} |" if "host_ms_median" in row else " - |"
                 out.append(f"| {name} | {row['ms_median']:.2f} | {row['paired_ratio']:.3f} "
-                           f"[{row['paired_ratio_min']:.3f}, {row['paired_ratio_max']:.3f}] |")
+                           f"[{row['paired_ratio_min']:.3f}, {row['paired_ratio_max']:.3f}] |" + (host_cell if host else ""))
         out.append("")
     tests = parts.get("tests", {})
     out += ["### GPU tests", "", _missing(tests) or f"`{tests.get('command', '?')}`: {tests.get('summary', '?')}", ""]

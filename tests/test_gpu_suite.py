@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,31 @@ def test_a_spent_deadline_skips_every_part_and_says_so(tmp_path: Path) -> None:
     result = gpu_suite.main(["--device", "cpu", "--dry-run", "--budget-s", "0", "--out", str(tmp_path)])
     assert {name: part.get("skipped") for name, part in result["parts"].items()} == dict.fromkeys(gpu_suite.PARTS, "deadline")
     assert "skipped: deadline" in summary_table(result)
+
+
+def test_mixer_rows_give_the_hosts_share_where_a_run_timed_it() -> None:
+    """The mixers' timing keeps, per round, the time until the calls returned before the wait for the device (a sync
+    that waits is counted in the full time only), and the GPU table shows it beside each mixer's time; a summary from
+    before has no such column."""
+    from benchmarks._interleave import interleaved_times
+    from benchmarks.gpu_report import gpu_section
+
+    host: dict[str, list[float]] = {}
+    times = interleaved_times({"a": lambda: None}, rounds=2, per_block=2, warmup=0, sync=lambda: time.sleep(0.02),
+                              progress=lambda message: None, label="t", host=host)
+    assert len(host["a"]) == 2 and all(h < 0.005 < t for h, t in zip(host["a"], times["a"]))
+
+    def row(ms: float, **more: float) -> dict[str, float]:
+        return {"ms_median": ms, "paired_ratio": 3.5, "paired_ratio_min": 1.0, "paired_ratio_max": 4.0, **more}
+
+    mixers = {"ours CutMix": row(0.59, host_ms_median=0.55), "timm CutMix (batch)": row(0.16, host_ms_median=0.04),
+              "ours FMix": {"error": "RuntimeError: x"}}
+    text = "\n".join(gpu_section({"parts": {"mixers": mixers}}))
+    assert "| mixer | ms | ratio to timm | host ms |" in text and "| ours CutMix | 0.59 | 3.500 [1.000, 4.000] | 0.55 |" in text
+    assert "| ours FMix | left out: RuntimeError: x | - | - |" in text
+    old = "\n".join(gpu_section({"parts": {"mixers": {k: {key: v for key, v in r.items() if key != "host_ms_median"}
+                                                      for k, r in mixers.items()}}}))
+    assert "| mixer | ms | ratio to timm |\n" in old and "host ms" not in old
 
 
 def test_op_count_counts_what_the_label_path_adds() -> None:
