@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
@@ -63,12 +64,26 @@ def through_hooks(module: nn.Module, fn: Callable[..., T], *tensors: Any) -> T:
     """
     if not isinstance(module, FSDPModule):
         return fn(*tensors)
-    method: Callable[..., T] | None = module.__dict__.get(_METHOD)
+    method: Callable[..., T] = _hooked_method_eagerly(module)
+    return method(fn, *tensors)
+
+
+def _hooked_method(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s hooked forward method, registered on the first call."""
+    method: Callable[..., Any] | None = module.__dict__.get(_METHOD)
     if method is None:
         object.__setattr__(module, _METHOD, types.MethodType(_run, module))  # not a submodule, not state
         register_fsdp_forward_method(module, _METHOD)  # replaces it by the hooked version
         method = module.__dict__[_METHOD]
-    return method(fn, *tensors)
+    return method
+
+
+# Run eagerly under torch.compile too (a graph break where FSDP2's own hooks, which dynamo runs eagerly, break the
+# graph anyway): dynamo cannot trace ``register_fsdp_forward_method`` (an internal error on the first compiled step of
+# a model sharded per block), and a compiled check of the method's presence would not be guarded (each step would
+# register it again). So the check and the registration run outside the graph, the registration once.
+_hooked_method_eagerly = cast(Callable[[nn.Module], Callable[..., Any]],
+                              torch.compiler.disable(_hooked_method, recursive=True))  # type: ignore[no-untyped-call]
 
 
 def _where(names: list[str]) -> str | None:
