@@ -253,6 +253,7 @@ def main() -> None:
         "vit_bf16": train("vit", per_block(bf16, bf16_root), rank, steps=2, bf16=True),
         "resnet_blocks": train("resnet", per_block(fp32, fp32), rank, steps=2, halves=True, kernels_in_blocks=True),
         # compiled after sharding per block (dynamo runs FSDP2's hooks eagerly, breaking the graph at each unit)
+        "vit_root_compiled": attempt(lambda: train("vit", root_only, rank, steps=2, compiled="aot_eager")),
         "vit_blocks_compiled": attempt(lambda: train("vit", per_block(fp32, fp32), rank, steps=3, compiled="aot_eager")),
         "resnet_blocks_compiled": attempt(lambda: train("resnet", per_block(fp32, fp32), rank, steps=3, halves=True,
                                                         kernels_in_blocks=True, compiled="aot_eager")),
