@@ -4,8 +4,9 @@ Every run splits a CutMix batch of 4 in two: rank ``r`` takes samples ``2r, 2r+1
 paired inside each half, so each half is a batch of its own) and compares, after each step,
 the gathered gradients and parameters with one process that trains a copy on the whole batch
 (mean loss: FSDP averages the ranks' gradients, so the two agree). Then every other family whose
-adapter names ``fsdp_units()``, sharded per block, in the same loop (``per_block_families``). Then the
-orders and combinations that cannot work, each caught with its message.
+adapter names ``fsdp_units()``, sharded per block, in the same loop (``per_block_families``). The adapter compiled
+after sharding, and DDP of the compiled adapter, against one compiled process. Then the orders and combinations
+that cannot work, each caught with its message.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def rel_error(adapted: nn.Module, ref: nn.Module, grads: bool) -> float:
 def train(
     family: str, shard: Callable[[nn.Module], None], rank: int, steps: int, bf16: bool = False, halves: bool = False,
     scheme: mixlabels.Scheme | None = None, draws: bool = True, kernels_in_blocks: bool = False,
-    compiled: str | None = None,
+    compiled: str | None = None, ddp: bool = False,
 ) -> dict[str, Any]:
     """``steps`` SGD steps of an adapted model sharded by ``shard`` beside one process on the whole batch.
 
@@ -106,6 +107,7 @@ def train(
     ``compiled``: a ``torch.compile`` backend; the sharded adapter is compiled after sharding, as a user's script
     compiles its model last, and the one process is compiled alike (a compiled label path rounds otherwise than the
     eager one, which the small examples' steps carry far: 0.25 of ResNet's gradients by the fourth SGD step).
+    ``ddp``: the (compiled) adapter wrapped in ``DistributedDataParallel`` instead of sharded (``shard`` does nothing).
     """
     scheme = scheme or mixlabels.TLAlign()
     torch.manual_seed(0)
@@ -117,6 +119,8 @@ def train(
         torch._dynamo.reset()
     run_ref: Any = ref if compiled is None else torch.compile(ref, backend=compiled)
     run: Any = adapted if compiled is None else torch.compile(adapted, backend=compiled)
+    if ddp:
+        run = torch.nn.parallel.DistributedDataParallel(run)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(adapted.parameters(), lr=0.5)
     grads, params, losses = [], [], []
@@ -255,6 +259,10 @@ def main() -> None:
         # compiled after sharding per block (dynamo runs FSDP2's hooks eagerly, breaking the graph at each unit)
         "vit_root_compiled": attempt(lambda: train("vit", root_only, rank, steps=2, compiled="aot_eager")),
         "vit_blocks_compiled": attempt(lambda: train("vit", per_block(fp32, fp32), rank, steps=3, compiled="aot_eager")),
+        # DDP of the compiled adapter (timm's train.py --torchcompile under torchrun): as one compiled process
+        "vit_ddp_compiled": attempt(lambda: train("vit", lambda adapted: None, rank, steps=3, compiled="aot_eager", ddp=True)),
+        "resnet_ddp_compiled": attempt(lambda: train("resnet", lambda adapted: None, rank, steps=3, halves=True,
+                                                     compiled="aot_eager", ddp=True)),
         "resnet_blocks_compiled": attempt(lambda: train("resnet", per_block(fp32, fp32), rank, steps=3, halves=True,
                                                         kernels_in_blocks=True, compiled="aot_eager")),
         # a torchvision family, and any nn.Module with NoAlign (the README's table): the adapted root alone

@@ -1,9 +1,10 @@
 """FSDP2 (``fully_shard``) on 2 gloo ranks on the CPU: an adapted model trains as one process on the whole batch.
 
-One ``torchrun`` of ``_fsdp_worker.py`` (about 30 s, some 20 of them for the per-block families) runs every
+One ``torchrun`` of ``_fsdp_worker.py`` (about 50 s, some 20 of them for the per-block families) runs every
 case; the tests read its report.
 Rank ``r`` takes half ``r`` of a CutMix batch of 4; one process trains a copy on the whole batch.
-A second ``torchrun`` runs docs/distributed.md's loop as written (about 20 s).
+The same launch trains DDP of the compiled adapter. A second ``torchrun`` runs docs/distributed.md's loop as
+written (about 20 s).
 """
 
 from __future__ import annotations
@@ -72,6 +73,16 @@ def test_compiled_after_sharding_equals_one_compiled_process(report: dict[str, A
     run = report[case]
     assert "error" not in run, run.get("error")
     assert run["resharded_after_forward"] or case.endswith("root_compiled")  # the root alone has no units to free
+    assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
+    assert run["losses"][0] != run["losses"][1]
+
+
+@pytest.mark.parametrize("family", ["vit", "resnet"])
+def test_ddp_of_the_compiled_adapter_equals_one_compiled_process(report: dict[str, Any], family: str) -> None:
+    """DDP instead of FSDP2, in the same launch: ``DistributedDataParallel(torch.compile(adapted))`` (what timm's
+    ``train.py --torchcompile`` runs under ``torchrun``) trains as one compiled process on the whole batch."""
+    run = report[f"{family}_ddp_compiled"]
+    assert "error" not in run, run.get("error")
     assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
     assert run["losses"][0] != run["losses"][1]
 
