@@ -121,19 +121,15 @@ def merge_gpu_suites(first: dict[str, Any], later: dict[str, Any]) -> dict[str, 
             merged["parts"]["families"] = {**earlier, **{
                 family: {**row, "run": len(runs)} for family, row in part.items()
                 if isinstance(row, dict) and (family_measured(row) or family not in earlier)}}
-            if "error" in part:  # the rows it measured before the error merged; the error is said
-                ended[name] = _missing(part) or ""
         elif not part_measured(name, part):  # the deadline came first, or it failed: nothing to replace a figure with
-            if "error" in part and part_measured(name, before):
-                ended[name] = _missing(part) or ""
-            elif "error" in part:
+            if "error" in part and not part_measured(name, before):
                 merged["parts"][name] = part  # nothing earlier to keep: the part's own table says why
         elif name == "deit" and part_measured(name, before):
-            if "error" in part:
-                ended[name] = _missing(part) or ""
             merged["parts"]["deit"] = {**_figures(before), **_figures(part)}
         else:
             merged["parts"][name] = part
+        if isinstance(part, dict) and "error" in part and merged["parts"].get(name) is not part:
+            ended[name] = _missing(part) or ""  # an error the merged part does not carry itself: said beside the run
     if ended and runs:
         runs[-1]["ended"] = {**runs[-1].get("ended", {}), **ended}
     return merged
