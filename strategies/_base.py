@@ -25,10 +25,11 @@ from torch import Tensor
 from mixlabels import CellMask, TokenLabelMap, check_labels
 from mixlabels._mask import BoxMask, Mask
 from mixlabels._shape_cache import shape_cache
+from mixlabels.strategies._host_draws import to_fp32
 from mixlabels.strategies._sampling import MixSampler
 from mixlabels.strategies._transfer import to_device
 
-__all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "select_images", "paste_box", "pair_label_map", "host_params"]
+__all__ = ["MixParams", "Mixer", "PairMixer", "mix_images", "blend_images", "select_images", "paste_box", "pair_label_map", "host_params"]
 
 P = TypeVar("P")
 PP = TypeVar("PP", bound="MixParams")
@@ -89,10 +90,12 @@ class MixParams:
     def current(self: D) -> D:
         """These params, or, where a draw was replaced since the derived values were computed
         (``dataclasses.replace(params, lam=...)``), the same params without them (recomputed from the draws)."""
-        if self.drawn_from is None:
+        if self.drawn_from is None or getattr(self, "_current", False):
             return self
         now = self._draws()
         if len(now) == len(self.drawn_from) and all(a is b for a, b in zip(now, self.drawn_from)):
+            if not torch.compiler.is_compiling():  # frozen: no draw of these params can change, so once is enough
+                object.__setattr__(self, "_current", True)
             return self
         cleared: dict[str, Any] = {n: None for n in self.DERIVED}
         return dataclasses.replace(self, **cleared, drawn_from=None)
@@ -104,6 +107,11 @@ class MixParams:
     def source_weight(self) -> Tensor:
         """Weight of source 0 (the sample itself) in every mask cell, ``(b, mh, mw)`` fp32."""
         raise NotImplementedError
+
+    def shared_weight(self) -> float | None:
+        """One weight of source 0 that every sample and cell shares, when it is known on the host for free (else
+        ``None``): the pixels are then ``lam * x + (1 - lam) * x[partner]`` with two Python scalars."""
+        return None
 
     def shared_box(self) -> tuple[int, int, int, int] | None:
         """One pixel box ``(y0, y1, x0, x1)`` that every sample takes from its partner, if there is one.
@@ -240,6 +248,37 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor, *, unmixed: bool
     out = torch.where(rearrange(own_only, "b mh mw -> b 1 mh 1 mw 1"), own6, out)
     out = torch.where(rearrange(other_only, "b mh mw -> b 1 mh 1 mw 1"), other6, out)
     return rearrange(out, "b c mh ph mw pw -> b c (mh ph) (mw pw)").to(images.dtype)
+
+
+def blend_images(images: Tensor, partner: Tensor, lam: float) -> Tensor:
+    """``mix_images`` for one weight shared by every sample and cell, a Python number: ``lam * x + (1 - lam) *
+    x[partner]``.
+
+    The same pixels, bit for bit, as ``mix_images`` with that weight in every sample (an fp32 scalar multiplies as
+    the fp32 weight tensor does, and ``1 - lam`` is rounded to fp32 once, as there), in four operators and no weight
+    tensor: timm's batch-mode MixUp blends so. ``lam == 1`` (nothing mixed) returns a copy of the images, bit for bit.
+
+    Args:
+        images: ``(b, c, H, W)`` floating point.
+        partner: ``(b,)`` long batch indices.
+        lam: the weight of the image itself, an fp32 value in ``[0, 1]``.
+
+    Example:
+        >>> x = torch.arange(4.0).view(2, 1, 1, 2)
+        >>> blend_images(x, torch.tensor([1, 0]), 0.75)[0, 0].tolist()
+        [[0.5, 1.5]]
+    """
+    check_images(images)
+    if partner.shape != images.shape[:1]:
+        raise ValueError(f"blend_images takes images (b, c, H, W) and partner (b,); got {tuple(images.shape)} and {tuple(partner.shape)}")
+    if lam == 1.0:  # selected, not computed: 1 * x + 0 * y is NaN where the partner holds NaN or inf
+        return images.clone()
+    compute = torch.float32 if images.dtype in (torch.float16, torch.bfloat16) else images.dtype
+    own = images.to(compute)
+    other = gather_partners(own, partner)
+    out = own * lam
+    out.add_(other.mul_(to_fp32(1.0 - lam)))  # other is a fresh gather: ours to scale in place
+    return out.to(images.dtype)
 
 
 def keep_unmixed(out: Tensor, own: Tensor, unmixed: Tensor, select: bool) -> Tensor:
@@ -693,7 +732,8 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             values = labels.device.type == "cpu" or not self._values_checked
         if values:
             check_labels(labels, self.num_classes)
-            self._values_checked = True
+            if not self._values_checked:  # once: nn.Module's attribute write looks the name up among its members first
+                self._values_checked = True
 
     @overload  # type: ignore[override]  # kornia's forward takes *inputs and returns tensors only
     def forward(
@@ -746,7 +786,8 @@ class Mixer(MixAugmentationBaseV2, Generic[P]):
             if keys == [DataKey.INPUT] and labels is not None:
                 raise ValueError("labels were given but data_keys is ['input']; drop the labels or add 'class'")
         check_images(images)
-        check_generator(generator, f"{type(self).__name__}(...) call")
+        if generator is not None:  # (the message's name is built only for a generator to check)
+            check_generator(generator, f"{type(self).__name__}(...) call")
         typed: P | None
         if params is None and not self.mixup_enabled:
             typed = None
@@ -821,9 +862,11 @@ class PairMixer(Mixer[PP]):
         """
         if len(batch_shape) != 4:
             raise ValueError(f"batch_shape must be (batch, channels, height, width), got {tuple(batch_shape)}")
-        check_generator(generator, f"{type(self).__name__}.sample")
-        dev = torch.device(device) if device is not None else None
-        params: PP = self.sampler(tuple(int(s) for s in batch_shape), generator=generator, device=dev)
+        if generator is not None:
+            check_generator(generator, f"{type(self).__name__}.sample")
+        dev = device if device is None or isinstance(device, torch.device) else torch.device(device)
+        # The sampler's forward itself: it is this mixer's own module, with no hooks for nn.Module's call to run
+        params: PP = self.sampler.forward(tuple(int(s) for s in batch_shape), generator=generator, device=dev)
         return params
 
     def draw_device(self, images_device: torch.device, generator: torch.Generator | None = None) -> torch.device | None:
@@ -855,6 +898,9 @@ class PairMixer(Mixer[PP]):
         moved = params.to(images.device)
         if box is not None:
             return paste_box(images, moved.partner, box)
+        lam = params.shared_weight()
+        if lam is not None:
+            return blend_images(images, moved.partner, lam)
         keep = moved.keep_cells()
         if keep is not None:
             return select_images(images, moved.partner, keep)

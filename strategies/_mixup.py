@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -27,9 +28,15 @@ class MixUpParams(MixParams):
 
     Attributes:
         lam: ``(b,)`` fp32 weight of the sample itself (timm's lambda).
+        shared_lam: that weight as a Python number, when every sample has the same one and the sampler drew it on
+            the host (``mode="batch"`` with every sample mixed, or none): the pixels are then blended with two
+            scalars, as timm blends them, instead of per-sample weight tensors. ``None``: per sample (``lam``).
     """
 
     lam: Tensor
+    shared_lam: float | None = None
+
+    DERIVED: ClassVar[tuple[str, ...]] = (*MixParams.DERIVED, "shared_lam")
 
     def source_weight(self) -> Tensor:
         # a 1x1 mask: the coarsest exact resolution (a view: einops' pattern costs more host time than MixUp's math)
@@ -37,6 +44,11 @@ class MixUpParams(MixParams):
 
     def image_weight(self) -> Tensor:
         return self.lam.float()
+
+    def shared_weight(self) -> float | None:
+        # Never while compiling: a Python number read off the params would be a constant of the trace, guarded on,
+        # and so a recompile at every new lambda; the traced per-sample path computes the same pixels.
+        return None if torch.compiler.is_compiling() else self.current().shared_lam
 
 
 class MixUpSampler(MixSampler[MixUpParams]):
@@ -83,6 +95,7 @@ class MixUpSampler(MixSampler[MixUpParams]):
         return MixUpParams(
             partner=partner, applied=applied, image_size=image_size, lam=lam_t,
             any_unmixed=1.0 in lam,  # read on the host for free: the pixels skip a select when none is
+            shared_lam=lam[0] if b and picks.count(picks[0]) == b else None,
             label_sources=sources, label_weights=weights_t, label_cells=weights_t.view(b, 2, 1, 1),
         )  # fmt: skip
 

@@ -8,6 +8,7 @@ fractions (measured on the pixels or from the boxes, not from the mask code).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 from unittest import mock
@@ -22,7 +23,7 @@ import mixlabels.strategies._patch as patch_module
 from mixlabels import TokenLabelMap
 from mixlabels import BoxMask
 from mixlabels.strategies import BlockwiseMix, BoxParams, CellParams, CutMix, MixToken, MixUp, RandomPatchMix
-from mixlabels.strategies._base import mix_images, paste_box, select_images
+from mixlabels.strategies._base import blend_images, mix_images, paste_box, select_images
 from mixlabels.strategies._transfer import pack, unpack
 from test_strategies_kornia import CELL, KINDS, NC, H, W, batch, make, maps_equal
 
@@ -119,6 +120,43 @@ def test_mixup_leaves_out_the_select_only_when_no_sample_is_unmixed(b: int, mode
     assert params is not None
     ref = mix_images(x, params.partner, params.source_weight())  # unmixed=None: selects wherever a weight is 1
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
+@given(st.integers(1, 6), st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+       st.sampled_from(["flip", "roll", "random"]), st.one_of(st.sampled_from([0.0, 1.0, 0.5]), st.floats(0.0, 1.0)),
+       st.booleans(), seeds)
+def test_blending_with_one_shared_weight_equals_the_per_sample_mix(
+    b: int, dtype: torch.dtype, pairing: str, lam: float, channels_last: bool, seed: int
+) -> None:
+    """Batch-mode MixUp blends with two Python scalars: the pixels ``mix_images`` gives that weight in every sample,
+    bit for bit, in every float dtype and memory format (a partner's NaN or inf included)."""
+    lam = float(torch.tensor(lam, dtype=torch.float32))  # the fp32 value the sampler hands over
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, 3, 4, 6, generator=g).to(dtype)
+    x[0, 0, 0, 0], x[-1, 1, 1, 1] = float("nan"), float("inf")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    idx = torch.arange(b)
+    partner = {"flip": idx.flip(0), "roll": idx.roll(1), "random": torch.randperm(b, generator=g)}[pairing]
+    out = blend_images(x, partner, lam)
+    ref = mix_images(x, partner, torch.full((b, 1, 1), lam))
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    if lam == 1.0:  # nothing mixed: the images themselves, a partner's NaN kept out
+        assert torch.equal(out.nan_to_num(), x.nan_to_num()) and torch.equal(out.isnan(), x.isnan())
+
+
+@given(st.integers(1, 7), st.sampled_from([0.5, 1.0]), seeds)
+def test_batch_mode_mixup_hands_over_its_one_lambda_only_when_every_sample_shares_it(b: int, prob: float, seed: int) -> None:
+    """``shared_lam`` is the lambda of every sample or absent (an odd flip batch's middle sample keeps weight 1), and a
+    replaced ``lam`` drops it, with the other values derived from the draws."""
+    params = MixUp(NC, prob=prob).sample((b, 3, H, W), generator=torch.Generator().manual_seed(seed))
+    lams = set(params.lam.tolist())
+    assert (params.shared_lam is not None) == (len(lams) == 1)
+    if params.shared_lam is not None:
+        assert lams == {params.shared_lam} and params.shared_weight() == params.shared_lam
+    replaced = dataclasses.replace(params, lam=torch.full((b,), 0.25))
+    assert replaced.shared_weight() is None and replaced.current().label_weights is None
 
 
 def test_packed_params_come_back_with_their_dtypes_shapes_and_values() -> None:
