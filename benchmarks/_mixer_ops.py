@@ -157,14 +157,14 @@ def count_mixers(
     return rows
 
 
-def format_mixers(rows: dict[str, dict[str, Any]]) -> str:
-    """``count_mixers``' rows as a Markdown table, the sync sites after it."""
+def format_mixers(rows: dict[str, dict[str, Any]], notes: bool = True) -> str:
+    """``count_mixers``' rows as a Markdown table, the host operators and sync sites after it (``notes``)."""
     lines = ["| mixer | CPU ops | CPU computing | / timm | CUDA kernels | / timm | host ops | H2D copies | syncs |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in rows.items():
         lines.append(f"| {name} | {r['cpu_ops']} | {r['cpu_kernels']} | {r['cpu_kernel_ratio']:.2f} | {r['cuda_kernels']} | "
                      f"{r['cuda_kernel_ratio']:.2f} | {r['cuda_host_ops']} | {r['cuda_h2d']} | {r['cuda_syncs']} |")
-    for name, r in rows.items():
+    for name, r in rows.items() if notes else ():
         if r["cuda_host_files"]:
             lines.append(f"- {name}: host ops by file {r['cuda_host_files']}")
         if r["cuda_sync_sites"] or r["cuda_error"]:

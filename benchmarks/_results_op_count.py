@@ -12,7 +12,7 @@ from benchmarks._compile_whole import TOLERANCE
 from benchmarks._gpu_timing import error_cell
 from benchmarks._provenance import later_notes, later_runs, provenance_line
 
-__all__ = ["merge_op_counts", "render_compiled_count", "render_op_count", "render_whole", "summarize_op_count"]
+__all__ = ["merge_op_counts", "render_compiled_count", "render_mixer_count", "render_op_count", "render_whole", "summarize_op_count"]
 
 
 def render_op_count(summary: dict[str, Any]) -> str:
@@ -72,6 +72,34 @@ def render_whole(summary: dict[str, Any]) -> str:
     return "\n".join(lines + later_notes(later))
 
 
+def render_mixer_count(summary: dict[str, Any]) -> str:
+    """Operators one call of every mixer dispatches, on the CPU and on a CUDA batch's path, against timm's ``Mixup``."""
+    from benchmarks._mixer_ops import format_mixers
+
+    size = summary.get("size", 224)
+    rows = summary["mixers"]
+    lines = [provenance_line(summary["provenance"]), "",
+             f"One call on a batch of {summary['batch_size']}x3x{size}x{size} (targets included); `/ timm`: the ratio to "
+             "timm's batch-mode `Mixup` of the same kind (CutMix or MixUp).", "", format_mixers(rows, notes=False), ""]
+    ours = {n: r for n, r in rows.items() if n.startswith("ours")}
+    # where the CUDA path's host operators come from, said once for the mixers that share it
+    by_files: dict[str, list[str]] = {}
+    for name, r in rows.items():
+        if r["cuda_host_files"]:
+            by_files.setdefault(", ".join(f"{f} {n}" for f, n in sorted(r["cuda_host_files"].items())), []).append(name)
+    lines += [f"Host operators on the CUDA path: {files} ({'every one of ours' if set(names) == set(ours) else ', '.join(names)})."
+              for files, names in by_files.items()]
+    for name, r in rows.items():
+        if r["cuda_sync_sites"] or r["cuda_error"]:
+            lines.append(f"{name}: syncs {r['cuda_sync_sites']}" + (f"; stopped: {r['cuda_error']}" if r["cuda_error"] else ""))
+    within = [n for n, r in ours.items() if r["cuda_kernel_ratio"] <= 1.0]
+    syncs = [n for n, r in ours.items() if r["cuda_syncs"]]
+    lines += ["", f"{len(within)} of {len(ours)} of our mixers launch at most as many CUDA kernels as timm's `Mixup` "
+              f"({', '.join(n.removeprefix('ours ') for n in within) or 'none'}); "
+              + (f"host syncs in {', '.join(syncs)}." if syncs else "none reads a value back from the device (no host sync).")]
+    return "\n".join(lines)
+
+
 def _launches(counted: dict[str, Any]) -> str:
     """A compiled step's launches, with how many of them inductor generated."""
     return f"{counted['launches']:.0f} ({counted['kernels']:.0f} generated)"
@@ -82,6 +110,8 @@ def summarize_op_count(path: Path) -> tuple[str, dict[str, Any]]:
     ``op-count-compiled.json`` from its ``--compiled`` JSON and ``op-count-whole.json`` from its ``--whole`` one, as
     they are; a committed summary (``benchmarks/results/op-count*.json``) as it is, to merge onto."""
     result = json.loads(path.read_text())
+    if "mixers" in result:  # ``--mixers``, or its committed summary
+        return "op-count-mixers", {k: result[k] for k in ("provenance", "batch_size", "size", "mixers") if k in result}
     # a committed summary passed again (``merge_op_counts``) says its kind by its name
     if result.get("whole") or path.stem == "op-count-whole":
         return "op-count-whole", {"provenance": result["provenance"], "batch_size": result["batch_size"],
@@ -101,6 +131,8 @@ def merge_op_counts(parts: Sequence[tuple[str, dict[str, Any]]]) -> tuple[str, d
     if len(parts) == 1:
         return parts[0]
     name, first = parts[0]
+    if name == "op-count-mixers":
+        raise ValueError("--add-op-count takes one op_count.py --mixers JSON (its run counts every mixer at once)")
     families: dict[str, Any] = {}
     for other, summary in parts:
         if other != name:

@@ -16,7 +16,7 @@ from benchmarks._archive import REPO_ROOT
 from benchmarks._provenance import provenance_line
 from benchmarks._results_ablation import render_ablation
 from benchmarks._results_analysis import render_analysis, render_rmse
-from benchmarks._results_op_count import render_compiled_count, render_op_count, render_whole
+from benchmarks._results_op_count import render_compiled_count, render_mixer_count, render_op_count, render_whole
 from benchmarks._results_speed import mixers_or_missing, render_families, render_label_work, steps_or_missing
 from benchmarks.gpu_report import render_gpu_suite
 
@@ -88,6 +88,14 @@ SECTIONS: tuple[Section, ...] = (
     Section("speed-cpu", "Mixer cost (CPU)", _SPEED_CPU,
             "Every mixer builds its `TokenLabelMap` and image targets; timm, kornia and torchvision mixers for "
             "comparison.", mixers_or_missing),
+    Section("op-count-mixers", "Operators a mixer call dispatches (CPU, and a CUDA batch's path)",
+            "python benchmarks/op_count.py --mixers",
+            "Exact on any machine: one call of every mixer (ours and timm's `Mixup`), its operators counted on the CPU "
+            "(`CPU ops`: every operator but views; `CPU computing`: those that compute) and again on the path a CUDA "
+            "batch takes, replayed on fake CUDA tensors with no GPU (`benchmarks/_mixer_ops.py`): the kernels it would "
+            "launch, the operators left on the host (the draws' seed), the host-to-device copies (the params' one "
+            "buffer) and the host syncs. On a GPU a call takes the longer of its kernels' time and the host's time to "
+            "issue them (the GPU suite's mixers table shows both).", render_mixer_count),
     Section("analysis-sharpened", "Analysis: do the aligned labels follow the mixing? (random init, sharpened)",
             "python benchmarks/alignment_analysis.py --sharpen 30 --out runs/analysis-sharpened",
             "A random-init DeiT-S-like model whose attention logits are multiplied by 30, standing in for the peaked "

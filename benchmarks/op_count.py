@@ -214,7 +214,7 @@ def _count_mixers(args: argparse.Namespace) -> dict[str, Any]:
 
     rows = count_mixers(args.batch_size or 128, args.size, patch=args.patch, names=args.mixers)
     print(format_mixers(rows), flush=True)
-    mixers: dict[str, Any] = {"provenance": finish(provenance()), "batch_size": args.batch_size or 128, "mixers": rows}
+    mixers: dict[str, Any] = {"provenance": finish(provenance()), "batch_size": args.batch_size or 128, "size": args.size, "mixers": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "op_count_mixers.json").write_text(json.dumps(mixers, indent=1))
     return mixers

@@ -359,6 +359,27 @@ def test_op_count_runs_of_different_kinds_or_batches_do_not_combine(tmp_path: Pa
         merge_op_counts([whole, one])
 
 
+def test_a_mixers_op_count_is_its_own_section(tmp_path: Path, report_copy: list[str]) -> None:
+    """``op_count.py --mixers`` (a real count, small batch) goes to its own section, with its batch and image size, the
+    CUDA path's host operators said once; one run makes the table (two are refused). Batch-mode MixUp launches fewer
+    CUDA kernels than timm's (a scalar blend and a matmul for the targets, where timm scales and adds twice)."""
+    from benchmarks import op_count
+    from benchmarks._results_op_count import merge_op_counts, summarize_op_count
+
+    counted = op_count.main(["--mixers", "MixUp", "--batch-size", "4", "--size", "32", "--patch", "4", "--out", str(tmp_path / "run")])
+    assert set(counted["mixers"]) == {"ours MixUp", "ours MixUp (elem)", "timm MixUp (batch)", "timm MixUp (elem)"}
+    mixup = counted["mixers"]["ours MixUp"]
+    assert mixup["cuda_syncs"] == 0 and mixup["cuda_h2d"] == 1 and mixup["cuda_kernel_ratio"] < 1.0
+    run = tmp_path / "run" / "op_count_mixers.json"
+    assert report.main([*report_copy, "--add-op-count", str(run)]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    section = text.split("## Operators a mixer call dispatches (CPU, and a CUDA batch's path)")[1].split("\n## ")[0]
+    assert "One call on a batch of 4x3x32x32" in section and "| ours MixUp | " in section
+    assert section.count("Host operators on the CUDA path:") == 1 and "(every one of ours)" in section
+    with pytest.raises(ValueError, match="one op_count.py --mixers JSON"):
+        merge_op_counts([summarize_op_count(run), summarize_op_count(run)])
+
+
 def test_a_speed_run_of_a_few_families_alone_is_refused(
     tmp_path: Path, report_copy: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
