@@ -123,7 +123,7 @@ def profiled(steps: Steps, calls: dict[str, Callable[[], None]], rows: dict[str,
                 + "; ".join(f"{k['ms_per_step']:.2f} ms {k['calls_per_step']:.0f}x {k['name'][:50]}" for k in table["host_top"][:5]))
 
 
-def kernel_table(step: Callable[[], None], device: torch.device, steps: int = 5, top: int = 15) -> dict[str, Any]:
+def kernel_table(step: Callable[[], object], device: torch.device, steps: int = 5, top: int = 15) -> dict[str, Any]:
     """What ``step`` runs on the device, from the profiler over ``steps`` steps: kernel time and launches a step,
     and the ``top`` kernels by time (on the CPU: its operators by self time). Where a ratio says a step is slower,
     this says which kernels make the difference."""

@@ -17,7 +17,7 @@ import torch
 from benchmarks._gpu_timing import working_calls
 from benchmarks._interleave import interleaved_times, paired
 
-__all__ = ["TIMM_REFERENCE", "measure_mixers", "mixer_candidates", "reference_of", "select_mixers"]
+__all__ = ["PROFILED", "PROFILED_CALLS", "TIMM_REFERENCE", "measure_mixers", "mixer_candidates", "reference_of", "select_mixers"]
 
 
 def mixer_candidates(num_classes: int, patch: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Any]]:
@@ -74,6 +74,8 @@ def mixer_candidates(num_classes: int, patch: int) -> dict[str, Callable[[torch.
 
 
 TIMM_REFERENCE = {"CutMix": "timm CutMix (batch)", "MixUp": "timm MixUp (batch)"}
+PROFILED = ("ours CutMix", "ours MixUp", "timm CutMix (batch)", "timm MixUp (batch)")  # ``--profile``: the batch-mode pairs
+PROFILED_CALLS = 20
 
 
 def reference_of(name: str) -> str:
@@ -129,6 +131,11 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
             "s_per_repeat": ts,
             "host_ms_median": 1000 * statistics.median(host[name]),
         }
+    for name in getattr(args, "profile_mixers", ()):  # where a call's time goes: its kernels and the host's calls
+        if name in calls:
+            from benchmarks._gpu_steps import kernel_table
+
+            summary[name]["profile"] = kernel_table(calls[name], device, steps=PROFILED_CALLS)
     for name, s in summary.items():
         if "error" in s:
             continue

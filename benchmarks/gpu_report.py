@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._gpu_timing import error_cell
+from benchmarks._mixer_timing import PROFILED_CALLS
 
 __all__ = [
     "family_measured",
@@ -268,7 +269,25 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
             out.append(f"| {label} | {row['model']} | {c['ms_median']:.2f} | {t['ms_median']:.2f} | {_ratio(t)} | "
                        f"{t['memory_ratio']:.3f} | {t.get('graphs', '-')} | {t.get('graph_breaks', '-')} |{run}")
     out.append("")
-    return out + _kernel_rows(deit, families)
+    return out + _kernel_rows(deit, families) + _mixer_profile_rows(mixers)
+
+
+def _mixer_profile_rows(mixers: dict[str, Any]) -> list[str]:
+    """With ``--profile``: a mixer call's time beside its kernels' time and launches, the host's operators and runtime
+    calls (self time) and the three that take most of it. What neither accounts for is Python."""
+    rows = {name: row for name, row in mixers.items() if isinstance(row, dict) and "profile" in row and "ms_median" in row}
+    if not rows:
+        return []
+    out = [f"### Where a mixer call's time goes (`--profile`: the profiler over {PROFILED_CALLS} calls)", "",
+           "| mixer | call ms | kernel ms | launches | host calls ms | top host calls (ms a call) |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        k = row["profile"]
+        host = f"{k['host_ms_per_step']:.3f}" if "host_ms_per_step" in k else "-"
+        top = ", ".join(f"{t['name'][:40]} {t['ms_per_step']:.3f}" for t in k.get("host_top", [])[:3]) or "-"
+        out.append(f"| {name} | {row['ms_median']:.3f} | {k['per_step_ms']:.3f} | {k['launches_per_step']:.0f} | {host} | "
+                   + top.replace("|", "\\|") + " |")
+    return [*out, ""]
 
 
 def _kernel_rows(deit: dict[str, Any], families: dict[str, Any]) -> list[str]:
@@ -276,7 +295,8 @@ def _kernel_rows(deit: dict[str, Any], families: dict[str, Any]) -> list[str]:
     longer than its kernels, the GPU waited on the host for the difference (launches, library calls, Python)."""
     rows: list[tuple[str, str, dict[str, Any]]] = []
     for name, table in [("DeiT-S compiled", deit.get("compiled", {})), *(
-            (f"{row.get('model', family)} compiled", row) for family, row in families.items() if isinstance(row, dict))]:
+            (f"{row.get('model', family)} {row.get('mode', 'compiled')}", row) for family, row in families.items()
+            if isinstance(row, dict))]:
         for variant in ("cutmix", "tlalign"):
             row = table.get(variant) if isinstance(table, dict) else None
             if isinstance(row, dict) and "kernels" in row and "ms_median" in row:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from benchmarks import _families
 from benchmarks._gpu_steps import Steps, compiled_pair, eager_pair, timed_with_memory
 from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds, working_calls
+from benchmarks._mixer_timing import PROFILED
 from benchmarks._mixer_timing import measure_mixers as time_mixers
 from benchmarks._provenance import finish, provenance
 from benchmarks.gpu_report import family_measured, outcomes_of, summary_table
@@ -171,6 +172,7 @@ def measure_mixers(args: argparse.Namespace, log: Callable[[str], None]) -> dict
     mixer_args = argparse.Namespace(
         device=args.device, mixer_batch=args.batch_size, mixer_size=DRY_RUN_MIXER_SIZE if args.dry_run else 224, mixer_patch=16,
         num_classes=args.num_classes, mixers=None, mixer_repeats=args.rounds, mixer_calls=args.steps,
+        profile_mixers=PROFILED if args.profile else (),
     )
     return time_mixers(mixer_args, log)
 
@@ -216,7 +218,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family-min-s", type=float, default=40.0, help="start a family only with this much time left")
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
     p.add_argument("--profile", action="store_true",
-                   help="families: after timing, profile each variant's step (kernel time, launches, top kernels)")
+                   help="families: after timing, profile each variant's step (kernel time, launches, top kernels); "
+                   "mixers: the same for a call of batch-mode CutMix and MixUp, ours and timm's")
     p.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"], default=None,
                    help="torch.compile's mode for every compiled step (default: timm's --torchcompile, no mode; "
                    "reduce-overhead replays CUDA graphs, which take the host's launch time off a step)")

@@ -92,6 +92,26 @@ def test_mixer_rows_give_the_hosts_share_where_a_run_timed_it() -> None:
     assert "| mixer | ms | ratio to timm |\n" in old and "host ms" not in old
 
 
+def test_profile_says_where_a_batch_mode_mixer_calls_time_goes(tmp_path: Path) -> None:
+    """--profile on the mixers part: a call of batch-mode CutMix and MixUp, ours and timm's, profiled after the timing
+    (the CPU's operators here; on a GPU its kernels and the host's calls), and a table of them in the summary."""
+    from benchmarks._mixer_timing import PROFILED
+
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "mixers", "--profile", "--rounds", "1", "--steps",
+                             "1", "--batch-size", "2", "--out", str(tmp_path)])
+    mixers = result["parts"]["mixers"]
+    assert {name for name, row in mixers.items() if isinstance(row, dict) and "profile" in row} == set(PROFILED)
+    for name in PROFILED:
+        table = mixers[name]["profile"]
+        assert table["per_step_ms"] > 0 and table["launches_per_step"] >= len(table["top"]) > 0
+    text = summary_table(result)
+    assert "### Where a mixer call's time goes" in text and "| ours MixUp | " in text.split("### Where a mixer call's")[1]
+    plain = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "mixers", "--rounds", "1", "--steps", "1",
+                            "--batch-size", "2", "--out", str(tmp_path / "plain")])
+    assert not any(isinstance(row, dict) and "profile" in row for row in plain["parts"]["mixers"].values())
+    assert "Where a mixer call's time goes" not in summary_table(plain)
+
+
 def test_op_count_counts_what_the_label_path_adds() -> None:
     row = op_count.count_step("example:vit")
     assert row["tlalign"] > row["cutmix"] > 0 and row["added"] == row["tlalign"] - row["cutmix"]
@@ -520,6 +540,8 @@ def test_profiled_steps_show_the_time_the_kernels_do_not_account_for() -> None:
     text = summary_table(result)
     assert "| DeiT-S compiled | tlalign | 29.30 | 18.90 | 866 | 10.40 | - |" in text
     assert "| resnet18 compiled | cutmix | 13.25 | 9.72 | 395 | 3.53 | - |" in text
+    result["parts"]["families"]["resnet"]["mode"] = "eager"  # type: ignore[index]  # an eager run's rows say so
+    assert "| resnet18 eager | cutmix | 13.25 |" in summary_table(result) and "resnet18 compiled" not in summary_table(result)
     result["parts"]["deit"]["compiled"]["cutmix"]["kernels"]["host_ms_per_step"] = 25.5  # type: ignore[index]
     assert "| DeiT-S compiled | cutmix | 27.90 | 18.60 | 816 | 9.30 | 25.50 |" in summary_table(result)
     for table in (result["parts"]["deit"]["compiled"], result["parts"]["families"]["resnet"]):
