@@ -157,16 +157,23 @@ def count_mixers(
     return rows
 
 
-def format_mixers(rows: dict[str, dict[str, Any]], notes: bool = True) -> str:
-    """``count_mixers``' rows as a Markdown table, the host operators and sync sites after it (``notes``)."""
+def format_mixers(rows: dict[str, dict[str, Any]]) -> str:
+    """``count_mixers``' rows as a Markdown table; after it, where the CUDA path's host operators come from (said once
+    for the mixers that share the same files) and each mixer's sync sites."""
     lines = ["| mixer | CPU ops | CPU computing | / timm | CUDA kernels | / timm | host ops | H2D copies | syncs |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in rows.items():
         lines.append(f"| {name} | {r['cpu_ops']} | {r['cpu_kernels']} | {r['cpu_kernel_ratio']:.2f} | {r['cuda_kernels']} | "
                      f"{r['cuda_kernel_ratio']:.2f} | {r['cuda_host_ops']} | {r['cuda_h2d']} | {r['cuda_syncs']} |")
-    for name, r in rows.items() if notes else ():
+    ours = {name for name in rows if name.startswith("ours")}
+    by_files: dict[str, list[str]] = {}
+    for name, r in rows.items():
         if r["cuda_host_files"]:
-            lines.append(f"- {name}: host ops by file {r['cuda_host_files']}")
+            by_files.setdefault(", ".join(f"{f} {n}" for f, n in sorted(r["cuda_host_files"].items())), []).append(name)
+    lines += [""] if by_files or any(r["cuda_sync_sites"] or r["cuda_error"] for r in rows.values()) else []
+    lines += [f"Host operators on the CUDA path: {files} ({'every one of ours' if set(names) == ours else ', '.join(names)})."
+              for files, names in by_files.items()]
+    for name, r in rows.items():
         if r["cuda_sync_sites"] or r["cuda_error"]:
-            lines.append(f"- {name}: syncs {r['cuda_sync_sites']}" + (f"; stopped: {r['cuda_error']}" if r["cuda_error"] else ""))
+            lines.append(f"{name}: syncs {r['cuda_sync_sites']}" + (f"; stopped: {r['cuda_error']}" if r["cuda_error"] else ""))
     return "\n".join(lines)

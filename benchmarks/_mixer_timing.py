@@ -131,10 +131,11 @@ def measure_mixers(args: argparse.Namespace, progress: Callable[[str], None]) ->
             "s_per_repeat": ts,
             "host_ms_median": 1000 * statistics.median(host[name]),
         }
-    for name in getattr(args, "profile_mixers", ()):  # where a call's time goes: its kernels and the host's calls
-        if name in calls:
-            from benchmarks._gpu_steps import kernel_table
+    profiled = [name for name in getattr(args, "profile_mixers", ()) if name in calls]
+    if profiled:  # where a call's time goes: its kernels and the host's calls
+        from benchmarks._gpu_steps import kernel_table  # it builds training steps: imported only to profile
 
+        for name in profiled:
             summary[name]["profile"] = kernel_table(calls[name], device, steps=PROFILED_CALLS)
     for name, s in summary.items():
         if "error" in s:

@@ -80,18 +80,8 @@ def render_mixer_count(summary: dict[str, Any]) -> str:
     rows = summary["mixers"]
     lines = [provenance_line(summary["provenance"]), "",
              f"One call on a batch of {summary['batch_size']}x3x{size}x{size} (targets included); `/ timm`: the ratio to "
-             "timm's batch-mode `Mixup` of the same kind (CutMix or MixUp).", "", format_mixers(rows, notes=False), ""]
+             "timm's batch-mode `Mixup` of the same kind (CutMix or MixUp).", "", format_mixers(rows)]
     ours = {n: r for n, r in rows.items() if n.startswith("ours")}
-    # where the CUDA path's host operators come from, said once for the mixers that share it
-    by_files: dict[str, list[str]] = {}
-    for name, r in rows.items():
-        if r["cuda_host_files"]:
-            by_files.setdefault(", ".join(f"{f} {n}" for f, n in sorted(r["cuda_host_files"].items())), []).append(name)
-    lines += [f"Host operators on the CUDA path: {files} ({'every one of ours' if set(names) == set(ours) else ', '.join(names)})."
-              for files, names in by_files.items()]
-    for name, r in rows.items():
-        if r["cuda_sync_sites"] or r["cuda_error"]:
-            lines.append(f"{name}: syncs {r['cuda_sync_sites']}" + (f"; stopped: {r['cuda_error']}" if r["cuda_error"] else ""))
     within = [n for n, r in ours.items() if r["cuda_kernel_ratio"] <= 1.0]
     syncs = [n for n, r in ours.items() if r["cuda_syncs"]]
     lines += ["", f"{len(within)} of {len(ours)} of our mixers launch at most as many CUDA kernels as timm's `Mixup` "

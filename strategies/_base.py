@@ -216,7 +216,7 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor, *, unmixed: bool
             f"mix_images takes images (b, c, H, W), partner (b,) and weight (b, mh, mw) with mh dividing H and mw "
             f"dividing W; got images {tuple(images.shape)}, partner {tuple(partner.shape)}, weight {tuple(weight.shape)}"
         )
-    compute = torch.float32 if images.dtype in (torch.float16, torch.bfloat16) else images.dtype
+    compute = _mix_dtype(images)
     w0 = weight.to(device=images.device, dtype=torch.float32)
     # Where a weight is exactly 1 (0) the pixel is the image's own (the partner's), selected, not
     # computed: ``1 * x + 0 * y`` is NaN when y holds NaN or inf, and an unmixed sample must come
@@ -228,12 +228,11 @@ def mix_images(images: Tensor, partner: Tensor, weight: Tensor, *, unmixed: bool
     own = images.to(compute)
     other = gather_partners(own, partner)
     if mh == mw == 1:  # one weight per image (MixUp): plain broadcasting, no cell view
-        # Same roundings as timm (x * lam + x[partner] * (1 - lam)); the temporaries are ours,
-        # so the products are formed in place (fresh CPU allocations cost page faults).
+        # Same roundings as timm (x * lam + x[partner] * (1 - lam)); ``_blend`` scales ``other`` in place: ours.
         if other is images:
             other = other.clone()
-        out = own * w0.view(-1, 1, 1, 1)  # b 1 1 1 (views, not einops patterns: this path is all host time on a GPU)
-        out.add_(other.mul_(w1.view(-1, 1, 1, 1)))
+        # b 1 1 1 weights (views, not einops patterns: this path is all host time on a GPU)
+        out = _blend(own, other, w0.view(-1, 1, 1, 1), w1.view(-1, 1, 1, 1))
         # Unmixed samples (lam = 1) are their own pixels, selected (no host sync: no branch on values).
         # A sample with lam = 0 is a full mix: 0 * its own NaN stays NaN, as in timm.
         if unmixed is False:
@@ -273,12 +272,21 @@ def blend_images(images: Tensor, partner: Tensor, lam: float) -> Tensor:
         raise ValueError(f"blend_images takes images (b, c, H, W) and partner (b,); got {tuple(images.shape)} and {tuple(partner.shape)}")
     if lam == 1.0:  # selected, not computed: 1 * x + 0 * y is NaN where the partner holds NaN or inf
         return images.clone()
-    compute = torch.float32 if images.dtype in (torch.float16, torch.bfloat16) else images.dtype
-    own = images.to(compute)
-    other = gather_partners(own, partner)
-    out = own * lam
-    out.add_(other.mul_(to_fp32(1.0 - lam)))  # other is a fresh gather: ours to scale in place
-    return out.to(images.dtype)
+    own = images.to(_mix_dtype(images))
+    return _blend(own, gather_partners(own, partner), lam, to_fp32(1.0 - lam)).to(images.dtype)
+
+
+def _mix_dtype(images: Tensor) -> torch.dtype:
+    """The dtype pixels are mixed in: fp32 for half-precision images (rounded once at the end), else their own."""
+    return torch.float32 if images.dtype in (torch.float16, torch.bfloat16) else images.dtype
+
+
+def _blend(own: Tensor, other: Tensor, w0: Tensor | float, w1: Tensor | float) -> Tensor:
+    """``own * w0 + other * w1`` with timm's roundings (each product rounded, then their sum), the weights per sample
+    or one number for all: ``other`` (a fresh gather, the caller's to give) is scaled in place, so the products take
+    one new batch, not two (fresh CPU allocations cost page faults)."""
+    out = own * w0
+    return out.add_(other.mul_(w1))
 
 
 def keep_unmixed(out: Tensor, own: Tensor, unmixed: Tensor, select: bool) -> Tensor:

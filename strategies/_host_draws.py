@@ -161,8 +161,8 @@ def columns_on(columns: Sequence[Column], device: torch.device) -> list[Tensor]:
     else:
         host = torch.frombuffer(flat, dtype=torch.uint8) if end else torch.empty(0, dtype=torch.uint8)
         buffer = host.pin_memory().to(device, non_blocking=True) if cuda else host.to(device)
-        # every column's span in one call (a slice each from Python costs an indexing call a column), then its dtype
-        # (its data, then its padding to the next aligned start)
-        spans = [n for col, a, b in zip(columns, starts, [*starts[1:], end]) for n in (len(col.data), b - a - len(col.data))]
+        # every column's span in one call (a slice each from Python costs an indexing call a column), then its dtype:
+        # its data, then its padding to the next aligned start
+        spans = [n for col in columns for n in (len(col.data), -len(col.data) % _ALIGN)]
         out = [part.view(col.dtype) for part, col in zip(buffer.split_with_sizes(spans)[0::2], columns)]
     return [t if len(col.shape) == 1 else t.view(col.shape) for t, col in zip(out, columns)]
