@@ -23,19 +23,22 @@ __all__ = ["Steps", "compiled_pair", "dynamo_stats", "eager_pair", "kernel_table
 
 
 class Steps(TrainingSteps):
-    """Training steps of one model by CutMix + NoAlign and CutMix + TL-Align (the adapters share its parameters)."""
+    """Training steps of one model by CutMix + NoAlign and CutMix + TL-Align (the adapters share its parameters), and
+    the bare model's by timm's ``Mixup`` (``timm-cutmix``)."""
 
     def __init__(self, model_name: str, args: argparse.Namespace) -> None:
         device = torch.device(args.device)
         super().__init__(
             model_name, num_classes=10 if model_name.startswith("example:") else args.num_classes,
-            batch_size=args.batch_size, device=device, variants=("cutmix", "tlalign"), amp=device.type == "cuda",
+            batch_size=args.batch_size, device=device, amp=device.type == "cuda",
+            variants=("cutmix", "tlalign", *(["timm-cutmix"] if args.batch_size % 2 == 0 else [])),  # timm's: even only
             strict=True,
         )  # fmt: skip
 
     def call(self, variant: str, route: Any = None, compiled: Any = None) -> Callable[[], None]:
         """One full training step (mix, forward, loss, backward, AdamW) of ``variant``: ``none`` (no
-        mixing), ``cutmix`` or ``tlalign``; by an attention ``route``; through ``compiled`` (the adapter)."""
+        mixing), ``cutmix``, ``tlalign`` or ``timm-cutmix``; by an attention ``route``; through ``compiled`` (the
+        adapter, or for ``timm-cutmix`` the bare model)."""
         return partial(self.step, variant, route, compiled)
 
     def peak_mb(self, step: Callable[[], None]) -> float:
@@ -77,17 +80,21 @@ def timed_with_memory(
 
 def compiled_pair(
     steps: Steps, args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], routes: Sequence[str] = (),
+    timm: bool = False,
 ) -> dict[str, Any]:
     """CutMix + NoAlign and CutMix + TL-Align (the device's route, then each of ``routes``), each adapter
-    compiled, timed side by side. A variant that fails to compile is recorded, the others are timed."""
+    compiled, timed side by side; with ``timm``, the bare model compiled beside them, mixed by timm's ``Mixup``
+    (``timm-cutmix``: timm's own ``--torchcompile`` step). A variant that fails to compile is recorded, the others
+    are timed."""
     calls: dict[str, Callable[[], None]] = {}
     info: dict[str, Any] = {}
-    for name in ("cutmix", "tlalign", *(f"tlalign/{r}" for r in routes)):
+    for name in ("cutmix", "tlalign", *(f"tlalign/{r}" for r in routes), *(["timm-cutmix"] if timm else [])):
         variant, _, route = name.partition("/")
         if deadline.left() < 0:
             raise OutOfTime("while compiling")
         torch._dynamo.reset()
-        compiled = torch.compile(steps.adapted[variant], mode=getattr(args, "compile_mode", None))
+        module = steps.model if variant == "timm-cutmix" else steps.adapted[variant]
+        compiled = torch.compile(module, mode=getattr(args, "compile_mode", None))
         t0 = time.perf_counter()
         try:
             with dynamo_stats() as stats:

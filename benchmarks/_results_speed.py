@@ -38,6 +38,11 @@ def render_steps(summary: dict[str, Any]) -> str:
             f"| {fmt(s['alloc_step_mb'], 1)} | {fmt(s.get('alloc_step_ratio'), 4)} | {fmt(s['peak_mb'], 0)} "
             f"| {fmt(s.get('memory_ratio'), 3)} |"
         )
+    if "timm-cutmix" in summary["steps"]:
+        lines += ["", f"{LABELS['timm-cutmix']}: the step a timm user runs without this library (timm's batch-mode "
+                  "`Mixup` doing CutMix in place on pixel boxes, the bare model, timm's `SoftTargetCrossEntropy`); "
+                  f"its ratio is that step over {LABELS[BASELINE]}'s, so below 1 is what our mixer and adapter cost "
+                  "in a step before any alignment."]
     return "\n".join(lines + recorded_malloc_note(cfg))
 
 

@@ -83,7 +83,9 @@ class TrainingSteps:
     Variants: ``none`` (no mixing), ``cutmix`` (CutMix + NoAlign), ``transmix``, ``tlalign`` (the fast
     path), ``tlalign-widened`` (autograd through the widened attention call), ``tlalign-reference``
     (explicit attention matrices), ``tlalign-cells`` (the box mask densified to cells), ``cutmix-again``
-    (``cutmix``'s step through its own NoAlign adapter: the A/A control).
+    (``cutmix``'s step through its own NoAlign adapter: the A/A control), ``timm-cutmix`` (timm's batch-mode
+    ``Mixup`` doing CutMix in place, the bare model and timm's ``SoftTargetCrossEntropy``: a timm user's step without
+    this library).
 
     Args:
         model_name: what ``build_model`` takes.
@@ -121,8 +123,20 @@ class TrainingSteps:
         self.mixer = CutMix(num_classes=num_classes, label_smoothing=0.1, patch_size=patch)
         self.adapted: dict[str, Any] = {}
         self.refused: dict[str, str] = {}  # variant -> why adapt refuses the model (the 'any' family: NoAlign only)
+        self.timm_mixup: Any = None
+        self.timm_loss: Any = None
+        if "timm-cutmix" in variants:  # the bare timm step: timm's batch-mode CutMix (pixel boxes), its smoothing
+            if batch_size % 2:
+                raise ValueError(f"the timm-cutmix step needs an even batch (timm's Mixup refuses an odd one), got "
+                                 f"{batch_size}: pass an even --batch-size")
+            from timm.data.mixup import Mixup
+            from timm.loss.cross_entropy import SoftTargetCrossEntropy
+
+            self.timm_mixup = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode="batch", label_smoothing=0.1,
+                                    num_classes=num_classes)  # type: ignore[no-untyped-call]
+            self.timm_loss = SoftTargetCrossEntropy()  # type: ignore[no-untyped-call]
         for v in variants:
-            if v == "none":
+            if v in ("none", "timm-cutmix"):  # the bare model: no adapter
                 continue
             try:
                 self.adapted[v] = adapt(self.model, _scheme(v), reference=v == "tlalign-reference")
@@ -195,6 +209,12 @@ class TrainingSteps:
         with context, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             if variant == "none":
                 loss = F.cross_entropy(self.model(self.images), self.labels, label_smoothing=0.1)
+            elif variant == "timm-cutmix":
+                # timm's Mixup mixes the batch in place, as in timm's train loop (no copy): the shared batch becomes a
+                # mixed one, which changes no variant's work (the same shapes; no operator reads the pixel values)
+                mixed, target = self.timm_mixup(self.images, self.labels)
+                logits = (adapter if adapter is not None else self.model)(mixed)
+                loss = self.timm_loss(logits, target)
             else:
                 mixed, label_map = self.mixer(self.images, self.labels)
                 loss = self.loss(variant, mixed, label_map, adapter)

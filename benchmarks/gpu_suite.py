@@ -11,6 +11,8 @@ table last:
    CutMix + NoAlign, CutMix + TL-Align by every route, eager; then CutMix + NoAlign and
    CutMix + TL-Align compiled (``torch.compile`` of the adapted model, as timm's
    ``--torchcompile`` does), each against its own baseline, with the graphs and breaks dynamo saw.
+   Both modes time timm's own step beside them (``timm-cutmix``: timm's ``Mixup`` doing CutMix, the
+   bare model, eager or compiled): what our mixer and adapter cost in a step, not in a call alone.
 3. ``mixers``: every mixer at batch 128 x 224 px against timm's ``Mixup`` on the same device.
 4. ``tests``: the GPU-only tests (``pytest -m 'not slow'`` over the CUDA test files).
 5. ``families``: every aligning family's small model (``benchmarks/_families.py``'s list) at batch
@@ -109,10 +111,13 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     from mixlabels.backbones._attention import ROUTES
 
     steps = Steps(args.deit_model, args)
+    timm = steps.timm_mixup is not None  # timm's own step beside ours (timm's Mixup takes even batches only)
+    if not timm:
+        log(f"deit: timm's step left out: timm's Mixup refuses an odd batch ({args.batch_size})")
     if args.deit_compiled_only:
-        into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes)
+        into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes, timm=timm)
         return
-    calls = {"none": steps.call("none"), "cutmix": steps.call("cutmix")}
+    calls = {"none": steps.call("none"), "cutmix": steps.call("cutmix"), **({"timm-cutmix": steps.call("timm-cutmix")} if timm else {})}
     for route in ROUTES:
         calls[f"tlalign/{route}"] = steps.call("tlalign", route)
     log(f"deit eager: {args.deit_model} batch {args.batch_size}")
@@ -121,7 +126,7 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     into["eager"].update({name: {"error": why} for name, why in errors.items()})
     save()
     log("deit compiled")
-    into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes)
+    into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes, timm=timm)
 
 
 def measure_families(args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None], save: Callable[[], None],

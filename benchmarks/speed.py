@@ -88,7 +88,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=STEP_VARIANTS,
                    help="step variants (tlalign-cells: TL-Align with the CutMix boxes densified to a cell mask, "
-                   "the route every map took before BoxMask; with --pixel-boxes a per-pixel mask each step)")
+                   "the route every map took before BoxMask; with --pixel-boxes a per-pixel mask each step; "
+                   "cutmix-again: the baseline again, an A/A control; timm-cutmix: timm's own step, its Mixup doing "
+                   "CutMix and the bare model, with no adapter)")
     p.add_argument("--pixel-boxes", action="store_true",
                    help="CutMix boxes on pixels (timm's CutMix) instead of snapped to the token grid")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32 on cuda")

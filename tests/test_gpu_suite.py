@@ -548,3 +548,26 @@ def test_profiled_steps_show_the_time_the_kernels_do_not_account_for() -> None:
         for variant in ("cutmix", "tlalign"):
             del table[variant]["kernels"]  # type: ignore[index]
     assert "Where a step's time goes" not in summary_table(result)
+
+
+def test_deit_times_timms_own_step_beside_ours_eager_and_compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deit part times timm's own step (``timm-cutmix``: timm's ``Mixup``, the bare model, compiled as timm's
+    ``--torchcompile`` compiles it) beside CutMix + NoAlign in both modes, and the report shows its rows (the timing's
+    and, with ``--profile``, the kernel table's). (Compiled by
+    dynamo with the eager backend here: the graphs and breaks are dynamo's; inductor's CPU compile is not the point.)"""
+    from functools import partial
+
+    from benchmarks.gpu_report import gpu_section
+
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="eager"))
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "deit", "--profile", "--out", str(tmp_path)])
+    deit = result["parts"]["deit"]
+    for mode in ("eager", "compiled"):
+        row = deit[mode]["timm-cutmix"]
+        assert row["ms_median"] > 0 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"], (mode, row)
+        assert deit[mode]["cutmix"]["ratio"] == 1.0
+    assert deit["compiled"]["timm-cutmix"]["graphs"] == 1 and deit["compiled"]["timm-cutmix"]["graph_breaks"] == 0
+    text = "\n".join(gpu_section({**result, "device": "NVIDIA H100 80GB HBM3", "dry_run": False}))
+    assert sum(line.startswith("| timm-cutmix |") for line in text.splitlines()) == 2  # the eager and compiled tables
+    assert "`timm-cutmix`: timm's own step" in text
+    assert "| DeiT-S compiled | timm-cutmix |" in text  # --profile: every profiled variant's kernel row, timm's too

@@ -236,6 +236,41 @@ def test_cells_variant_is_the_same_step_on_a_densified_mask(tmp_path: Path) -> N
     assert set(result["steps"]) == {"cutmix", "tlalign", "tlalign-cells"}
 
 
+def test_timm_cutmix_variant_is_a_timm_users_step(tmp_path: Path) -> None:
+    """``timm-cutmix`` is the step a timm user runs without this library: timm's batch-mode ``Mixup`` mixes the batch
+    in place (CutMix, smoothing 0.1), the bare model reads it and timm's ``SoftTargetCrossEntropy`` takes the targets.
+    Its AdamW update equals that loop's, written out with timm's own objects, to the bit."""
+    import copy
+
+    import numpy as np
+    from timm.data.mixup import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+
+    bench = TrainingSteps("example:vit", num_classes=10, batch_size=4, device="cpu", variants=["cutmix", "timm-cutmix"])
+    assert set(bench.adapted) == {"cutmix"}  # the bare model: no adapter
+    model, images, labels = copy.deepcopy(bench.model), bench.images.clone(), bench.labels.clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    np.random.seed(5)  # timm's Mixup draws from numpy's global generator
+    bench.step("timm-cutmix")
+    np.random.seed(5)
+    mixed, target = Mixup(mixup_alpha=0.0, cutmix_alpha=1.0, mode="batch", label_smoothing=0.1, num_classes=10)(images, labels)
+    assert torch.equal(bench.images, mixed) and not torch.equal(mixed[0], mixed[-1])  # the shared batch, mixed in place
+    assert target.shape == (4, 10) and int((target > 0.5).sum()) >= 1
+    opt.zero_grad(set_to_none=True)
+    SoftTargetCrossEntropy()(model(mixed), target).backward()
+    opt.step()
+    ours = dict(bench.model.named_parameters())
+    assert all(torch.equal(p, ours[name]) for name, p in model.named_parameters())
+    with pytest.raises(ValueError, match="even batch"):
+        TrainingSteps("example:vit", num_classes=10, batch_size=3, device="cpu", variants=["timm-cutmix"])
+    # the CLI's variant, its row in the table beside the baseline's
+    result = speed.main(["--only", "steps", "--model", "example:vit", "--num-classes", "10", "--batch-size", "2",
+                         "--steps", "1", "--warmup", "1", "--repeats", "1", "--variants", "cutmix", "timm-cutmix",
+                         "--out", str(tmp_path)])
+    assert set(result["steps"]) == {"cutmix", "timm-cutmix"} and math.isfinite(result["steps"]["timm-cutmix"]["time_ratio"])
+    assert "| timm's Mixup (CutMix) + the bare model |" in next(tmp_path.glob("*.md")).read_text()
+
+
 @pytest.mark.parametrize("returncode, words", [(-9, "out-of-memory killer"), (-11, "SIGSEGV"), (3, "exit status 3")])
 def test_a_failed_memory_run_says_how_it_ended(monkeypatch: pytest.MonkeyPatch, returncode: int, words: str) -> None:
     """The memory worker runs in a subprocess: one the kernel kills for memory leaves no traceback, so the error
