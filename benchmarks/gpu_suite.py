@@ -111,8 +111,8 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     from mixlabels.backbones._attention import ROUTES
 
     steps = Steps(args.deit_model, args)
-    timm = steps.timm_mixup is not None  # timm's own step beside ours (timm's Mixup takes even batches only)
-    if not timm:
+    timm = args.timm_step and steps.timm_mixup is not None  # timm's own step beside ours
+    if args.timm_step and not timm:
         log(f"deit: timm's step left out: timm's Mixup refuses an odd batch ({args.batch_size})")
     if args.deit_compiled_only:
         into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes, timm=timm)
@@ -230,6 +230,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "reduce-overhead replays CUDA graphs, which take the host's launch time off a step)")
     p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
+    p.add_argument("--timm-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="DeiT-S: time timm's own step (timm-cutmix) beside ours in each mode; compiled, it is one more "
+                   "compile (about 30 s on an H100)")
     p.add_argument("--family-routes", nargs="*", default=[],
                    help="families: TL-Align by these routes too; compiled, e.g. label-convs=conv (the label convs as "
                    "convolutions, against the default shifted sums: backbones.compiled_label_convs); eager, e.g. "

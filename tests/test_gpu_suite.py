@@ -571,3 +571,8 @@ def test_deit_times_timms_own_step_beside_ours_eager_and_compiled(tmp_path: Path
     assert sum(line.startswith("| timm-cutmix |") for line in text.splitlines()) == 2  # the eager and compiled tables
     assert "`timm-cutmix`: timm's own step" in text
     assert "| DeiT-S compiled | timm-cutmix |" in text  # --profile: every profiled variant's kernel row, timm's too
+    # --no-timm-step: one compile fewer, where a GPU's minutes are short
+    without = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "deit", "--deit-compiled-only", "--no-timm-step",
+                              "--out", str(tmp_path / "without")])
+    assert set(without["parts"]["deit"]["compiled"]) >= {"cutmix", "tlalign"}
+    assert "timm-cutmix" not in without["parts"]["deit"]["compiled"]
