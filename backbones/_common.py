@@ -354,21 +354,38 @@ between its passes). VGG-11's head conv on 2 cores, in one process: 122 ms in ch
 32 MB, 239 of 256 KB (1568 chunks' operators)."""
 
 
+_UNSET = object()
+
+
 def _checkpointing(model: nn.Module) -> bool:
     """Whether any of ``model``'s modules has gradient checkpointing on (timm's ``grad_checkpointing``), checked on
     every forward. Read from each instance's dict, where timm's ``__init__`` and ``set_grad_checkpointing`` put it:
     ``getattr`` of a module without it goes through ``nn.Module.__getattr__`` and an exception (MobileNetV3-small's
-    235 modules, 1 core: 0.44 ms a forward against 0.23, most of it now the walk of the modules). A class-level value
-    (or property) is read as such; traced, the plain ``getattr`` (read once, at the trace)."""
+    235 modules, 1 core: 0.44 ms a forward against 0.23). A class-level value (or property) is read as such; traced,
+    the plain ``getattr`` (read once, at the trace).
+
+    Every module is visited once, as ``modules()`` visits them, by a walk of the ``_modules`` dicts themselves:
+    ``modules()`` builds each module's dotted name and throws it away, about half of this check's host time (1 core,
+    a forward: DeiT-S's 276 modules 0.13 ms against 0.24, EfficientNet-B0's 337 0.17 against 0.32)."""
     if torch.compiler.is_compiling():
         return any(getattr(mod, "grad_checkpointing", False) for mod in model.modules())
-    for mod in model.modules():
-        own = vars(mod)
-        if "grad_checkpointing" in own:
-            if own["grad_checkpointing"]:
+    stack, seen = [model], {id(model)}
+    pop, push, visit = stack.pop, stack.append, seen.add
+    while stack:
+        mod = pop()
+        own = mod.__dict__
+        flag = own.get("grad_checkpointing", _UNSET)
+        if flag is _UNSET:
+            if hasattr(type(mod), "grad_checkpointing") and getattr(mod, "grad_checkpointing"):
                 return True
-        elif hasattr(type(mod), "grad_checkpointing") and getattr(mod, "grad_checkpointing"):
+        elif flag:
             return True
+        children = own["_modules"]
+        if children:
+            for child in children.values():
+                if child is not None and id(child) not in seen:
+                    visit(id(child))
+                    push(child)
     return False
 
 

@@ -157,3 +157,29 @@ def test_gradient_checkpointing_anywhere_is_refused(where: str) -> None:
         backbones.adapt(model_off, TLAlign())(images, lm)  # off everywhere: runs
     finally:
         _ClassLevel.grad_checkpointing = True
+
+
+def test_checkpointing_walk_reads_every_module_as_modules_does() -> None:
+    """The check's own walk of the ``_modules`` dicts finds what a plain ``getattr`` over ``modules()`` finds, on
+    every family's example model, off and with timm's switch on (where the model has one), on a module shared by
+    two parents and on one only a shared module's child holds."""
+    from mixlabels.backbones import FAMILIES
+    from mixlabels.backbones._common import _checkpointing
+
+    def plain(model: nn.Module) -> bool:
+        return any(getattr(mod, "grad_checkpointing", False) for mod in model.modules())
+
+    for family in FAMILIES:
+        model = family.example()
+        assert _checkpointing(model) is plain(model) is False, family.name
+        if hasattr(model, "set_grad_checkpointing"):
+            try:
+                model.set_grad_checkpointing(True)
+            except AssertionError:  # timm's models without checkpointing (CrossViT) refuse the switch
+                continue
+            assert _checkpointing(model) is plain(model) is True, family.name
+    shared = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
+    model = nn.Sequential(shared, nn.Sequential(shared))  # one module, two parents: visited once
+    assert _checkpointing(model) is plain(model) is False
+    shared[1][0].grad_checkpointing = True  # deepest, under the shared module
+    assert _checkpointing(model) is plain(model) is True
