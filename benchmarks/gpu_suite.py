@@ -125,6 +125,8 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     into["eager"] = timed_with_memory(steps, working, args, deadline, log)
     into["eager"].update({name: {"error": why} for name, why in errors.items()})
     save()
+    if args.deit_eager_only:
+        return
     log("deit compiled")
     into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes, timm=timm)
 
@@ -228,7 +230,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"], default=None,
                    help="torch.compile's mode for every compiled step (default: timm's --torchcompile, no mode; "
                    "reduce-overhead replays CUDA graphs, which take the host's launch time off a step)")
-    p.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
+    deit_mode = p.add_mutually_exclusive_group()
+    deit_mode.add_argument("--deit-compiled-only", action="store_true", help="DeiT-S: the compiled pair alone (no eager table)")
+    deit_mode.add_argument("--deit-eager-only", action="store_true", help="DeiT-S: the eager table alone (no compiles)")
     p.add_argument("--compiled-routes", nargs="*", default=[], help="DeiT-S compiled: TL-Align by these routes too")
     p.add_argument("--timm-step", action=argparse.BooleanOptionalAction, default=True,
                    help="DeiT-S: time timm's own step (timm-cutmix) beside ours in each mode; compiled, it is one more "

@@ -576,3 +576,7 @@ def test_deit_times_timms_own_step_beside_ours_eager_and_compiled(tmp_path: Path
                               "--out", str(tmp_path / "without")])
     assert set(without["parts"]["deit"]["compiled"]) >= {"cutmix", "tlalign"}
     assert "timm-cutmix" not in without["parts"]["deit"]["compiled"]
+    eager = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "deit", "--deit-eager-only", "--out", str(tmp_path / "eager")])
+    assert "compiled" not in eager["parts"]["deit"] and "timm-cutmix" in eager["parts"]["deit"]["eager"]
+    with pytest.raises(SystemExit):  # one or the other
+        gpu_suite.main(["--device", "cpu", "--dry-run", "--deit-eager-only", "--deit-compiled-only", "--out", str(tmp_path)])
