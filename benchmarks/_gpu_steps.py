@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds
-from benchmarks._training_step import TrainingSteps
+from benchmarks._training_step import TrainingSteps, timm_step_refusal
 
 __all__ = ["Steps", "compiled_pair", "dynamo_stats", "eager_pair", "kernel_table", "timed_with_memory"]
 
@@ -31,7 +31,7 @@ class Steps(TrainingSteps):
         super().__init__(
             model_name, num_classes=10 if model_name.startswith("example:") else args.num_classes,
             batch_size=args.batch_size, device=device, amp=device.type == "cuda",
-            variants=("cutmix", "tlalign", *(["timm-cutmix"] if args.batch_size % 2 == 0 else [])),  # timm's: even only
+            variants=("cutmix", "tlalign", *([] if timm_step_refusal(args.batch_size) else ["timm-cutmix"])),
             strict=True,
         )  # fmt: skip
 

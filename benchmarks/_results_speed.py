@@ -12,7 +12,7 @@ from benchmarks._provenance import later_notes, later_runs, provenance_line
 from benchmarks._speed_tables import (
     FAULTS_NOTE, LABEL_WORK_HEADER, family_cells, family_header, fmt, label_work_row, recorded_malloc_note,
 )
-from benchmarks._variants import BASELINE, CONTROL, LABELS
+from benchmarks._variants import BASELINE, CONTROL, LABELS, timm_step_note
 
 __all__ = ["merge_speed", "render_families", "render_label_work", "render_mixers", "render_steps",
            "steps_or_missing", "mixers_or_missing", "summarize_speed"]
@@ -39,10 +39,7 @@ def render_steps(summary: dict[str, Any]) -> str:
             f"| {fmt(s.get('memory_ratio'), 3)} |"
         )
     if "timm-cutmix" in summary["steps"]:
-        lines += ["", f"{LABELS['timm-cutmix']}: the step a timm user runs without this library (timm's batch-mode "
-                  "`Mixup` doing CutMix in place on pixel boxes, the bare model, timm's `SoftTargetCrossEntropy`); "
-                  f"its ratio is that step over {LABELS[BASELINE]}'s, so below 1 is what our mixer and adapter cost "
-                  "in a step before any alignment."]
+        lines += ["", f"{LABELS['timm-cutmix']}: {timm_step_note()}"]
     return "\n".join(lines + recorded_malloc_note(cfg))
 
 

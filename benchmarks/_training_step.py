@@ -20,7 +20,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from mixlabels.backbones._attention import Route
 
-__all__ = ["TrainingSteps", "build_model", "token_stride"]
+__all__ = ["TrainingSteps", "build_model", "timm_step_refusal", "token_stride"]
 
 
 def build_model(name: str, num_classes: int) -> tuple[torch.nn.Module, int]:
@@ -62,6 +62,11 @@ def token_stride(model: torch.nn.Module) -> int | None:
             if convs:
                 return int(convs[0].stride[0])
     return None
+
+
+def timm_step_refusal(batch_size: int) -> str | None:
+    """Why the ``timm-cutmix`` step cannot run on a batch of ``batch_size`` (``None``: it can)."""
+    return f"timm's Mixup refuses an odd batch ({batch_size})" if batch_size % 2 else None
 
 
 def _scheme(variant: str) -> Any:
@@ -126,9 +131,9 @@ class TrainingSteps:
         self.timm_mixup: Any = None
         self.timm_loss: Any = None
         if "timm-cutmix" in variants:  # the bare timm step: timm's batch-mode CutMix (pixel boxes), its smoothing
-            if batch_size % 2:
-                raise ValueError(f"the timm-cutmix step needs an even batch (timm's Mixup refuses an odd one), got "
-                                 f"{batch_size}: pass an even --batch-size")
+            why = timm_step_refusal(batch_size)
+            if why is not None:
+                raise ValueError(f"the timm-cutmix step needs an even batch: {why}; pass an even --batch-size")
             from timm.data.mixup import Mixup
             from timm.loss.cross_entropy import SoftTargetCrossEntropy
 

@@ -6,14 +6,13 @@ importing the benchmark.
 
 from __future__ import annotations
 
-__all__ = ["BASELINE", "CONTROL", "DEFAULT_VARIANTS", "LABELS", "STEP_VARIANTS"]
+__all__ = ["BASELINE", "CONTROL", "DEFAULT_VARIANTS", "LABELS", "STEP_VARIANTS", "timm_step_note"]
 
 STEP_VARIANTS = ("none", "cutmix", "transmix", "tlalign", "tlalign-widened", "tlalign-reference", "tlalign-cells",
                  "cutmix-again", "timm-cutmix")
 # Asked for by name only: tlalign-cells measures a past route; cutmix-again is the baseline's step again through its
-# own adapter (an A/A control: its ratio to the baseline is the run's noise floor, 1 but for noise); timm-cutmix is the
-# step a timm user runs without this library (timm's Mixup doing CutMix, the bare model, timm's soft-target loss): its
-# ratio to the baseline is what dropping our mixer and adapter into that loop costs before any alignment.
+# own adapter (an A/A control: its ratio to the baseline is the run's noise floor, 1 but for noise); timm-cutmix is
+# timm's own step (``timm_step_note``).
 DEFAULT_VARIANTS = STEP_VARIANTS[:-3]
 CONTROL = "cutmix-again"
 BASELINE = "cutmix"
@@ -28,3 +27,11 @@ LABELS = {
     "cutmix-again": "CutMix + NoAlign again (A/A control)",
     "timm-cutmix": "timm's Mixup (CutMix) + the bare model",
 }
+
+
+def timm_step_note(compiled: bool = False) -> str:
+    """What the ``timm-cutmix`` row is, for the tables that show it (``compiled``: the table of compiled steps)."""
+    return ("timm's own step, without this library (timm's batch-mode `Mixup` doing CutMix in place on pixel boxes, the "
+            f"bare model{', compiled in the compiled table' if compiled else ''}, timm's `SoftTargetCrossEntropy`): its "
+            f"ratio is that step over {LABELS[BASELINE]}'s, so below 1 is what our mixer and adapter cost in a step "
+            "before any alignment.")

@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks._gpu_timing import error_cell
 from benchmarks._mixer_timing import PROFILED_CALLS
+from benchmarks._variants import timm_step_note
 
 __all__ = [
     "family_measured",
@@ -214,9 +215,7 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
     if _missing(deit):
         out += [_missing(deit) or "", ""]
     if any(isinstance(deit.get(mode), dict) and "timm-cutmix" in deit[mode] for mode in ("eager", "compiled")):
-        out += ["`timm-cutmix`: timm's own step, without this library (timm's `Mixup` doing CutMix in place, the bare "
-                "model, compiled in the compiled table, timm's `SoftTargetCrossEntropy`): its ratio is timm's step over "
-                "ours with our CutMix and the NoAlign adapter, so below 1 is what they cost in a step.", ""]
+        out += [f"`timm-cutmix`: {timm_step_note(compiled=True)}", ""]
     for mode in ("eager", "compiled"):
         if mode in deit:
             out += [f"{mode}:", "", "| variant | ms | ratio | peak MB | memory ratio | graphs | breaks |",

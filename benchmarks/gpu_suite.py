@@ -52,6 +52,7 @@ from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds,
 from benchmarks._mixer_timing import PROFILED
 from benchmarks._mixer_timing import measure_mixers as time_mixers
 from benchmarks._provenance import finish, provenance
+from benchmarks._training_step import timm_step_refusal
 from benchmarks.gpu_report import family_measured, outcomes_of, summary_table
 
 PARTS = ("routes", "deit", "mixers", "tests", "families")
@@ -113,7 +114,7 @@ def measure_deit(args: argparse.Namespace, deadline: Deadline, log: Callable[[st
     steps = Steps(args.deit_model, args)
     timm = args.timm_step and steps.timm_mixup is not None  # timm's own step beside ours
     if args.timm_step and not timm:
-        log(f"deit: timm's step left out: timm's Mixup refuses an odd batch ({args.batch_size})")
+        log(f"deit: timm's step left out: {timm_step_refusal(args.batch_size)}")
     if args.deit_compiled_only:
         into["compiled"] = compiled_pair(steps, args, deadline, log, routes=args.compiled_routes, timm=timm)
         return
