@@ -56,9 +56,10 @@ Example (a tiny single-head "model" adapted by hand; see ``backbones`` for timm)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import Any, Callable, Iterable, Literal, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from mixlabels._label_map import TokenLabelMap
@@ -166,6 +167,20 @@ class AlignedOutput:
     token_target: Tensor | None = None
     token_loss_weight: float = 0.0
 
+    def __post_init__(self) -> None:
+        # Built in float32 (float64 on the reference path); something cast them since: a rounded target moves the loss
+        # with no error. FSDP2's output cast rebuilds this dataclass from its cast fields, so it raises here.
+        for name in ("target", "weights", "token_target"):
+            value = getattr(self, name)
+            if isinstance(value, Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+                raise TypeError(
+                    f"AlignedOutput.{name} is {value.dtype}: aligned targets are float32, and something cast the "
+                    "adapter's output. Under FSDP2, MixedPrecisionPolicy(output_dtype=...) on the adapted module casts "
+                    "every float tensor of its output, the targets too: shard it with output_dtype=None (or "
+                    "torch.float32) and cast out.logits yourself where you want them in half precision "
+                    "(docs/distributed.md)"
+                )
+
     def loss(self, criterion: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
         """The scheme's training loss (token labeling Eq. 3: class loss + beta * token loss).
 
@@ -185,6 +200,36 @@ class AlignedOutput:
         if self.token_target is not None and self.token_logits is not None:
             loss = loss + self.token_loss_weight * token_soft_target_cross_entropy(self.token_logits, self.token_target)
         return loss
+
+
+# Its tensors visible to ``torch.utils._pytree``, as a tuple's are. FSDP2 up to torch 2.11 finds a sharded root's outputs
+# with ``tree_flatten`` and hooks its pre-backward on the tensors it finds there: a dataclass it cannot see into hid the
+# logits, so ``fully_shard(adapted)`` alone never reduced the gradients of its backward (wrong gradients, silently;
+# torch 2.12 looks into dataclasses itself). The float is context, not a leaf.
+_FIELDS = ("output", "logits", "target", "weights", "token_logits", "token_target")
+
+
+def _flatten(out: AlignedOutput) -> tuple[list[Any], float]:
+    return [getattr(out, n) for n in _FIELDS], out.token_loss_weight
+
+
+def _flatten_with_keys(out: AlignedOutput) -> tuple[list[tuple[pytree.KeyEntry, Any]], float]:
+    return [(pytree.GetAttrKey(n), getattr(out, n)) for n in _FIELDS], out.token_loss_weight
+
+
+def _unflatten(values: Iterable[Any], token_loss_weight: float) -> AlignedOutput:
+    output, logits, target, weights, token_logits, token_target = values
+    return AlignedOutput(output, logits, target, weights, token_logits, token_target, token_loss_weight)
+
+
+def register_output_tree() -> None:
+    """``AlignedOutput`` as a pytree node (done on import; again after a test took it away)."""
+    pytree.register_pytree_node(
+        AlignedOutput, _flatten, _unflatten, serialized_type_name="mixlabels.AlignedOutput", flatten_with_keys_fn=_flatten_with_keys
+    )
+
+
+register_output_tree()
 
 
 class LabelTracker(Protocol):

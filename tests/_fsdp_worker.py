@@ -21,11 +21,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 from _dist_teardown import finish
 
 import mixlabels
-from mixlabels import TokenLabelMap
+from mixlabels import AlignedOutput, TokenLabelMap
+from mixlabels._align import register_output_tree
 from mixlabels.backbones import FAMILIES, adapt
 from mixlabels.backbones._common import AdaptedBase
 from mixlabels.backbones.families import resnet as _resnet
@@ -154,6 +156,11 @@ def train(
     }  # fmt: skip
 
 
+def with_context(context: Any, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    with context:
+        return run()
+
+
 def attempt(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()``'s report, or its error (both ranks fail alike), so that one case failing leaves the others' reports."""
     try:
@@ -173,6 +180,27 @@ def per_block(policy: MixedPrecisionPolicy, root: MixedPrecisionPolicy) -> Calla
 
 def root_only(adapted: nn.Module) -> None:
     fully_shard(adapted)
+
+
+@contextlib.contextmanager
+def outputs_found_by_pytree(unregistered: bool = False) -> Any:
+    """FSDP2 as torch up to 2.11 finds a sharded module's outputs to hook its pre-backward on: ``tree_flatten``'s leaves
+    (torch 2.12 and later look into dataclasses themselves; there the lookup is patched to the old one). ``unregistered``:
+    the adapter's output unknown to pytree meanwhile, as it was before ``register_output_tree`` (the negative control)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    def leaves(output: Any) -> tuple[Tensor, ...]:
+        return tuple(t for t in pytree.tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad)
+
+    old = hasattr(_fsdp_state, "collect_grad_tensors")
+    with mock.patch.object(_fsdp_state, "collect_grad_tensors", leaves) if old else contextlib.nullcontext():
+        if unregistered:
+            pytree._deregister_pytree_node(AlignedOutput)
+        try:
+            yield
+        finally:
+            if unregistered:
+                register_output_tree()
 
 
 def refusal(run: Callable[[], object]) -> str | None:
@@ -219,6 +247,16 @@ def refusals(rank: int) -> dict[str, str | None]:
     adapted = adapt(example("vit"), mixlabels.TLAlign())  # the root's input cast would round the label map
     per_block(MixedPrecisionPolicy(param_dtype=torch.bfloat16), MixedPrecisionPolicy(param_dtype=torch.bfloat16))(adapted)
     out["root_casts_map"] = refusal(lambda: adapted(x, lm))
+
+    adapted = adapt(example("vit"), mixlabels.TLAlign())  # the root's output cast would round the targets
+    fully_shard(adapted, mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    out["root_casts_output"] = refusal(lambda: adapted(x, lm))
+
+    adapted = adapt(example("vit"), mixlabels.TLAlign())  # float32 output (logits up-cast for the loss): allowed
+    fully_shard(adapted, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32,
+                                                        cast_forward_inputs=False))
+    fp32_out = adapted(x.bfloat16(), lm)
+    out["root_output_fp32"] = f"{fp32_out.logits.dtype} {fp32_out.target.dtype}"
 
     adapted = adapt(example("vit"), mixlabels.TLAlign())  # not sharded, not DDP: the distributed guard
     out["unsharded"] = refusal(lambda: adapted(x, lm))
@@ -268,6 +306,12 @@ def main() -> None:
         # a torchvision family, and any nn.Module with NoAlign (the README's table): the adapted root alone
         "tv_resnet_root": train("tv_resnet", root_only, rank, steps=2, halves=True),
         "any_root": train("any", root_only, rank, steps=2, halves=True, scheme=mixlabels.NoAlign()),
+        # the adapted root alone where FSDP2 finds its outputs by pytree (torch <= 2.11), and that without the output's
+        # registration: no pre-backward hook, the gradients never reduced
+        "vit_root_pytree": attempt(lambda: with_context(outputs_found_by_pytree(), lambda: train("vit", root_only, rank, steps=2))),
+        "vit_root_pytree_control": attempt(
+            lambda: with_context(outputs_found_by_pytree(unregistered=True), lambda: train("vit", root_only, rank, steps=2))
+        ),
         "families_blocks": per_block_families(rank, fp32),
         "refusals": refusals(rank),
     }

@@ -100,6 +100,41 @@ def test_root_only_sharding_of_a_torchvision_family_and_of_any_model(report: dic
     assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
 
 
+def test_root_only_sharding_is_right_where_fsdp2_finds_outputs_by_pytree(report: dict[str, Any]) -> None:
+    """torch up to 2.11: FSDP2 hooks a sharded root's backward on the tensors ``tree_flatten`` finds in its output (2.12
+    on looks into dataclasses itself; the worker patches the lookup back there). The adapter's output is a pytree node,
+    so its gradients are reduced; the control, the output unregistered, shows the failure it prevents: no pre-backward
+    hook, gradients never reduced, wrong by far more than rounding, and no error."""
+    run, control = report["vit_root_pytree"], report["vit_root_pytree_control"]
+    assert "error" not in run, run.get("error")
+    assert max(run["grads"]) < FP32 and max(run["params"]) < FP32 and run["spread"] == 0.0
+    assert "error" not in control, control.get("error")
+    assert max(control["grads"]) > 1e-2
+
+
+def test_the_adapters_output_flattens_to_its_tensors_and_back() -> None:
+    """What FSDP2's ``tree_flatten`` (torch <= 2.11) and any pytree walk see of an adapter's output: every tensor field,
+    and the output rebuilt as it was."""
+    from torch.utils import _pytree as pytree
+
+    import mixlabels
+    from mixlabels.backbones import adapt
+
+    model = next(f for f in FAMILIES if f.name == "vit").example()
+    adapted = adapt(model, mixlabels.TokenLabeling())
+    x = torch.randn(2, 3, 32, 32)
+    lm = mixlabels.TokenLabelMap.from_mask(torch.ones(2, 32, 32), torch.tensor([1, 0]), torch.tensor([3, 4]), num_classes=10)
+    out = adapted(x, lm)
+    leaves, spec = pytree.tree_flatten(out)
+    assert out.token_logits is not None and out.token_target is not None
+    fields = [out.logits, out.target, out.token_logits, out.token_target]
+    assert all(any(leaf is t for leaf in leaves) for t in fields)
+    assert any(leaf is out.logits and leaf.requires_grad for leaf in leaves)
+    back = pytree.tree_unflatten(leaves, spec)
+    assert type(back) is type(out) and back.token_loss_weight == out.token_loss_weight
+    assert all(getattr(back, n) is getattr(out, n) for n in ("output", "logits", "target", "weights", "token_logits", "token_target"))
+
+
 def test_bf16_mixed_precision_trains_within_bf16_of_one_float32_process(report: dict[str, Any]) -> None:
     run = report["vit_bf16"]
     assert run["resharded_after_forward"]
@@ -138,6 +173,11 @@ def test_negative_control_blocks_walked_without_their_hooks_crash(report: dict[s
     assert "mixed torch.Tensor and DTensor" in report["refusals"]["control_no_hooks"]
 
 
+def test_a_float32_output_cast_keeps_the_targets(report: dict[str, Any]) -> None:
+    """``output_dtype=torch.float32`` on the root (logits up-cast for the loss) is allowed: the targets are float32."""
+    assert report["refusals"]["root_output_fp32"] == "torch.float32 torch.float32"
+
+
 ORDER = "adapted = adapt(model, scheme); fully_shard each of adapted.model.blocks; then fully_shard(adapted), last"
 
 
@@ -150,6 +190,7 @@ ORDER = "adapted = adapt(model, scheme); fully_shard each of adapted.model.block
         ("family_without_units", ["model.blocks.0", "adapted = adapt(model, scheme); fully_shard(adapted), last"]),
         ("reference", ["reference=True", "use the fast path"]),
         ("root_casts_map", ["cast_forward_inputs=False", "adapted(images.to(param_dtype), label_map)"]),
+        ("root_casts_output", ["AlignedOutput.target is torch.bfloat16", "output_dtype=None (or torch.float32)"]),
         ("unsharded", ["outside DistributedDataParallel and not sharded by FSDP2", "then fully_shard(adapted)",
                        "FSDP1's FullyShardedDataParallel wrapper is not supported"]),
     ],

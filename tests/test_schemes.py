@@ -246,6 +246,22 @@ def test_loss_is_class_plus_beta_tokens() -> None:
     assert_close(AlignedOutput(logits, logits, target).loss(), soft_target_cross_entropy(logits, target))
 
 
+@pytest.mark.parametrize("field", ["target", "weights", "token_target"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_output_with_half_precision_targets_is_refused(field: str, dtype: torch.dtype) -> None:
+    """A cast output (FSDP2's ``output_dtype`` rebuilds it from its cast fields) raises, naming the field and the fix;
+    float32 and float64 targets (the reference path) are kept."""
+    import dataclasses
+
+    logits, tok = torch.randn(2, 4), torch.randn(2, 3, 4)
+    target, tok_target = torch.softmax(torch.randn(2, 4), -1), torch.softmax(torch.randn(2, 3, 4), -1)
+    out = AlignedOutput(logits, logits, target, torch.rand(2, 2), tok, tok_target, 0.5)
+    with pytest.raises(TypeError, match=rf"AlignedOutput.{field} is torch.{str(dtype).split('.')[1]}.*output_dtype=None"):
+        dataclasses.replace(out, **{field: getattr(out, field).to(dtype)})
+    assert dataclasses.replace(out, logits=logits.to(dtype)).logits.dtype == dtype  # the logits are the user's to cast
+    assert getattr(dataclasses.replace(out, **{field: getattr(out, field).double()}), field).dtype == torch.float64
+
+
 # ---------------------------------------------------------------------------- configs
 def test_scheme_configs_build_each_scheme() -> None:
     adapter: TypeAdapter[SchemeConfig] = TypeAdapter(SchemeConfig)
