@@ -55,7 +55,7 @@ Example (a tiny single-head "model" adapted by hand; see ``backbones`` for timm)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Literal, Protocol
 
 import torch
@@ -206,7 +206,7 @@ class AlignedOutput:
 # with ``tree_flatten`` and hooks its pre-backward on the tensors it finds there: a dataclass it cannot see into hid the
 # logits, so ``fully_shard(adapted)`` alone never reduced the gradients of its backward (wrong gradients, silently;
 # torch 2.12 looks into dataclasses itself). The float is context, not a leaf.
-_FIELDS = ("output", "logits", "target", "weights", "token_logits", "token_target")
+_FIELDS = tuple(f.name for f in fields(AlignedOutput) if f.name != "token_loss_weight")
 
 
 def _flatten(out: AlignedOutput) -> tuple[list[Any], float]:
@@ -218,8 +218,7 @@ def _flatten_with_keys(out: AlignedOutput) -> tuple[list[tuple[pytree.KeyEntry, 
 
 
 def _unflatten(values: Iterable[Any], token_loss_weight: float) -> AlignedOutput:
-    output, logits, target, weights, token_logits, token_target = values
-    return AlignedOutput(output, logits, target, weights, token_logits, token_target, token_loss_weight)
+    return AlignedOutput(**dict(zip(_FIELDS, values, strict=True)), token_loss_weight=token_loss_weight)
 
 
 def register_output_tree() -> None:

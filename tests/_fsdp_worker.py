@@ -156,11 +156,6 @@ def train(
     }  # fmt: skip
 
 
-def with_context(context: Any, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    with context:
-        return run()
-
-
 def attempt(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()``'s report, or its error (both ranks fail alike), so that one case failing leaves the others' reports."""
     try:
@@ -201,6 +196,12 @@ def outputs_found_by_pytree(unregistered: bool = False) -> Any:
         finally:
             if unregistered:
                 register_output_tree()
+
+
+def root_found_by_pytree(rank: int, unregistered: bool = False) -> dict[str, Any]:
+    """The ViT sharded at the root alone, trained where FSDP2 finds its outputs by pytree (``outputs_found_by_pytree``)."""
+    with outputs_found_by_pytree(unregistered):
+        return train("vit", root_only, rank, steps=2)
 
 
 def refusal(run: Callable[[], object]) -> str | None:
@@ -308,10 +309,8 @@ def main() -> None:
         "any_root": train("any", root_only, rank, steps=2, halves=True, scheme=mixlabels.NoAlign()),
         # the adapted root alone where FSDP2 finds its outputs by pytree (torch <= 2.11), and that without the output's
         # registration: no pre-backward hook, the gradients never reduced
-        "vit_root_pytree": attempt(lambda: with_context(outputs_found_by_pytree(), lambda: train("vit", root_only, rank, steps=2))),
-        "vit_root_pytree_control": attempt(
-            lambda: with_context(outputs_found_by_pytree(unregistered=True), lambda: train("vit", root_only, rank, steps=2))
-        ),
+        "vit_root_pytree": attempt(lambda: root_found_by_pytree(rank)),
+        "vit_root_pytree_control": attempt(lambda: root_found_by_pytree(rank, unregistered=True)),
         "families_blocks": per_block_families(rank, fp32),
         "refusals": refusals(rank),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
@@ -251,8 +253,6 @@ def test_loss_is_class_plus_beta_tokens() -> None:
 def test_output_with_half_precision_targets_is_refused(field: str, dtype: torch.dtype) -> None:
     """A cast output (FSDP2's ``output_dtype`` rebuilds it from its cast fields) raises, naming the field and the fix;
     float32 and float64 targets (the reference path) are kept."""
-    import dataclasses
-
     logits, tok = torch.randn(2, 4), torch.randn(2, 3, 4)
     target, tok_target = torch.softmax(torch.randn(2, 4), -1), torch.softmax(torch.randn(2, 3, 4), -1)
     out = AlignedOutput(logits, logits, target, torch.rand(2, 2), tok, tok_target, 0.5)
