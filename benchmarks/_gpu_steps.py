@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from benchmarks._gpu_timing import Deadline, OutOfTime, summarise, timed_rounds
+from benchmarks._memory_account import memory_account
 from benchmarks._training_step import TrainingSteps, timm_step_refusal
 
 __all__ = ["Steps", "compiled_pair", "dynamo_stats", "eager_pair", "kernel_table", "timed_with_memory"]
@@ -117,8 +118,9 @@ def compiled_pair(
 
 def profiled(steps: Steps, calls: dict[str, Callable[[], None]], rows: dict[str, Any], args: argparse.Namespace,
              log: Callable[[str], None]) -> None:
-    """With ``--profile``: each timed row gains its step's ``kernel_table``, and the log its top five kernels (and,
-    on a GPU, its top five host calls)."""
+    """With ``--profile``: each timed row gains its step's ``kernel_table`` and ``memory_account`` (what one more step
+    adds at its peak, and which lines hold it), and the log the top five of each (and, on a GPU, its top five host
+    calls)."""
     if not getattr(args, "profile", False):
         return
     for name, step in calls.items():
@@ -128,6 +130,14 @@ def profiled(steps: Steps, calls: dict[str, Callable[[], None]], rows: dict[str,
         if "host_top" in table:
             log(f"  {name}: {table['host_ms_per_step']:.2f} ms of host calls a step; top: "
                 + "; ".join(f"{k['ms_per_step']:.2f} ms {k['calls_per_step']:.0f}x {k['name'][:50]}" for k in table["host_top"][:5]))
+        try:  # a diagnostic: its failure is recorded, and the rows timed already are kept
+            account = rows[name]["memory_account"] = memory_account(step, steps.device)
+        except Exception as err:
+            rows[name]["memory_account"] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            log(f"  {name}: no memory account ({rows[name]['memory_account']['error'][:200]})")
+            continue
+        log(f"  {name}: {account['step_mb']:.1f} MB added at the step's peak; held by: "
+            + "; ".join(f"{s['mb']:.1f} MB {s['site'][:60]}" for s in account["top"][:5]))
 
 
 def kernel_table(step: Callable[[], object], device: torch.device, steps: int = 5, top: int = 15) -> dict[str, Any]:

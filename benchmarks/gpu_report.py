@@ -272,7 +272,7 @@ def gpu_section(result: dict[str, Any], heading: bool = True) -> list[str]:
             out.append(f"| {label} | {row['model']} | {c['ms_median']:.2f} | {t['ms_median']:.2f} | {_ratio(t)} | "
                        f"{t['memory_ratio']:.3f} | {t.get('graphs', '-')} | {t.get('graph_breaks', '-')} |{run}")
     out.append("")
-    return out + _kernel_rows(deit, families) + _mixer_profile_rows(mixers)
+    return out + _kernel_rows(deit, families) + _memory_rows(deit, families) + _mixer_profile_rows(mixers)
 
 
 def _mixer_profile_rows(mixers: dict[str, Any]) -> list[str]:
@@ -293,16 +293,42 @@ def _mixer_profile_rows(mixers: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def _kernel_rows(deit: dict[str, Any], families: dict[str, Any]) -> list[str]:
-    """With ``--profile``: each profiled step's time beside its kernels' time and launches. Where the step takes
-    longer than its kernels, the GPU waited on the host for the difference (launches, library calls, Python)."""
+def _profiled_variants(deit: dict[str, Any], families: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(model, variant, row)`` of every variant the DeiT-S compiled pair and each family's pair timed (routes and
+    timm's step included), in the summary's order."""
     rows: list[tuple[str, str, dict[str, Any]]] = []
     for name, table in [("DeiT-S compiled", deit.get("compiled", {})), *(
             (f"{row.get('model', family)} {row.get('mode', 'compiled')}", row) for family, row in families.items()
             if isinstance(row, dict))]:
-        for variant, row in (table.items() if isinstance(table, dict) else ()):  # each profiled variant: routes, timm's
-            if isinstance(row, dict) and "kernels" in row and "ms_median" in row:
+        for variant, row in (table.items() if isinstance(table, dict) else ()):
+            if isinstance(row, dict):
                 rows.append((name, variant, row))
+    return rows
+
+
+def _memory_rows(deit: dict[str, Any], families: dict[str, Any], top: int = 3) -> list[str]:
+    """With ``--profile``: what one more step of each profiled variant adds at its peak, and the lines holding most of
+    it there (``_memory_account``): where a memory ratio is over 1, the lines TL-Align adds."""
+    rows = [(name, variant, row["memory_account"]) for name, variant, row in _profiled_variants(deit, families)
+            if isinstance(row.get("memory_account"), dict)]
+    if not rows:
+        return []
+    out = ["### Who holds a step's bytes at its peak (`--profile`: the allocator's history of one more step)", "",
+           f"| model | variant | MB added at the peak | the {top} sites holding most there (MB) |", "| --- | --- | --- | --- |"]
+    for name, variant, account in rows:
+        if "error" in account:
+            out.append(f"| {name} | {variant} | - | no account: {str(account['error'])[:120]} |".replace("\n", " "))
+            continue
+        held = ", ".join(f"`{site['site']}` {site['mb']:.1f}" for site in account["top"][:top]) or "-"
+        out.append(f"| {name} | {variant} | {account['step_mb']:.1f} | " + held.replace("|", "\\|") + " |")
+    return [*out, ""]
+
+
+def _kernel_rows(deit: dict[str, Any], families: dict[str, Any]) -> list[str]:
+    """With ``--profile``: each profiled step's time beside its kernels' time and launches. Where the step takes
+    longer than its kernels, the GPU waited on the host for the difference (launches, library calls, Python)."""
+    rows = [(name, variant, row) for name, variant, row in _profiled_variants(deit, families)
+            if "kernels" in row and "ms_median" in row]
     if not rows:
         return []
     out = ["### Where a step's time goes (`--profile`: the profiler's kernel time and launches a step)", "",

@@ -226,7 +226,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family-min-s", type=float, default=40.0, help="start a family only with this much time left")
     p.add_argument("--family-mode", choices=["compiled", "eager"], default="compiled")
     p.add_argument("--profile", action="store_true",
-                   help="families: after timing, profile each variant's step (kernel time, launches, top kernels); "
+                   help="families and DeiT-S: after timing, profile each variant's step (kernel time, launches, top kernels) "
+                   "and account for its memory (what one more step adds at its peak, and the lines holding it there); "
                    "mixers: the same for a call of batch-mode CutMix and MixUp, ours and timm's")
     p.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"], default=None,
                    help="torch.compile's mode for every compiled step (default: timm's --torchcompile, no mode; "

@@ -277,6 +277,48 @@ def test_profile_adds_each_variants_kernel_table(tmp_path: Path) -> None:
         assert times == sorted(times, reverse=True) and sum(times) <= table["per_step_ms"] + 1e-9
 
 
+def test_profile_adds_each_variants_memory_account(tmp_path: Path) -> None:
+    """--profile: each variant's step also says what one more step adds at its peak and which operators (on a GPU,
+    lines) hold it there, largest first. (The sites may hold more than the step adds: the step frees blocks from
+    before it, the last step's gradients, which count against its peak: ``test_peak_owners_replays_a_trace``.)"""
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "families", "--families", "vit", "--family-mode",
+                             "eager", "--profile", "--rounds", "1", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    for variant in ("cutmix", "tlalign"):
+        account = result["parts"]["families"]["vit"][variant]["memory_account"]
+        held = [site["mb"] for site in account["top"]]
+        assert account["step_mb"] > 0 and held and held == sorted(held, reverse=True)
+        assert any("aten::" in site["site"] for site in account["top"])  # the CPU's: by operator
+    text = summary_table(result)
+    assert "### Who holds a step's bytes at its peak" in text
+    top = result["parts"]["families"]["vit"]["tlalign"]["memory_account"]["top"][0]
+    assert "| example:vit eager | tlalign | " in text and f"`{top['site']}` {top['mb']:.1f}" in text
+
+
+def test_peak_owners_replays_a_trace() -> None:
+    """The replay of an allocator trace: the peak is the most bytes allocated and not yet freed (a free of a block
+    from before the trace lowers it), only completed frees count, and the sites are those of the blocks live at the
+    peak, by the innermost frame of the library or timm (else the innermost frame)."""
+    from benchmarks._memory_account import peak_owners
+
+    lib = [{"filename": "/site/torch/nn/functional.py", "line": 9, "name": "pad"},
+           {"filename": "/repo/mixlabels/backbones/_attention.py", "line": 317, "name": "_widen"},
+           {"filename": "/site/timm/models/vision_transformer.py", "line": 90, "name": "forward"}]
+    torch_only = [{"filename": "/site/torch/optim/adamw.py", "line": 5, "name": "step"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": lib},
+        {"action": "free_completed", "addr": 99, "size": 40, "frames": []},  # allocated before the trace
+        {"action": "alloc", "addr": 2, "size": 30, "frames": torch_only},
+        {"action": "free_requested", "addr": 2, "size": 30, "frames": torch_only},  # not reusable yet
+        {"action": "alloc", "addr": 3, "size": 50, "frames": lib},  # the peak: 100 - 40 + 30 + 50 = 140
+        {"action": "free_completed", "addr": 2, "size": 30, "frames": torch_only},
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": lib},
+        {"action": "alloc", "addr": 4, "size": 90, "frames": torch_only},  # 20 + 90 = 110 < 140
+    ]
+    assert peak_owners(trace) == (140, {"_attention.py:317 _widen": 150, "adamw.py:5 step": 30})
+    assert peak_owners(trace, top=1) == (140, {"_attention.py:317 _widen": 150})
+    assert peak_owners([]) == (0, {})
+
+
 def test_family_routes_reach_the_compiled_pair_and_a_step_takes_either_kind_of_route(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
