@@ -62,6 +62,18 @@ CUDA_TESTS = ("tests/test_attention.py", "tests/test_backbones_cuda.py", "tests/
 # --------------------------------------------------------------------------- 1. routes
 
 
+def _route_shape(text: str) -> tuple[int, int, int, int, bool]:
+    """``--route-shapes``' ``BxHxNxD`` (a trailing ``m``: with a mask) as ``(b, h, n, d, masked)``."""
+    masked = text.endswith("m")
+    parts = text.removesuffix("m").split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no attention shape: give batch x heads x tokens x head dim as positive integers joined by "
+            "'x', with a trailing 'm' for a mask (e.g. 32x4x256x16 or 512x3x49x32m)")
+    b, h, n, d = (int(p) for p in parts)
+    return b, h, n, d, masked
+
+
 def measure_routes(args: argparse.Namespace, deadline: Deadline, log: Callable[[str], None]) -> dict[str, Any]:
     """Forward + backward of plain SDPA and of ``attention_with_labels`` by every route."""
     from mixlabels.backbones._attention import ROUTES, attention_route, attention_with_labels
@@ -74,6 +86,9 @@ def measure_routes(args: argparse.Namespace, deadline: Deadline, log: Callable[[
     }
     if args.dry_run:
         shapes = {"tiny (2 x 3 x 17 x 16)": (2, 3, 17, 16, False), "tiny window (8 x 2 x 9 x 8, mask)": (8, 2, 9, 8, True)}
+    if args.route_shapes:  # a model's own attention shapes (e.g. a CPU-sized batch): these instead
+        shapes = {f"{b} x {h} heads x {n} tokens x {d}{', mask' if masked else ''}": (b, h, n, d, masked)
+                  for b, h, n, d, masked in args.route_shapes}
     result: dict[str, Any] = {}
     for shape_name, (b, h, n, d, masked) in shapes.items():
         gen = torch.Generator().manual_seed(0)
@@ -246,6 +261,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "matrices=cpu (label matrices up to 8x8 grids, not 14x14: backbones._common.launch_matrices), "
                    "residuals=lerp (residuals not folded into the branch's matrices: backbones._convnet.folded_residuals), "
                    "plans=off (label conv groups' tap weights and matrices built grid by grid: backbones._grid_plan.grid_plans)")
+    p.add_argument("--route-shapes", nargs="+", type=_route_shape, default=[], metavar="BxHxNxD[m]",
+                   help="routes: time these attention shapes (batch x heads x tokens x head dim; a trailing m adds a "
+                   "mask) instead of DeiT-S's and a Swin window's, e.g. 32x4x256x16 (MobileViT-XXS at batch 8)")
     p.add_argument("--test-workers", type=int, default=16)
     p.add_argument("--test-budget-s", type=float, default=150.0)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes and the registry's 32 px models: try every part anywhere")

@@ -35,6 +35,20 @@ def test_dry_run_routes_every_route_against_plain_sdpa(tmp_path: Path) -> None:
     assert "| separate |" in summary_table(result)
 
 
+def test_route_shapes_time_a_models_own_attention_shapes(tmp_path: Path) -> None:
+    """--route-shapes: the routes part times the shapes given (a trailing m: with a mask) instead of its own, every
+    route against plain SDPA; a malformed shape is refused by name, with the form it takes."""
+    result = gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "routes", "--route-shapes", "2x2x9x8", "3x1x5x16m",
+                             "--out", str(tmp_path)])
+    tables = {name: table for name, table in result["parts"]["routes"].items() if isinstance(table, dict)}
+    assert list(tables) == ["2 x 2 heads x 9 tokens x 8", "3 x 1 heads x 5 tokens x 16, mask"]
+    for table in tables.values():
+        assert set(table) == {"plain SDPA (no labels)", *ROUTES} and all(row["ms_median"] > 0 for row in table.values())
+    for bad in ("2x2x9", "2x2x9x0", "2x2x9x8q"):
+        with pytest.raises(SystemExit):
+            gpu_suite.main(["--device", "cpu", "--dry-run", "--parts", "routes", "--route-shapes", bad, "--out", str(tmp_path)])
+
+
 def test_a_route_that_fails_is_left_out_and_said_and_the_others_timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A candidate route a GPU refuses (a raw kernel this cuDNN or torch does not take) costs its own row, not the
     part: the routes and DeiT-S tables time the others and name the error."""
