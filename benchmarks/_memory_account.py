@@ -11,12 +11,13 @@ scheme can change.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks._step_memory import allocator_peak, replay_to_peak
 
 __all__ = ["memory_account", "peak_owners"]
 
@@ -62,31 +63,15 @@ def peak_owners(trace: Sequence[Mapping[str, Any]], top: int = 8) -> tuple[int, 
         >>> peak_owners(t)
         (15, {'a.py:3 g': 10, '<no python frame>': 5})
     """
-    live = peak = at = 0
-    for i, event in enumerate(trace, 1):
-        if event["action"] == "alloc":
-            live += int(event["size"])
-        elif event["action"] == "free_completed":
-            live -= int(event["size"])
-        if live > peak:
-            peak, at = live, i
-    owners: dict[int, Mapping[str, Any]] = {}
-    for event in trace[:at]:
-        if event["action"] == "alloc":
-            owners[int(event["addr"])] = event
-        elif event["action"] == "free_completed":
-            owners.pop(int(event["addr"]), None)
-    sites: Counter[str] = Counter()
-    for event in owners.values():
-        sites[_site(event.get("frames", []))] += int(event["size"])
-    return peak, dict(sites.most_common(top))
+    events = [(int(e["addr"]), int(e["size"]) if e["action"] == "alloc" else -int(e["size"]), e.get("frames", []))
+              for e in trace if e["action"] in ("alloc", "free_completed")]
+    return replay_to_peak(events, _site, 0, top)
 
 
 def memory_account(step: Callable[[], object], device: torch.device, top: int = 8) -> dict[str, Any]:
     """One more ``step`` with its allocations recorded: ``{"step_mb": ..., "top": [{"site": ..., "mb": ...}]}``,
     what it adds at its peak and who holds that (CUDA: by line, ``peak_owners``; CPU: by operator)."""
     if device.type != "cuda":
-        from benchmarks._step_memory import allocator_peak
 
         def window() -> None:
             step()
@@ -98,10 +83,8 @@ def memory_account(step: Callable[[], object], device: torch.device, top: int = 
         torch.cuda.synchronize(device)
         # Python frames only: symbolising C++ stacks costs seconds a step
         torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=_HISTORY, device=device,
-                                                 clear_history=True)
+                                                 clear_history=True)  # the trace: this step's events alone
         try:
-            # whatever the buffer holds before the step is skipped (clear_history should leave nothing)
-            start = len(torch.cuda.memory._snapshot()["device_traces"][index])
             step()
             torch.cuda.synchronize(device)
             trace = torch.cuda.memory._snapshot()["device_traces"][index]
@@ -109,5 +92,5 @@ def memory_account(step: Callable[[], object], device: torch.device, top: int = 
             torch.cuda.memory._record_memory_history(enabled=None)
         if len(trace) >= _HISTORY:
             raise RuntimeError(f"the step made {_HISTORY} allocator events or more: the history lost its first ones")
-        peak, sites = peak_owners(trace[start:], top)
+        peak, sites = peak_owners(trace, top)
     return {"step_mb": peak / 2**20, "top": [{"site": s, "mb": n / 2**20} for s, n in sites.items()]}

@@ -18,14 +18,17 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from benchmarks._training_step import TrainingSteps
 from benchmarks._variants import LABELS
 
-__all__ = ["AllocPeak", "allocator_peak", "measure_memory", "memory_worker"]
+__all__ = ["AllocPeak", "allocator_peak", "measure_memory", "memory_worker", "replay_to_peak"]
+
+T = TypeVar("T")
 
 SPEED_SCRIPT = Path(__file__).resolve().parent / "speed.py"  # runs memory_worker with --worker
 
@@ -135,22 +138,42 @@ def allocator_peak(window: Callable[[], None], before: Callable[[], None] = lamb
         raise RuntimeError(f"the profiler recorded no {WINDOW!r} annotation")
     allocs.sort(key=lambda a: a.time_ns)
     start = sum(a.size for a in allocs if a.time_ns < span[0])
-    inside = [a for a in allocs if span[0] <= a.time_ns <= span[1]]
+    inside = [(a.ptr, a.size, a.op) for a in allocs if span[0] <= a.time_ns <= span[1]]
+    peak, by_op = replay_to_peak(inside, lambda op: op, start, top)
+    return AllocPeak(start_bytes=start, peak_bytes=peak, top=by_op)
+
+
+def replay_to_peak(
+    events: Sequence[tuple[int, int, T]], label: Callable[[T], str], start: int = 0, top: int = 8,
+) -> tuple[int, dict[str, int]]:
+    """Allocator events replayed in order: the most bytes live at once, and the blocks live at that point by label.
+
+    Args:
+        events: ``(address, size, what)``, the size negative for a free (a free of a block allocated before the
+            events lowers the count: it frees what was live at the start).
+        label: names a block by its ``what`` (an operator, a stack), called for the blocks live at the peak only.
+        start: bytes live before the first event.
+        top: how many labels to return, largest first.
+
+    Returns:
+        ``(peak, labels)``: at least ``start``; and the bytes of the blocks allocated in ``events`` and live at the
+        peak, summed by ``label``.
+    """
     live, peak, at_peak = start, start, 0
-    for i, a in enumerate(inside, 1):
-        live += a.size
+    for i, (_, size, _) in enumerate(events, 1):
+        live += size
         if live > peak:
             peak, at_peak = live, i
-    owners: dict[int, _Alloc] = {}  # replayed again up to the peak: who holds the bytes there
-    for a in inside[:at_peak]:
-        if a.size > 0:
-            owners[a.ptr] = a
+    owners: dict[int, tuple[int, T]] = {}  # replayed again up to the peak: who holds the bytes there
+    for ptr, size, what in events[:at_peak]:
+        if size > 0:
+            owners[ptr] = (size, what)
         else:
-            owners.pop(a.ptr, None)
-    by_op: Counter[str] = Counter()
-    for a in owners.values():
-        by_op[a.op] += a.size
-    return AllocPeak(start_bytes=start, peak_bytes=peak, top=dict(by_op.most_common(top)))
+            owners.pop(ptr, None)
+    by_label: Counter[str] = Counter()
+    for size, what in owners.values():
+        by_label[label(what)] += size
+    return peak, dict(by_label.most_common(top))
 
 
 def memory_worker(variant: str, args: argparse.Namespace) -> dict[str, Any]:
