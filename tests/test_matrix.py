@@ -79,8 +79,7 @@ def test_training_step(family: str, scheme: str) -> None:
         try:
             _step(model, adapted, family, scheme, mixer)
         except BaseException as e:
-            if hasattr(e, "add_note"):  # Python 3.11+; on 3.10 the failure keeps its own message
-                e.add_note(f"mixer: {mixer} (family {family}, scheme {scheme})")
+            e.add_note(f"mixer: {mixer} (family {family}, scheme {scheme})")
             raise
 
 
